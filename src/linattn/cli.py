@@ -1,0 +1,67 @@
+"""The ``linattn`` command: ``linattn info``, ``linattn demo``."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import time
+from collections.abc import Sequence
+
+import torch
+
+from . import __version__, feature_maps
+from .forms import FORMS
+from .functional import linear_attention
+
+
+def _info(_: argparse.Namespace) -> int:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"linattn {__version__}")
+    print(f"python {platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"device: {device}" + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""))
+    print(f"forms: {', '.join(f for f in FORMS if f != 'auto')}")
+    print(f"feature maps: {', '.join(feature_maps.available())}")
+    return 0
+
+
+def _softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """Error against softmax attention and time per form at a few N, on random inputs."""
+    torch.manual_seed(0)
+    heads, dim = 4, 32
+    print(f"linear attention (elu+1) against softmax attention, B=1, H={heads}, D={dim}, fp32, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'N':>6} {'form':>10} {'causal':>6} {'rel.err vs softmax':>19} {'vs parallel':>12} {'ms':>9}")
+    for n in args.sizes:
+        q = torch.randn(1, heads, n, dim) / dim**0.25
+        k = torch.randn(1, heads, n, dim) / dim**0.25
+        v = torch.randn(1, heads, n, dim)
+        for causal in (False, True):
+            exact = _softmax_attention(q, k, v, causal)
+            reference = linear_attention(q, k, v, causal=causal, form="parallel") if n <= 4096 else None
+            forms = ["chunked", "recurrent"] if causal else ["global", "chunked"]
+            for form in forms:
+                if form == "recurrent" and n > 4096:
+                    continue
+                start = time.perf_counter()
+                out = linear_attention(q, k, v, causal=causal, form=form)
+                elapsed = (time.perf_counter() - start) * 1e3
+                err = float((out - exact).norm() / exact.norm())
+                agree = float((out - reference).norm() / reference.norm()) if reference is not None else math.nan
+                print(f"{n:>6} {form:>10} {causal!s:>6} {err:>19.3f} {agree:>12.1e} {elapsed:>9.1f}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="linattn", description="Linear attention for PyTorch and NumPy.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="version, torch, device, forms, feature maps").set_defaults(run=_info)
+    demo = sub.add_parser("demo", help="a small end-to-end example: error and time per form")
+    demo.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
+    demo.set_defaults(run=_demo)
+    args = parser.parse_args(argv)
+    return int(args.run(args))

@@ -1,0 +1,19 @@
+"""Computation forms. Each takes features (never feature maps' internals) and returns (output, state)."""
+
+from __future__ import annotations
+
+from .chunked import causal_chunked_attention, noncausal_chunked_attention
+from .global_ import global_attention
+from .parallel import parallel_attention
+from .recurrent import recurrent_attention
+
+FORMS = ("auto", "parallel", "global", "chunked", "recurrent")
+
+__all__ = [
+    "FORMS",
+    "causal_chunked_attention",
+    "global_attention",
+    "noncausal_chunked_attention",
+    "parallel_attention",
+    "recurrent_attention",
+]

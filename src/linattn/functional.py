@@ -1,0 +1,251 @@
+"""linear_attention(): validate inputs, apply the feature map, pick the form, call it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import _validate
+from .errors import LinearAttentionError
+from .feature_maps import CallableFeatureMap, FeatureMap, create
+from .forms import (
+    FORMS,
+    causal_chunked_attention,
+    global_attention,
+    noncausal_chunked_attention,
+    parallel_attention,
+    recurrent_attention,
+)
+from .forms._common import NEG_INF, empty_state, scale_between
+from .state import LinearAttentionState
+
+DEFAULT_CAUSAL_CHUNK = 64
+DEFAULT_NONCAUSAL_CHUNK = 1024
+
+FeatureMapLike = str | nn.Module | Callable[..., Any]
+
+
+def resolve_feature_map(feature_map: FeatureMapLike, head_dim: int, *, numpy: bool = False) -> nn.Module:
+    """A feature-map module from a registered name, a module, or a callable."""
+    if isinstance(feature_map, str):
+        return create(feature_map, head_dim=head_dim)
+    if isinstance(feature_map, nn.Module):
+        return feature_map
+    if callable(feature_map):
+        return CallableFeatureMap(feature_map, numpy=numpy)
+    raise LinearAttentionError(
+        f"feature_map: expected a registered name, an nn.Module or a callable, got {type(feature_map).__name__}"
+    )
+
+
+def map_features(fmap: nn.Module, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+    if isinstance(fmap, FeatureMap):
+        return fmap.features(x, is_query=is_query)
+    return fmap(x)
+
+
+def _stabilise_queries(log_features: torch.Tensor) -> torch.Tensor:
+    # a per-row shift is causal-safe and cancels in the normalised ratio
+    return torch.exp(log_features - log_features.amax(-1, keepdim=True))
+
+
+def _stabilise_keys(
+    log_features: torch.Tensor, keep: torch.Tensor | None, causal: bool, start: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp(log φ(k_j) − ref_j) and ref: the running maximum (causal) or the overall maximum (non-causal)."""
+    if keep is not None:
+        log_features = log_features.masked_fill(~keep.unsqueeze(-1), NEG_INF)
+    row_max = log_features.amax(-1)  # (..., Nk)
+    if causal:
+        ref = torch.cummax(row_max, dim=-1).values
+    else:
+        ref = row_max.amax(-1, keepdim=True)  # (..., 1)
+    if start is not None:
+        ref = torch.maximum(ref, start.unsqueeze(-1))
+    finite_ref = torch.where(ref == NEG_INF, 0.0, ref)  # only masked keys see -inf: their features are 0 anyway
+    return torch.exp(log_features - finite_ref.unsqueeze(-1)), ref
+
+
+def _to_torch(x: Any, name: str) -> tuple[torch.Tensor, bool]:
+    if isinstance(x, np.ndarray):
+        if not np.issubdtype(x.dtype, np.floating) and x.dtype != np.bool_:
+            raise LinearAttentionError(f"{name}: NumPy dtype {x.dtype} is not floating point; use float32/float64")
+        return torch.from_numpy(np.ascontiguousarray(x)), True
+    return x, False
+
+
+def linear_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    feature_map: FeatureMapLike = "elu",
+    causal: bool = False,
+    chunk_size: int | None = None,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    min_denom: float | None = None,
+    key_padding_mask: Any = None,
+    initial_state: LinearAttentionState | None = None,
+    return_state: bool = False,
+    form: str = "auto",
+    check_finite: bool = False,
+) -> Any:
+    """Linear attention: out_t = φ(q_t)·Σ_j φ(k_j)v_jᵀ / (φ(q_t)·Σ_j φ(k_j) + eps), j ≤ t when causal.
+
+    Shapes (like ``scaled_dot_product_attention``): q ``(..., Nq, Dk)``, k ``(..., Nk, Dk)``, v ``(..., Nk, Dv)``
+    → out ``(..., Nq, Dv)``. k and v may have fewer heads than q at dim −3 (grouped-query attention). torch
+    tensors (any device, autograd) or NumPy arrays (NumPy in → NumPy out).
+
+    Args:
+        feature_map: a registered name (``linattn.feature_maps.available()``), a feature-map ``nn.Module``, or a
+            callable applied to q and k (NumPy callables for NumPy inputs). F may differ from Dk.
+        causal: token t attends to keys ≤ t (needs Nq = Nk).
+        chunk_size: chunk length of the chunked forms (default 64 causal; non-causal chunks only when given).
+        normalize: divide by φ(q)·Σφ(k) + eps; False for signed maps (plain linear attention).
+        eps: added to the denominator (in the stabilised scale for log-space maps such as FAVOR+).
+        min_denom: if given, the denominator is clamped below at this value after adding eps.
+        key_padding_mask: bool ``(..., Nk)`` (or ``(B, Nk)`` for 4-D inputs), True = keep. Masked keys enter
+            neither numerator nor denominator.
+        initial_state: a state returned earlier with ``return_state=True``: the keys it summarises come before k.
+        return_state: also return the :class:`LinearAttentionState` after all keys.
+        form: ``"auto"``, or force ``"parallel"`` (quadratic definition), ``"global"`` (non-causal, two GEMMs),
+            ``"chunked"``, ``"recurrent"`` (causal, token by token).
+        check_finite: raise on NaN/inf inputs instead of propagating them.
+
+    Half-precision inputs accumulate in fp32 (fp64 inputs in fp64) and return the input dtype.
+
+    >>> import torch, linattn
+    >>> q = k = v = torch.randn(2, 4, 100, 16)   # (B, H, N, D)
+    >>> linattn.linear_attention(q, k, v, causal=True).shape
+    torch.Size([2, 4, 100, 16])
+    """
+    q, q_numpy = _to_torch(q, "q")
+    k, _ = _to_torch(k, "k")
+    v, _ = _to_torch(v, "v")
+    group = _validate.check_qkv(q, k, v, causal)
+    _validate.check_options(chunk_size, eps, min_denom, form, FORMS)
+    if check_finite:
+        _validate.check_finite(q, k, v)
+    fmap = resolve_feature_map(feature_map, q.shape[-1], numpy=q_numpy)
+    map_name = type(fmap).__name__
+    log_space = bool(getattr(fmap, "log_space", False))
+    if log_space and not normalize:
+        raise LinearAttentionError(
+            f"feature_map {map_name} works in log space with a stabilising shift that cancels only in the "
+            "normalised ratio; use normalize=True"
+        )
+    if normalize and getattr(fmap, "positive", True) is False and min_denom is None:
+        raise LinearAttentionError(
+            f"feature_map {map_name} is signed: its denominator φ(q)·Σφ(k) can be zero or negative. Pass "
+            "normalize=False (unnormalised linear attention), or min_denom=... to clamp the denominator"
+        )
+
+    out_dtype = q.dtype
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    if group > 1:  # (..., Hkv, N, D) → (..., H, N, D)
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    batch = q.shape[:-2]
+
+    keep = None
+    if key_padding_mask is not None:
+        mask, _ = _to_torch(key_padding_mask, "key_padding_mask")
+        keep = _validate.key_padding_mask(mask, k)
+        v = v.masked_fill(~keep.unsqueeze(-1), 0)
+    state = None
+    if initial_state is not None:
+        state = _validate.check_state(initial_state, batch, v.shape[-1], compute, q.device)
+        if not log_space:  # ordinary maps keep sums at scale 1: fold any shift in
+            carry = scale_between(state.shift, torch.zeros_like(state.shift))
+            state = LinearAttentionState(
+                state.kv * carry[..., None, None], state.k_sum * carry[..., None], carry * 0, state.num_tokens
+            )
+
+    if form == "auto":
+        form = "chunked" if causal or chunk_size is not None else "global"
+    if form == "recurrent" and not causal:
+        raise LinearAttentionError("form='recurrent' is the causal token-by-token form; pass causal=True")
+    if form == "global" and causal:
+        raise LinearAttentionError("form='global' is non-causal; pass causal=False, or form='chunked'")
+    options: dict[str, Any] = {"normalize": normalize, "eps": eps, "min_denom": min_denom}
+
+    final: LinearAttentionState | None
+    if form == "chunked" and not causal:
+        size = chunk_size or DEFAULT_NONCAUSAL_CHUNK
+        out, final = _noncausal_chunked(fmap, q, k, v, keep, state, log_space, size, map_name, options)
+    else:
+        qf = map_features(fmap, q, is_query=True)
+        kf = map_features(fmap, k, is_query=False)
+        _validate.check_state_features(state, kf.shape[-1], map_name)
+        ref = None
+        if log_space:
+            qf = _stabilise_queries(qf)
+            kf, ref = _stabilise_keys(kf, keep, causal, state.shift if state is not None else None)
+        elif keep is not None:
+            kf = kf.masked_fill(~keep.unsqueeze(-1), 0)
+        if form == "parallel":
+            out, final = parallel_attention(
+                qf, kf, v, causal=causal, ref=ref, state=state, want_state=return_state, **options
+            )
+        elif form == "global":
+            out, final = global_attention(qf, kf, v, ref=ref, state=state, **options)
+        elif form == "recurrent":
+            out, final = recurrent_attention(qf, kf, v, ref=ref, state=state, **options)
+        else:
+            size = chunk_size or DEFAULT_CAUSAL_CHUNK
+            out, final = causal_chunked_attention(qf, kf, v, ref=ref, state=state, chunk_size=size, **options)
+
+    out = out.to(out_dtype)
+    result: Any = out.detach().numpy() if q_numpy else out
+    if return_state:
+        return result, final
+    return result
+
+
+def _noncausal_chunked(
+    fmap: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None,
+    state: LinearAttentionState | None,
+    log_space: bool,
+    size: int,
+    map_name: str,
+    options: dict[str, Any],
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """The bounded-memory non-causal form: the feature map runs one chunk at a time."""
+
+    def key_features(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kf = map_features(fmap, k[..., start:end, :], is_query=False)
+        chunk_keep = keep[..., start:end] if keep is not None else None
+        if log_space:
+            return _stabilise_keys(kf, chunk_keep, False, None)
+        if chunk_keep is not None:
+            kf = kf.masked_fill(~chunk_keep.unsqueeze(-1), 0)
+        return kf, None
+
+    def query_features(start: int, end: int) -> torch.Tensor:
+        qf = map_features(fmap, q[..., start:end, :], is_query=True)
+        return _stabilise_queries(qf) if log_space else qf
+
+    features = map_features(fmap, k[..., :1, :], is_query=False).shape[-1]
+    _validate.check_state_features(state, features, map_name)
+    if state is None:
+        state = empty_state(q.shape[:-2], features, v.shape[-1], q)
+    return noncausal_chunked_attention(
+        query_features,
+        key_features,
+        v,
+        num_queries=q.shape[-2],
+        state=state,
+        log_space=log_space,
+        chunk_size=size,
+        **options,
+    )
