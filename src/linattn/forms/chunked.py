@@ -53,7 +53,8 @@ def causal_chunked_attention(
     weights = q @ k.transpose(-1, -2)  # (..., n, C, C)
     if ref is not None:
         pad = chunks * size - n_tokens
-        r = F.pad(ref, (0, pad), mode="replicate") if pad else ref  # padded keys are zero: any scale serves
+        # padded keys are zero, so any scale serves; repeating the last keeps ref non-decreasing
+        r = torch.cat([ref, ref[..., -1:].expand(*ref.shape[:-1], pad)], dim=-1) if pad else ref
         r = r.reshape(*ref.shape[:-1], chunks, size)  # (..., n, C)
         weights = weights * scale_between(r.unsqueeze(-2), r.unsqueeze(-1), keep)
         r_end = r[..., -1]  # (..., n): the scale each chunk's summary is stored at
