@@ -1,0 +1,166 @@
+"""``LinearAttention``: a drop-in multi-head attention layer — projections, a feature map, one core call.
+
+>>> import torch
+>>> from linattn.nn import LinearAttention
+>>> layer = LinearAttention(64, 4, causal=True)
+>>> x = torch.randn(2, 100, 64)                      # (B, N, E)
+>>> layer(x).shape
+torch.Size([2, 100, 64])
+>>> out, state = layer(x[:, :99], return_state=True)  # prefill 99 tokens ...
+>>> step = layer(x[:, 99:], state=state)              # ... then one token in O(1): same as layer(x)[:, 99:]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import LinearAttentionError
+from .functional import FeatureMapLike, linear_attention, resolve_feature_map
+from .state import LinearAttentionState
+
+
+class LinearAttention(nn.Module):
+    """Multi-head linear attention over a sequence of embeddings.
+
+    With per-head projections q = xW_q, k = xW_k, v = xW_v (heads split from the last dimension) and feature map φ:
+
+        out_t = W_o · concat_h [ φ(q_t)·Σ_j φ(k_j) v_jᵀ / (φ(q_t)·Σ_j φ(k_j) + eps) ],   j ≤ t when ``causal``
+
+    Shapes: x ``(B, N, E)`` (or ``(N, E)``) → ``(B, N, E)``. Cost O(N·F·Dv) per head; a causal layer carries its
+    past in a :class:`~linattn.LinearAttentionState` of size O(F·Dv) per head, so generating token t costs the same
+    for every t (pass ``state=`` and one token at a time).
+
+    Args:
+        embed_dim: E, the model width (input and output).
+        num_heads: H, query heads; ``head_dim`` defaults to E // H.
+        num_kv_heads: key/value heads (grouped-query attention); H must be a multiple. Default H.
+        head_dim: Dk = Dv per head, if not E // H.
+        feature_map: a registered name, a feature-map module, or a callable (see :func:`linattn.linear_attention`).
+            Created once for ``head_dim``; its parameters and random projections live in this layer's state_dict.
+        causal: token t attends to tokens ≤ t (decoders); False for encoders.
+        bias: biases on the four projections.
+        chunk_size, normalize, eps, min_denom: passed to :func:`linattn.linear_attention`.
+
+    The softmax scale 1/√Dk has no counterpart here: the projections are learned with the feature map in place,
+    so any scale is absorbed into W_q and W_k (contrast :mod:`linattn.hf`, where pretrained weights expect it).
+
+    Under ``torch.autocast`` the projections run in the autocast dtype while the attention core runs with autocast
+    disabled, accumulating in fp32 (a bf16 running sum over thousands of tokens would lose its low bits); its
+    output is cast back to the projection dtype.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        feature_map: FeatureMapLike = "elu",
+        causal: bool = False,
+        bias: bool = True,
+        chunk_size: int | None = None,
+        normalize: bool = True,
+        eps: float = 1e-6,
+        min_denom: float | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise LinearAttentionError(f"{name}: expected a positive int, got {value!r}")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise LinearAttentionError(
+                f"num_kv_heads: got {num_kv_heads!r} with num_heads={num_heads}; expected a positive divisor of "
+                "num_heads (each key/value head serves num_heads // num_kv_heads query heads)"
+            )
+        if head_dim is None:
+            if embed_dim % num_heads != 0:
+                raise LinearAttentionError(
+                    f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}; choose sizes that divide, "
+                    "or pass head_dim= explicitly"
+                )
+            head_dim = embed_dim // num_heads
+        elif not isinstance(head_dim, int) or head_dim <= 0:
+            raise LinearAttentionError(f"head_dim: expected a positive int or None, got {head_dim!r}")
+        self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = embed_dim, num_heads, num_kv_heads, head_dim
+        self.causal = causal
+        self.options: dict[str, Any] = {
+            "chunk_size": chunk_size,
+            "normalize": normalize,
+            "eps": eps,
+            "min_denom": min_denom,
+        }
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias, **factory)
+        self.feature_map = resolve_feature_map(feature_map, head_dim)
+
+    def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        # (B, N, heads·D) → (B, heads, N, D)
+        return x.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        state: LinearAttentionState | None = None,
+        return_state: bool = False,
+    ) -> Any:
+        """Attend over ``x`` ``(B, N, E)``; returns ``(B, N, E)``, and the state after x if ``return_state``.
+
+        Args:
+            key_padding_mask: bool ``(B, N)``, **True = keep** (as in :func:`linattn.linear_attention`; note that
+                ``torch.nn.MultiheadAttention`` uses the opposite convention). Padded tokens contribute to neither
+                the numerator nor the normaliser; their own outputs are still computed (and meaningless).
+            state: the state returned for the preceding tokens (causal layers: decoding and streaming).
+            return_state: also return the state after these tokens, to continue from.
+        """
+        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != self.embed_dim:
+            seen = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise LinearAttentionError(f"x: expected a tensor of shape (B, N, {self.embed_dim}) or (N, E), got {seen}")
+        unbatched = x.dim() == 2
+        if unbatched:
+            x = x.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        if state is not None and not self.causal:
+            raise LinearAttentionError(
+                "state: only a causal layer continues from a state (a non-causal layer attends to the whole "
+                "sequence at once); build the layer with causal=True"
+            )
+        q = self._heads(self.q_proj(x), self.num_heads)  # (B, H, N, D)
+        k = self._heads(self.k_proj(x), self.num_kv_heads)  # (B, Hkv, N, D)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)  # (B, Hkv, N, D)
+        # fp32 accumulation inside the core must not be undone by autocast re-lowering its matmuls to bf16
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            result = linear_attention(
+                q,
+                k,
+                v,
+                feature_map=self.feature_map,
+                causal=self.causal,
+                key_padding_mask=key_padding_mask,
+                initial_state=state,
+                return_state=return_state,
+                **self.options,
+            )
+        out, new_state = result if return_state else (result, None)
+        out = self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, H, N, D) → (B, N, H·D) → (B, N, E)
+        if unbatched:
+            out = out.squeeze(0)
+        return (out, new_state) if return_state else out
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, causal={self.causal}"
+        )

@@ -1,0 +1,181 @@
+"""linattn.nn.LinearAttention: against a float64 reference, decoding by state, autocast, torch.compile, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linattn import LinearAttentionError, LinearAttentionState
+from linattn.nn import LinearAttention
+from maps_for_tests import LogExp
+from reference import elu_plus_one, reference_attention, rel_error
+
+
+def reference_layer(layer: LinearAttention, x: torch.Tensor, keep: torch.Tensor | None = None, phi=elu_plus_one):
+    """The layer written out in float64: projections, split heads, the quadratic definition, merge, output."""
+    x = x.double()
+
+    def project(linear: torch.nn.Linear, heads: int) -> torch.Tensor:
+        y = x @ linear.weight.double().T + (linear.bias.double() if linear.bias is not None else 0)
+        return y.unflatten(-1, (heads, layer.head_dim)).transpose(1, 2)  # (B, heads, N, D)
+
+    q = project(layer.q_proj, layer.num_heads)
+    k = project(layer.k_proj, layer.num_kv_heads)
+    v = project(layer.v_proj, layer.num_kv_heads)
+    mask = keep[:, None, :] if keep is not None else None
+    out = reference_attention(q, k, v, phi, causal=layer.causal, keep=mask)  # (B, H, N, D)
+    out = out.transpose(1, 2).flatten(-2)
+    return out @ layer.out_proj.weight.double().T + layer.out_proj.bias.double()
+
+
+CASES = {
+    "encoder": {"causal": False, "num_kv_heads": None},
+    "decoder": {"causal": True, "num_kv_heads": None},
+    "decoder-gqa": {"causal": True, "num_kv_heads": 2},
+    "encoder-gqa": {"causal": False, "num_kv_heads": 1},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_layer_matches_float64_reference(case, masked):
+    torch.manual_seed(0)
+    layer = LinearAttention(24, 4, **CASES[case]).double()
+    x = torch.randn(2, 13, 24, dtype=torch.float64)
+    keep = torch.ones(2, 13, dtype=torch.bool)
+    keep[1, 9:] = False  # right padding
+    keep[0, :2] = False  # left padding
+    mask = keep if masked else None
+    out = layer(x, key_padding_mask=mask)
+    assert out.shape == (2, 13, 24)
+    assert rel_error(out, reference_layer(layer, x, mask)) < 1e-12
+
+
+def test_padding_does_not_leak_into_kept_tokens():
+    # a padded batch row gives, at its kept tokens, exactly what the unpadded sequence gives alone (encoder)
+    torch.manual_seed(1)
+    layer = LinearAttention(16, 2)
+    x = torch.randn(1, 10, 16)
+    padded = torch.cat([x, 100 * torch.randn(1, 5, 16)], dim=1)
+    keep = torch.tensor([[True] * 10 + [False] * 5])
+    torch.testing.assert_close(layer(padded, key_padding_mask=keep)[:, :10], layer(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("map_kind", ["elu", "logspace"])
+def test_token_by_token_decoding_equals_one_parallel_call(map_kind):
+    torch.manual_seed(2)
+    fmap = "elu" if map_kind == "elu" else LogExp(8, 11)
+    layer = LinearAttention(16, 2, num_kv_heads=1, causal=True, feature_map=fmap).double()
+    x = torch.randn(3, 21, 16, dtype=torch.float64)
+    full = layer(x)
+    out, state = layer(x[:, :7], return_state=True)  # prefill, then one token at a time
+    outs = [out]
+    for t in range(7, 21):
+        step, state = layer(x[:, t : t + 1], state=state, return_state=True)
+        outs.append(step)
+    assert isinstance(state, LinearAttentionState) and state.num_tokens == 21
+    assert state.kv.shape == (3, 2, layer.feature_map.output_dim(8) if map_kind == "elu" else 11, 8)
+    assert rel_error(torch.cat(outs, dim=1), full) < 1e-12
+
+
+def test_unbatched_input():
+    torch.manual_seed(3)
+    layer = LinearAttention(16, 4, causal=True)
+    x = torch.randn(9, 16)
+    torch.testing.assert_close(layer(x), layer(x.unsqueeze(0)).squeeze(0))
+
+
+def test_feature_map_parameters_live_in_state_dict():
+    layer = LinearAttention(16, 2, feature_map=LogExp(8, 5))
+    assert "feature_map.weight" in layer.state_dict()
+    clone = LinearAttention(16, 2, feature_map=LogExp(8, 5, seed=1))
+    clone.load_state_dict(layer.state_dict())
+    x = torch.randn(1, 4, 16)
+    torch.testing.assert_close(clone(x), layer(x))
+
+
+def naive_linear_attention_layer(layer: LinearAttention, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Plain PyTorch computing the same thing entirely in ``dtype``: the baseline of the tolerance rule."""
+    params = {name: p.detach().to(dtype) for name, p in layer.named_parameters()}
+    x = x.to(dtype)
+
+    def project(name: str, heads: int) -> torch.Tensor:
+        y = x @ params[f"{name}.weight"].T + params[f"{name}.bias"]
+        return y.unflatten(-1, (heads, layer.head_dim)).transpose(1, 2)
+
+    q = elu_plus_one(project("q_proj", layer.num_heads))
+    k = elu_plus_one(project("k_proj", layer.num_heads))
+    v = project("v_proj", layer.num_heads)
+    weights = (q @ k.transpose(-1, -2)).tril()
+    out = (weights @ v) / (weights.sum(-1, keepdim=True) + 1e-6)
+    return out.transpose(1, 2).flatten(-2) @ params["out_proj.weight"].T + params["out_proj.bias"]
+
+
+def test_autocast_bf16_within_twice_plain_bf16_error():
+    torch.manual_seed(4)
+    layer = LinearAttention(64, 4, causal=True)
+    x = torch.randn(2, 300, 64)
+    exact = reference_layer(layer, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+        out.float().square().mean().backward()
+    assert out.dtype == torch.bfloat16
+    assert layer.q_proj.weight.grad is not None and torch.isfinite(layer.q_proj.weight.grad).all()
+    plain = rel_error(naive_linear_attention_layer(layer, x, torch.bfloat16), exact)
+    ours = rel_error(out, exact)
+    assert ours <= 2 * plain, (ours, plain)
+
+
+def test_autocast_decoding_state_stays_fp32():
+    torch.manual_seed(5)
+    layer = LinearAttention(16, 2, causal=True)
+    x = torch.randn(1, 6, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, state = layer(x[:, :5], return_state=True)
+        step = layer(x[:, 5:], state=state)
+    assert state.kv.dtype == torch.float32 and step.dtype == torch.bfloat16
+    assert rel_error(step, layer(x)[:, 5:]) < 2e-2
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    torch.manual_seed(6)
+    layer = LinearAttention(16, 2, causal=True)
+    x = torch.randn(1, 9, 16)
+    eager = layer(x)
+    eager.square().sum().backward()
+    expected_grad = layer.q_proj.weight.grad.clone()
+    layer.zero_grad()
+    compiled = torch.compile(layer, fullgraph=True)
+    out = compiled(x)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.q_proj.weight.grad, expected_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"embed_dim": 10, "num_heads": 3}, "not divisible"),
+        ({"embed_dim": 12, "num_heads": 4, "num_kv_heads": 3}, "num_kv_heads"),
+        ({"embed_dim": 0, "num_heads": 1}, "embed_dim"),
+        ({"embed_dim": 8, "num_heads": 2, "feature_map": "nope"}, "unknown name"),
+    ],
+    ids=["indivisible", "kv-heads", "zero-width", "unknown-map"],
+)
+def test_bad_construction_raises(kwargs, match):
+    with pytest.raises(LinearAttentionError, match=match):
+        LinearAttention(**kwargs)
+
+
+def test_bad_calls_raise():
+    encoder = LinearAttention(8, 2)
+    with pytest.raises(LinearAttentionError, match=r"x: expected"):
+        encoder(torch.randn(2, 3, 7))
+    decoder = LinearAttention(8, 2, causal=True)
+    _, state = decoder(torch.randn(1, 3, 8), return_state=True)
+    with pytest.raises(LinearAttentionError, match="causal=True"):
+        encoder(torch.randn(1, 3, 8), state=state)
+    with pytest.raises(LinearAttentionError, match="initial_state"):
+        decoder(torch.randn(2, 1, 8), state=state)  # batch 2, state for batch 1
+    with pytest.raises(LinearAttentionError, match="key_padding_mask"):
+        encoder(torch.randn(1, 3, 8), key_padding_mask=torch.ones(1, 3))  # not bool
