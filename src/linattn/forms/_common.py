@@ -31,12 +31,17 @@ def scale_between(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor | None = 
 def finalize(
     num: torch.Tensor, den: torch.Tensor, *, normalize: bool, eps: float, min_denom: float | None
 ) -> torch.Tensor:
-    """num / max(den + eps, min_denom), or num alone when ``normalize`` is False."""
+    """num / max(den + eps, min_denom), or num alone when ``normalize`` is False.
+
+    A denominator that is exactly 0 (eps=0 and no visible key) divides by 1 instead: with non-negative features
+    every weight, so the numerator too, is then 0, and the output is 0 rather than 0/0.
+    """
     if not normalize:
         return num
     den = den + eps
     if min_denom is not None:
         den = den.clamp(min=min_denom)
+    den = torch.where(den == 0, torch.ones_like(den), den)
     return num / den.unsqueeze(-1)
 
 

@@ -1,0 +1,74 @@
+"""An independent float64 reference: the quadratic definition written directly from the math, with loops over
+nothing but the formula. The library's forms are tested against this, never against each other alone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Phi = Callable[[torch.Tensor], torch.Tensor]
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi: Phi,
+    *,
+    causal: bool = False,
+    keep: torch.Tensor | None = None,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    min_denom: float | None = None,
+    prefix_k: torch.Tensor | None = None,
+    prefix_v: torch.Tensor | None = None,
+    phi_q: Phi | None = None,
+) -> torch.Tensor:
+    """out_t = Σ_j w_tj v_j / (Σ_j w_tj + eps) with w_tj = φ(q_t)·φ(k_j), over allowed keys j.
+
+    ``prefix_k/prefix_v`` are keys that come before ``k`` (what an initial state summarises): every query sees them.
+    GQA: k/v heads are repeated to q's head count.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k = torch.repeat_interleave(k, group, dim=-3)
+        v = torch.repeat_interleave(v, group, dim=-3)
+    phi_q = phi_q or phi
+    weights = torch.einsum("...tf,...jf->...tj", phi_q(q), phi(k))  # (..., Nq, Nk)
+    allowed = torch.ones(weights.shape[-2:], dtype=torch.bool)
+    if causal:
+        allowed = torch.tril(allowed)
+    allowed = allowed.expand(weights.shape)
+    if keep is not None:
+        allowed = allowed & keep.unsqueeze(-2)
+    weights = torch.where(allowed, weights, torch.zeros((), dtype=weights.dtype))
+    num = torch.einsum("...tj,...jd->...td", weights, v)
+    den = weights.sum(-1)
+    if prefix_k is not None:
+        assert prefix_v is not None
+        prefix_weights = torch.einsum("...tf,...jf->...tj", phi_q(q), phi(prefix_k.double()))
+        num = num + torch.einsum("...tj,...jd->...td", prefix_weights, prefix_v.double())
+        den = den + prefix_weights.sum(-1)
+    if not normalize:
+        return num
+    den = den + eps
+    if min_denom is not None:
+        den = torch.clamp(den, min=min_denom)
+    # the library's documented convention: no visible weight at all (den exactly 0) gives output 0, not 0/0
+    den = torch.where(den == 0, torch.ones_like(den), den)
+    return num / den.unsqueeze(-1)
+
+
+def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.elu(x) + 1
+
+
+def relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x)
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-300))
