@@ -1,7 +1,8 @@
 """Chunked forms: causal chunkwise-parallel, and non-causal with bounded memory.
 
-Causal (Nq = Nk = N, chunk C, n = ⌈N/C⌉ chunks): inside a chunk the masked C×C block is computed exactly; across
-chunks a running state S_c = Σ_{chunks < c} φ(K)ᵀV carries the past. Extra memory O(n·F·Dv + N·C).
+Causal (Nq = Nk = N, chunk C): inside a chunk the masked C×C block is computed exactly; across chunks a running
+state S_c = Σ_{chunks < c} φ(K)ᵀV carries the past. The work runs in :mod:`.causal_fn`, a custom autograd Function
+that processes a few thousand tokens at a time and recomputes in backward: training memory O(N·(F+Dv)).
 
 Non-causal: keys are turned into features one chunk at a time and folded into S, then queries read S chunk by
 chunk, so extra memory is O(C·F + F·Dv) whatever N.
@@ -12,21 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..state import LinearAttentionState
-from ._common import NEG_INF, finalize, scale_between, state_contribution
+from . import causal_fn
+from ._common import NEG_INF, finalize, scale_between
 
 KeyFeatures = Callable[[int, int], tuple[torch.Tensor, "torch.Tensor | None"]]
 QueryFeatures = Callable[[int, int], torch.Tensor]
-
-
-def _pad_to_chunks(x: torch.Tensor, chunks: int, size: int) -> torch.Tensor:
-    """(..., N, D) → (..., n, C, D), zero-padded at the end."""
-    pad = chunks * size - x.shape[-2]
-    if pad:
-        x = F.pad(x, (0, 0, 0, pad))
-    return x.reshape(*x.shape[:-2], chunks, size, x.shape[-1])
 
 
 def causal_chunked_attention(
@@ -40,72 +33,29 @@ def causal_chunked_attention(
     normalize: bool,
     eps: float,
     min_denom: float | None,
+    block_tokens: int | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
+    """Causal chunkwise-parallel attention through :class:`CausalChunkedFunction` (backward recomputes).
+
+    ``block_tokens`` (default :data:`causal_fn.BLOCK_TOKENS`, rounded to whole chunks) bounds the work space.
+    """
     n_tokens = qf.shape[-2]
     size = min(chunk_size, n_tokens)
-    chunks = -(-n_tokens // size)
-    q = _pad_to_chunks(qf, chunks, size)  # (..., n, C, F)
-    k = _pad_to_chunks(kf, chunks, size)  # (..., n, C, F)
-    vc = _pad_to_chunks(v, chunks, size)  # (..., n, C, Dv)
-    keep = torch.ones(size, size, dtype=torch.bool, device=qf.device).tril()
-
-    # intra-chunk: the masked C×C block
-    weights = q @ k.transpose(-1, -2)  # (..., n, C, C)
-    if ref is not None:
-        pad = chunks * size - n_tokens
-        # padded keys are zero, so any scale serves; repeating the last keeps ref non-decreasing
-        r = torch.cat([ref, ref[..., -1:].expand(*ref.shape[:-1], pad)], dim=-1) if pad else ref
-        r = r.reshape(*ref.shape[:-1], chunks, size)  # (..., n, C)
-        weights = weights * scale_between(r.unsqueeze(-2), r.unsqueeze(-1), keep)
-        r_end = r[..., -1]  # (..., n): the scale each chunk's summary is stored at
-        k = k * scale_between(r, r_end.unsqueeze(-1)).unsqueeze(-1)
-    else:
-        weights = weights.masked_fill(~keep, 0)
-    num = weights @ vc  # (..., n, C, Dv)
-    den = weights.sum(-1)  # (..., n, C)
-
-    # inter-chunk: the state entering each chunk
-    chunk_kv = k.transpose(-1, -2) @ vc  # (..., n, F, Dv)
-    chunk_k_sum = k.sum(-2)  # (..., n, F)
+    block = max(size, (block_tokens or causal_fn.BLOCK_TOKENS) // size * size)
     batch = qf.shape[:-2]
     if state is None:
-        kv0 = qf.new_zeros(*batch, kf.shape[-1], v.shape[-1])
-        k_sum0 = qf.new_zeros(*batch, kf.shape[-1])
+        merged = qf.new_zeros(*batch, kf.shape[-1], v.shape[-1] + 1)  # (..., F, Dv+1): [kv, k_sum]
         shift0 = qf.new_full(batch, NEG_INF)
         seen = 0
     else:
-        kv0, k_sum0, shift0, seen = state.kv, state.k_sum, state.shift, state.num_tokens
-    if ref is None:
-        kv_total = kv0.unsqueeze(-3) + chunk_kv.cumsum(-3)  # (..., n, F, Dv): state after each chunk
-        k_sum_total = k_sum0.unsqueeze(-2) + chunk_k_sum.cumsum(-2)
-        kv_before = torch.cat([kv0.unsqueeze(-3), kv_total[..., :-1, :, :]], dim=-3)
-        k_sum_before = torch.cat([k_sum0.unsqueeze(-2), k_sum_total[..., :-1, :]], dim=-2)
-        final = LinearAttentionState(
-            kv_total[..., -1, :, :], k_sum_total[..., -1, :], torch.zeros_like(shift0), seen + n_tokens
-        )
-        inter = LinearAttentionState(kv_before, k_sum_before, shift0, 0)
-        inter_num, inter_den = state_contribution(q, inter, None)
-    else:
-        # a scan: each step moves the running sums to the next chunk's scale (all factors ≤ 1)
-        kv, k_sum, shift = kv0, k_sum0, shift0
-        before_kv, before_k_sum, before_shift = [], [], []
-        for c in range(chunks):
-            before_kv.append(kv)
-            before_k_sum.append(k_sum)
-            before_shift.append(shift)
-            carry = scale_between(shift, r_end[..., c])
-            kv = kv * carry[..., None, None] + chunk_kv[..., c, :, :]
-            k_sum = k_sum * carry[..., None] + chunk_k_sum[..., c, :]
-            shift = r_end[..., c]
-        final = LinearAttentionState(kv, k_sum, shift, seen + n_tokens)
-        inter = LinearAttentionState(
-            torch.stack(before_kv, -3), torch.stack(before_k_sum, -2), torch.stack(before_shift, -1), 0
-        )
-        inter_num, inter_den = state_contribution(q, inter, r)
-    num = (num + inter_num).reshape(*batch, chunks * size, -1)[..., :n_tokens, :]
-    den = (den + inter_den).reshape(*batch, chunks * size)[..., :n_tokens]
-    # normalise after dropping the padded rows, whose 0/0 would poison the gradient
-    return finalize(num, den, normalize=normalize, eps=eps, min_denom=min_denom), final
+        merged = torch.cat([state.kv, state.k_sum.unsqueeze(-1)], dim=-1)
+        shift0, seen = state.shift, state.num_tokens
+    scale0 = shift0 if ref is not None else None
+    out, kv, k_sum = causal_fn.CausalChunkedFunction.apply(
+        qf, kf, v, ref, merged, scale0, size, block, normalize, eps, min_denom
+    )
+    shift = ref[..., -1] if ref is not None else torch.zeros_like(shift0)
+    return out, LinearAttentionState(kv, k_sum, shift, seen + n_tokens)
 
 
 def noncausal_chunked_attention(
@@ -138,12 +88,14 @@ def noncausal_chunked_attention(
             shift = new_shift
         kv = kv + kf.transpose(-1, -2) @ v[..., start:end, :]
         k_sum = k_sum + kf.sum(-2)
-    outs = []
+    # written chunk by chunk into one buffer: a list of chunks plus a final cat would hold the output twice
+    out = v.new_empty(*v.shape[:-2], num_queries, v.shape[-1])
     for start in range(0, num_queries, chunk_size):
-        qf = query_features(start, min(start + chunk_size, num_queries))  # (..., C, F)
+        end = min(start + chunk_size, num_queries)
+        qf = query_features(start, end)  # (..., C, F)
         num = qf @ kv
         den = (qf @ k_sum.unsqueeze(-1)).squeeze(-1)
-        outs.append(finalize(num, den, normalize=normalize, eps=eps, min_denom=min_denom))
+        out[..., start:end, :] = finalize(num, den, normalize=normalize, eps=eps, min_denom=min_denom)
     if not log_space:
         shift = torch.zeros_like(shift)
-    return torch.cat(outs, dim=-2), LinearAttentionState(kv, k_sum, shift, state.num_tokens + num_keys)
+    return out, LinearAttentionState(kv, k_sum, shift, state.num_tokens + num_keys)
