@@ -1,0 +1,256 @@
+"""Causal chunkwise linear attention as a ``torch.autograd.Function`` whose backward recomputes from the inputs.
+
+Notation (leading dims ``...`` are batch and heads; chunk C; a block is b = L/C consecutive chunks):
+    Q, K  (..., N, F)   features (for log-space maps K_j is stored at log-scale r_j, so the true key is K_j·e^{r_j},
+                        and query t reads at scale r_t: r is non-decreasing, so every factor below is ≤ 1)
+    V'    (..., N, Dv+1) values with a column of ones appended: one GEMM yields numerator and denominator together
+    S'    (..., F, Dv+1) the running state [Σ φ(k)vᵀ, Σ φ(k)]
+
+Per chunk c with incoming state S_c at scale s_c and chunk-end scale e_c:
+    num'_c = ((Q_c K_cᵀ) ⊙ E_c) V'_c + diag(α_c) Q_c S_c          E_tj = e^{r_j − r_t}[j ≤ t],  α_t = e^{s_c − r_t}
+    S_{c+1} = e^{s_c − e_c} S_c + (diag(γ_c) K_c)ᵀ V'_c            γ_j = e^{r_j − e_c}
+(ordinary maps: r ≡ 0, so E is the causal mask and α = γ = 1.) Within a block the states entering each chunk are a
+batched prefix sum (a (b+1)×b matrix of decays for log-space maps), so the Python loop runs over blocks only.
+
+Memory: forward saves the inputs, the output, the normaliser (..., N) and one state per block; backward rebuilds
+each block's C×C weights and per-chunk states from them. Training memory is O(N·(F + Dv)) + O((N/L)·F·Dv) plus
+one block's O(L·(C + F + Dv)) work space, never O(N·F·Dv).
+
+Gradient of the log-scales: the output depends on (Q, K, r) only through Q_t e^{−r_t} and K_j e^{r_j}, so
+∂L/∂r_t = Σ_f K_tf ∂L/∂K_tf − Σ_f Q_tf ∂L/∂Q_tf (minus Σ S'_final ⊙ ∂L/∂S'_final at the last token, whose scale
+the final state is stored at); an initial state stored at scale s_0 gets ∂L/∂s_0 = Σ S'_0 ⊙ ∂L/∂S'_0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ._common import scale_between
+
+# Tokens per block: bounds the work space of forward and backward; measured in docs/benchmarks.md
+BLOCK_TOKENS = 4096
+
+
+def _chunks(x: torch.Tensor, size: int) -> torch.Tensor:
+    """(..., L, D) → (..., L/C, C, D) contiguous, zero-padding L up to a multiple of C."""
+    pad = -x.shape[-2] % size
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    return x.reshape(*x.shape[:-2], -1, size, x.shape[-1]).contiguous()
+
+
+def _with_ones(v: torch.Tensor) -> torch.Tensor:
+    """(..., L, Dv) → (..., L, Dv+1): the ones column turns the denominator into one more numerator column."""
+    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+
+
+def _denominator(den: torch.Tensor, min_denom: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The divisor of ``finalize`` from den + eps: clamped at ``min_denom``, and 1 where it is exactly 0 (no
+    visible key, eps = 0: the numerator is 0 too). Also where it does not depend on den (clamped or replaced)."""
+    constant = den == 0
+    if min_denom is not None:
+        constant = constant | (den < min_denom)
+        den = den.clamp(min=min_denom)
+        constant = constant | (den == 0)
+    return torch.where(den == 0, torch.ones_like(den), den), constant
+
+
+class _Block:
+    """One block's chunked operands and the states entering its chunks, shared by forward and backward."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        r: torch.Tensor | None,
+        state_in: torch.Tensor,
+        scale_in: torch.Tensor | None,
+        size: int,
+    ) -> None:
+        self.length = q.shape[-2]
+        self.q = _chunks(q, size)  # (..., b, C, F)
+        self.k = _chunks(k, size)  # (..., b, C, F)
+        self.v = _chunks(_with_ones(v), size)  # (..., b, C, Dv+1)
+        chunks = self.q.shape[-3]
+        self.keep = keep = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+        weights = self.q @ self.k.transpose(-1, -2)  # (..., b, C, C)
+        self.decay: torch.Tensor | None = None
+        if r is None:
+            self.weights = weights.masked_fill_(~keep, 0)
+            updates = self.k.transpose(-1, -2) @ self.v  # (..., b, F, Dv+1)
+            # states entering chunks 0..b−1 and leaving the block: S_in + exclusive prefix sums of the updates
+            states = torch.empty(*updates.shape[:-3], chunks + 1, *updates.shape[-2:], dtype=q.dtype, device=q.device)
+            states[..., 0, :, :] = 0
+            torch.cumsum(updates, dim=-3, out=states[..., 1:, :, :])
+            self.states = states.add_(state_in.unsqueeze(-3))  # (..., b+1, F, Dv+1)
+            self.keys = self.k
+            self.scale_out = None
+            return
+        pad = -r.shape[-1] % size
+        if pad:  # padded keys are zero: repeating the last scale keeps r non-decreasing
+            r = torch.cat([r, r[..., -1:].expand(*r.shape[:-1], pad)], dim=-1)
+        r = r.reshape(*r.shape[:-1], chunks, size)  # (..., b, C)
+        ends = r[..., -1]  # (..., b): the scale each chunk's update is stored at
+        assert scale_in is not None
+        scales = torch.cat([scale_in.unsqueeze(-1), ends], dim=-1)  # (..., b+1): entering chunk c, and leaving
+        self.masked_decay = scale_between(r.unsqueeze(-2), r.unsqueeze(-1), keep)  # E (..., b, C, C)
+        self.weights = weights * self.masked_decay
+        self.key_decay = scale_between(r, ends.unsqueeze(-1)).unsqueeze(-1)  # γ (..., b, C, 1)
+        self.keys = self.k * self.key_decay
+        updates = self.keys.transpose(-1, -2) @ self.v  # (..., b, F, Dv+1)
+        earlier = torch.ones(chunks + 1, chunks, dtype=torch.bool, device=q.device).tril(-1)
+        self.decay = scale_between(ends.unsqueeze(-2), scales.unsqueeze(-1), earlier)  # (..., b+1, b)
+        self.carry = scale_between(scale_in.unsqueeze(-1), scales)  # (..., b+1): S_in moved to each scale
+        self.query_decay = scale_between(scales[..., :-1].unsqueeze(-1), r).unsqueeze(-1)  # α (..., b, C, 1)
+        flat = self.decay @ updates.flatten(-2)  # (..., b+1, F·(Dv+1))
+        flat = flat + self.carry.unsqueeze(-1) * state_in.flatten(-2).unsqueeze(-2)
+        self.states = flat.unflatten(-1, updates.shape[-2:])  # (..., b+1, F, Dv+1)
+        self.scale_out = ends[..., -1]
+
+    def numerator(self) -> torch.Tensor:
+        """num' (..., L, Dv+1) for the block's queries: intra-chunk block plus the carried state."""
+        inter = self.q @ self.states[..., :-1, :, :]  # (..., b, C, Dv+1)
+        if self.decay is not None:
+            inter = inter * self.query_decay
+        num = torch.baddbmm(inter.flatten(0, -3), self.weights.flatten(0, -3), self.v.flatten(0, -3))
+        return num.reshape(*self.q.shape[:-3], -1, num.shape[-1])[..., : self.length, :]
+
+    def backward(
+        self, grad_num: torch.Tensor, grad_out_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Given ∂L/∂num' (..., L, Dv+1) and ∂L/∂S'_out, return ∂L/∂(Q, K, V') of the block and ∂L/∂S'_in."""
+        size = self.q.shape[-2]
+        grad = _chunks(grad_num, size)  # (..., b, C, Dv+1)
+        grad_weights = grad @ self.v.transpose(-1, -2)  # (..., b, C, C)
+        if self.decay is None:
+            grad_weights = grad_weights.masked_fill_(~self.keep, 0)
+            grad_inter = grad
+        else:
+            grad_weights = grad_weights * self.masked_decay
+            grad_inter = grad * self.query_decay
+        grad_q = grad_weights @ self.k + grad_inter @ self.states[..., :-1, :, :].transpose(-1, -2)
+        grad_states = self.q.transpose(-1, -2) @ grad_inter  # (..., b, F, Dv+1): ∂L/∂S_c from chunk c's queries
+        if self.decay is None:
+            # an update of chunk c reaches every later chunk and the block's output state
+            grad_updates = torch.flip(torch.cumsum(torch.flip(grad_states, [-3]), dim=-3), [-3])
+            grad_updates = torch.cat([grad_updates[..., 1:, :, :], torch.zeros_like(grad_states[..., :1, :, :])], -3)
+            grad_updates = grad_updates + grad_out_state.unsqueeze(-3)
+            grad_state_in = grad_out_state + grad_states.sum(-3)
+        else:
+            flat = torch.cat([grad_states, grad_out_state.unsqueeze(-3)], dim=-3).flatten(-2)  # (..., b+1, F·Dv')
+            grad_updates = (self.decay.transpose(-1, -2) @ flat).unflatten(-1, grad_states.shape[-2:])
+            grad_state_in = (self.carry.unsqueeze(-2) @ flat).squeeze(-2).unflatten(-1, grad_states.shape[-2:])
+        grad_keys = self.v @ grad_updates.transpose(-1, -2)  # (..., b, C, F)
+        if self.decay is not None:
+            grad_keys = grad_keys * self.key_decay
+        grad_k = torch.baddbmm(grad_keys.flatten(0, -3), grad_weights.transpose(-1, -2).flatten(0, -3),
+                               self.q.flatten(0, -3))
+        grad_v = self.weights.transpose(-1, -2) @ grad + self.keys @ grad_updates  # (..., b, C, Dv+1)
+        batch = self.q.shape[:-3]
+
+        def tokens(x: torch.Tensor) -> torch.Tensor:  # (..., b, C, D) → (..., L, D)
+            return x.reshape(*batch, -1, x.shape[-1])[..., : self.length, :]
+
+        return tokens(grad_q), tokens(grad_k), tokens(grad_v), grad_state_in
+
+
+class CausalChunkedFunction(torch.autograd.Function):
+    """(Q, K, V, r, S'_0, s_0) → (out, kv_final, k_sum_final); see the module docstring. Once differentiable."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ref: torch.Tensor | None,
+        state0: torch.Tensor,
+        scale0: torch.Tensor | None,
+        size: int,
+        block: int,
+        normalize: bool,
+        eps: float,
+        min_denom: float | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        values = v.shape[-1]
+        out = q.new_empty(*q.shape[:-1], values)  # (..., N, Dv)
+        denom = q.new_empty(q.shape[:-1]) if normalize else None  # (..., N): den + eps, before any clamp
+        state, scale = state0, scale0
+        starts = list(range(0, q.shape[-2], block))
+        block_states, block_scales = [], []
+        for start in starts:
+            end = start + block
+            block_states.append(state)
+            block_scales.append(scale)
+            r = ref[..., start:end] if ref is not None else None
+            part = _Block(q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], r, state, scale, size)
+            num = part.numerator()  # (..., L, Dv+1)
+            state = part.states[..., -1, :, :].clone()  # a copy, so the block's other states are freed
+            scale = part.scale_out
+            del part
+            if normalize:
+                assert denom is not None
+                den = num[..., values] + eps
+                denom[..., start:end] = den
+                den, _ = _denominator(den, min_denom)
+                torch.div(num[..., :values], den.unsqueeze(-1), out=out[..., start:end, :])
+            else:
+                out[..., start:end, :] = num[..., :values]
+        scales = torch.stack(block_scales, -1) if ref is not None else None  # type: ignore[arg-type]
+        ctx.save_for_backward(q, k, v, ref, state0, scale0, out, denom, torch.stack(block_states, -3), scales, state)
+        ctx.options = (size, block, normalize, min_denom, starts)
+        ctx.set_materialize_grads(False)
+        return out, state[..., :values].contiguous(), state[..., values].contiguous()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: Any, grad_out: torch.Tensor | None, grad_kv: torch.Tensor | None, grad_k_sum: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, ref, state0, scale0, out, denom, block_states, block_scales, final = ctx.saved_tensors
+        size, block, normalize, min_denom, starts = ctx.options
+        values = v.shape[-1]
+        grad_state = torch.zeros_like(final)  # ∂L/∂S' leaving the current block, walking backwards
+        if grad_kv is not None:
+            grad_state[..., :values] = grad_kv
+        if grad_k_sum is not None:
+            grad_state[..., values] = grad_k_sum
+        grad_final = grad_state.clone() if ref is not None else None
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for index in reversed(range(len(starts))):
+            start = starts[index]
+            end = start + block
+            grad_num = grad_out.new_zeros(*grad_out[..., start:end, :].shape[:-1], values + 1)  # (..., L, Dv+1)
+            if normalize:
+                # out = num / d: ∂L/∂num = g / d, ∂L/∂den = −(g·out) / d (0 where the clamp to min_denom bit)
+                den, constant = _denominator(denom[..., start:end], min_denom)
+                torch.div(grad_out[..., start:end, :], den.unsqueeze(-1), out=grad_num[..., :values])
+                grad_den = (grad_num[..., :values] * out[..., start:end, :]).sum(-1).neg_()
+                grad_num[..., values] = grad_den.masked_fill_(constant, 0)
+            else:
+                grad_num[..., :values] = grad_out[..., start:end, :]
+            r = ref[..., start:end] if ref is not None else None
+            scale = block_scales[..., index] if block_scales is not None else None
+            part = _Block(
+                q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], r,
+                block_states[..., index, :, :], scale, size,
+            )
+            gq, gk, gv, grad_state = part.backward(grad_num, grad_state)
+            del part
+            grad_q[..., start:end, :] = gq
+            grad_k[..., start:end, :] = gk
+            grad_v[..., start:end, :] = gv[..., :values]
+        grad_ref = grad_scale0 = None
+        if ref is not None and ctx.needs_input_grad[3]:
+            assert grad_final is not None
+            grad_ref = (k * grad_k).sum(-1) - (q * grad_q).sum(-1)  # (..., N)
+            grad_ref[..., -1] -= (final * grad_final).sum((-2, -1))
+        if scale0 is not None and ctx.needs_input_grad[5]:
+            grad_scale0 = (state0 * grad_state).sum((-2, -1))
+        return grad_q, grad_k, grad_v, grad_ref, grad_state, grad_scale0, None, None, None, None, None
