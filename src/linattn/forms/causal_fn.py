@@ -82,11 +82,11 @@ class _Block:
         if r is None:
             self.weights = weights.masked_fill_(~keep, 0)
             updates = self.k.transpose(-1, -2) @ self.v  # (..., b, F, Dv+1)
-            # states entering chunks 0..b−1 and leaving the block: S_in + exclusive prefix sums of the updates
-            states = torch.empty(*updates.shape[:-3], chunks + 1, *updates.shape[-2:], dtype=q.dtype, device=q.device)
-            states[..., 0, :, :] = 0
-            torch.cumsum(updates, dim=-3, out=states[..., 1:, :, :])
-            self.states = states.add_(state_in.unsqueeze(-3))  # (..., b+1, F, Dv+1)
+            # states entering chunks 0..b−1: S_in + exclusive prefix sums of the updates (kept contiguous: they
+            # are a GEMM operand); the block's output state: S_in + all of them
+            prefix = updates.cumsum(-3)
+            self.state_out = prefix[..., -1, :, :] + state_in
+            self.entering = F.pad(prefix[..., :-1, :, :], (0, 0, 0, 0, 1, 0)).add_(state_in.unsqueeze(-3))
             self.keys = self.k
             self.scale_out = None
             return
@@ -96,24 +96,29 @@ class _Block:
         r = r.reshape(*r.shape[:-1], chunks, size)  # (..., b, C)
         ends = r[..., -1]  # (..., b): the scale each chunk's update is stored at
         assert scale_in is not None
-        scales = torch.cat([scale_in.unsqueeze(-1), ends], dim=-1)  # (..., b+1): entering chunk c, and leaving
+        scales = torch.cat([scale_in.unsqueeze(-1), ends[..., :-1]], dim=-1)  # (..., b): scale entering chunk c
+        self.scale_out = ends[..., -1]
         self.masked_decay = scale_between(r.unsqueeze(-2), r.unsqueeze(-1), keep)  # E (..., b, C, C)
         self.weights = weights * self.masked_decay
         self.key_decay = scale_between(r, ends.unsqueeze(-1)).unsqueeze(-1)  # γ (..., b, C, 1)
         self.keys = self.k * self.key_decay
-        updates = self.keys.transpose(-1, -2) @ self.v  # (..., b, F, Dv+1)
-        earlier = torch.ones(chunks + 1, chunks, dtype=torch.bool, device=q.device).tril(-1)
-        self.decay = scale_between(ends.unsqueeze(-2), scales.unsqueeze(-1), earlier)  # (..., b+1, b)
-        self.carry = scale_between(scale_in.unsqueeze(-1), scales)  # (..., b+1): S_in moved to each scale
-        self.query_decay = scale_between(scales[..., :-1].unsqueeze(-1), r).unsqueeze(-1)  # α (..., b, C, 1)
-        flat = self.decay @ updates.flatten(-2)  # (..., b+1, F·(Dv+1))
-        flat = flat + self.carry.unsqueeze(-1) * state_in.flatten(-2).unsqueeze(-2)
-        self.states = flat.unflatten(-1, updates.shape[-2:])  # (..., b+1, F, Dv+1)
-        self.scale_out = ends[..., -1]
+        self.query_decay = scale_between(scales.unsqueeze(-1), r).unsqueeze(-1)  # α (..., b, C, 1)
+        updates = (self.keys.transpose(-1, -2) @ self.v).flatten(-2)  # (..., b, F·(Dv+1))
+        earlier = torch.ones(chunks, chunks, dtype=torch.bool, device=q.device).tril(-1)
+        # update c' (at scale e_c') reaches chunk c > c' at scale s_c, and the block's output at e_{b−1}
+        self.decay = scale_between(ends.unsqueeze(-2), scales.unsqueeze(-1), earlier)  # (..., b, b)
+        self.out_decay = scale_between(ends, self.scale_out.unsqueeze(-1))  # (..., b)
+        self.carry = scale_between(scale_in.unsqueeze(-1), scales)  # (..., b): S_in moved to each s_c
+        self.out_carry = scale_between(scale_in, self.scale_out)  # (...)
+        state_flat = state_in.flatten(-2)  # (..., F·(Dv+1))
+        entering = self.decay @ updates + self.carry.unsqueeze(-1) * state_flat.unsqueeze(-2)
+        self.entering = entering.unflatten(-1, state_in.shape[-2:])  # (..., b, F, Dv+1)
+        state_out = (self.out_decay.unsqueeze(-2) @ updates).squeeze(-2) + self.out_carry.unsqueeze(-1) * state_flat
+        self.state_out = state_out.unflatten(-1, state_in.shape[-2:])
 
     def numerator(self) -> torch.Tensor:
         """num' (..., L, Dv+1) for the block's queries: intra-chunk block plus the carried state."""
-        inter = self.q @ self.states[..., :-1, :, :]  # (..., b, C, Dv+1)
+        inter = self.q @ self.entering  # (..., b, C, Dv+1)
         if self.decay is not None:
             inter = inter * self.query_decay
         num = torch.baddbmm(inter.flatten(0, -3), self.weights.flatten(0, -3), self.v.flatten(0, -3))
@@ -132,18 +137,20 @@ class _Block:
         else:
             grad_weights = grad_weights * self.masked_decay
             grad_inter = grad * self.query_decay
-        grad_q = grad_weights @ self.k + grad_inter @ self.states[..., :-1, :, :].transpose(-1, -2)
+        grad_q = grad_weights @ self.k + grad_inter @ self.entering.transpose(-1, -2)
         grad_states = self.q.transpose(-1, -2) @ grad_inter  # (..., b, F, Dv+1): ∂L/∂S_c from chunk c's queries
         if self.decay is None:
             # an update of chunk c reaches every later chunk and the block's output state
-            grad_updates = torch.flip(torch.cumsum(torch.flip(grad_states, [-3]), dim=-3), [-3])
-            grad_updates = torch.cat([grad_updates[..., 1:, :, :], torch.zeros_like(grad_states[..., :1, :, :])], -3)
-            grad_updates = grad_updates + grad_out_state.unsqueeze(-3)
-            grad_state_in = grad_out_state + grad_states.sum(-3)
+            suffix = grad_states.flip(-3).cumsum(-3).flip(-3)  # Σ_{c' ≥ c} ∂L/∂S_c'
+            grad_updates = F.pad(suffix[..., 1:, :, :], (0, 0, 0, 0, 0, 1)).add_(grad_out_state.unsqueeze(-3))
+            grad_state_in = suffix[..., 0, :, :] + grad_out_state
         else:
-            flat = torch.cat([grad_states, grad_out_state.unsqueeze(-3)], dim=-3).flatten(-2)  # (..., b+1, F·Dv')
-            grad_updates = (self.decay.transpose(-1, -2) @ flat).unflatten(-1, grad_states.shape[-2:])
-            grad_state_in = (self.carry.unsqueeze(-2) @ flat).squeeze(-2).unflatten(-1, grad_states.shape[-2:])
+            flat = grad_states.flatten(-2)  # (..., b, F·(Dv+1))
+            grad_flat = grad_out_state.flatten(-2)  # (..., F·(Dv+1))
+            grad_updates = self.decay.transpose(-1, -2) @ flat + self.out_decay.unsqueeze(-1) * grad_flat.unsqueeze(-2)
+            grad_updates = grad_updates.unflatten(-1, grad_states.shape[-2:])
+            grad_state_in = (self.carry.unsqueeze(-2) @ flat).squeeze(-2) + self.out_carry.unsqueeze(-1) * grad_flat
+            grad_state_in = grad_state_in.unflatten(-1, grad_states.shape[-2:])
         grad_keys = self.v @ grad_updates.transpose(-1, -2)  # (..., b, C, F)
         if self.decay is not None:
             grad_keys = grad_keys * self.key_decay
@@ -189,7 +196,7 @@ class CausalChunkedFunction(torch.autograd.Function):
             r = ref[..., start:end] if ref is not None else None
             part = _Block(q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], r, state, scale, size)
             num = part.numerator()  # (..., L, Dv+1)
-            state = part.states[..., -1, :, :].clone()  # a copy, so the block's other states are freed
+            state = part.state_out
             scale = part.scale_out
             del part
             if normalize:
