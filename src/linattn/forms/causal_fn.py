@@ -78,50 +78,52 @@ class _Block:
         chunks = self.q.shape[-3]
         self.keep = keep = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
         weights = self.q @ self.k.transpose(-1, -2)  # (..., b, C, C)
-        self.decay: torch.Tensor | None = None
+        earlier = torch.ones(chunks, chunks, dtype=torch.bool, device=q.device).tril(-1)  # chunk c' < c
+        self.scaled = r is not None
         if r is None:
             self.weights = weights.masked_fill_(~keep, 0)
-            updates = self.k.transpose(-1, -2) @ self.v  # (..., b, F, Dv+1)
-            # states entering chunks 0..b−1: S_in + exclusive prefix sums of the updates (kept contiguous: they
-            # are a GEMM operand); the block's output state: S_in + all of them
-            prefix = updates.cumsum(-3)
-            self.state_out = prefix[..., -1, :, :] + state_in
-            self.entering = F.pad(prefix[..., :-1, :, :], (0, 0, 0, 0, 1, 0)).add_(state_in.unsqueeze(-3))
             self.keys = self.k
+            # update c' reaches every later chunk of the block, unscaled: a GEMM with a 0/1 matrix is the
+            # exclusive prefix sum (much faster on CPU than cumsum over a middle dimension)
+            self.decay = earlier.to(q.dtype)  # (b, b)
             self.scale_out = None
-            return
-        pad = -r.shape[-1] % size
-        if pad:  # padded keys are zero: repeating the last scale keeps r non-decreasing
-            r = torch.cat([r, r[..., -1:].expand(*r.shape[:-1], pad)], dim=-1)
-        r = r.reshape(*r.shape[:-1], chunks, size)  # (..., b, C)
-        ends = r[..., -1]  # (..., b): the scale each chunk's update is stored at
-        assert scale_in is not None
-        scales = torch.cat([scale_in.unsqueeze(-1), ends[..., :-1]], dim=-1)  # (..., b): scale entering chunk c
-        self.scale_out = ends[..., -1]
-        self.masked_decay = scale_between(r.unsqueeze(-2), r.unsqueeze(-1), keep)  # E (..., b, C, C)
-        self.weights = weights * self.masked_decay
-        self.key_decay = scale_between(r, ends.unsqueeze(-1)).unsqueeze(-1)  # γ (..., b, C, 1)
-        self.keys = self.k * self.key_decay
-        self.query_decay = scale_between(scales.unsqueeze(-1), r).unsqueeze(-1)  # α (..., b, C, 1)
+        else:
+            pad = -r.shape[-1] % size
+            if pad:  # padded keys are zero: repeating the last scale keeps r non-decreasing
+                r = torch.cat([r, r[..., -1:].expand(*r.shape[:-1], pad)], dim=-1)
+            r = r.reshape(*r.shape[:-1], chunks, size)  # (..., b, C)
+            ends = r[..., -1]  # (..., b): the scale each chunk's update is stored at
+            assert scale_in is not None
+            scales = torch.cat([scale_in.unsqueeze(-1), ends[..., :-1]], dim=-1)  # (..., b): scale entering chunk c
+            self.scale_out = ends[..., -1]
+            self.masked_decay = scale_between(r.unsqueeze(-2), r.unsqueeze(-1), keep)  # E (..., b, C, C)
+            self.weights = weights * self.masked_decay
+            self.key_decay = scale_between(r, ends.unsqueeze(-1)).unsqueeze(-1)  # γ (..., b, C, 1)
+            self.keys = self.k * self.key_decay
+            self.query_decay = scale_between(scales.unsqueeze(-1), r).unsqueeze(-1)  # α (..., b, C, 1)
+            # update c' (at scale e_c') reaches chunk c > c' at scale s_c, and the block's output at e_{b−1}
+            self.decay = scale_between(ends.unsqueeze(-2), scales.unsqueeze(-1), earlier)  # (..., b, b)
+            self.out_decay = scale_between(ends, self.scale_out.unsqueeze(-1))  # (..., b)
+            self.carry = scale_between(scale_in.unsqueeze(-1), scales)  # (..., b): S_in moved to each s_c
+            self.out_carry = scale_between(scale_in, self.scale_out)  # (...)
         updates = (self.keys.transpose(-1, -2) @ self.v).flatten(-2)  # (..., b, F·(Dv+1))
-        earlier = torch.ones(chunks, chunks, dtype=torch.bool, device=q.device).tril(-1)
-        # update c' (at scale e_c') reaches chunk c > c' at scale s_c, and the block's output at e_{b−1}
-        self.decay = scale_between(ends.unsqueeze(-2), scales.unsqueeze(-1), earlier)  # (..., b, b)
-        self.out_decay = scale_between(ends, self.scale_out.unsqueeze(-1))  # (..., b)
-        self.carry = scale_between(scale_in.unsqueeze(-1), scales)  # (..., b): S_in moved to each s_c
-        self.out_carry = scale_between(scale_in, self.scale_out)  # (...)
         state_flat = state_in.flatten(-2)  # (..., F·(Dv+1))
-        entering = self.decay @ updates + self.carry.unsqueeze(-1) * state_flat.unsqueeze(-2)
+        entering = self.decay @ updates  # (..., b, F·(Dv+1))
+        if self.scaled:
+            entering += self.carry.unsqueeze(-1) * state_flat.unsqueeze(-2)
+            state_out = (self.out_decay.unsqueeze(-2) @ updates).squeeze(-2) + self.out_carry.unsqueeze(-1) * state_flat
+        else:
+            entering += state_flat.unsqueeze(-2)
+            state_out = updates.sum(-2) + state_flat
         self.entering = entering.unflatten(-1, state_in.shape[-2:])  # (..., b, F, Dv+1)
-        state_out = (self.out_decay.unsqueeze(-2) @ updates).squeeze(-2) + self.out_carry.unsqueeze(-1) * state_flat
-        self.state_out = state_out.unflatten(-1, state_in.shape[-2:])
+        self.state_out = state_out.unflatten(-1, state_in.shape[-2:])  # (..., F, Dv+1)
 
     def numerator(self) -> torch.Tensor:
         """num' (..., L, Dv+1) for the block's queries: intra-chunk block plus the carried state."""
         inter = self.q @ self.entering  # (..., b, C, Dv+1)
-        if self.decay is not None:
-            inter = inter * self.query_decay
-        num = torch.baddbmm(inter.flatten(0, -3), self.weights.flatten(0, -3), self.v.flatten(0, -3))
+        if self.scaled:
+            inter *= self.query_decay
+        num = inter.flatten(0, -3).baddbmm_(self.weights.flatten(0, -3), self.v.flatten(0, -3))
         return num.reshape(*self.q.shape[:-3], -1, num.shape[-1])[..., : self.length, :]
 
     def backward(
@@ -131,29 +133,28 @@ class _Block:
         size = self.q.shape[-2]
         grad = _chunks(grad_num, size)  # (..., b, C, Dv+1)
         grad_weights = grad @ self.v.transpose(-1, -2)  # (..., b, C, C)
-        if self.decay is None:
-            grad_weights = grad_weights.masked_fill_(~self.keep, 0)
-            grad_inter = grad
-        else:
+        if self.scaled:
             grad_weights = grad_weights * self.masked_decay
             grad_inter = grad * self.query_decay
-        grad_q = grad_weights @ self.k + grad_inter @ self.entering.transpose(-1, -2)
-        grad_states = self.q.transpose(-1, -2) @ grad_inter  # (..., b, F, Dv+1): ∂L/∂S_c from chunk c's queries
-        if self.decay is None:
-            # an update of chunk c reaches every later chunk and the block's output state
-            suffix = grad_states.flip(-3).cumsum(-3).flip(-3)  # Σ_{c' ≥ c} ∂L/∂S_c'
-            grad_updates = F.pad(suffix[..., 1:, :, :], (0, 0, 0, 0, 0, 1)).add_(grad_out_state.unsqueeze(-3))
-            grad_state_in = suffix[..., 0, :, :] + grad_out_state
         else:
-            flat = grad_states.flatten(-2)  # (..., b, F·(Dv+1))
-            grad_flat = grad_out_state.flatten(-2)  # (..., F·(Dv+1))
-            grad_updates = self.decay.transpose(-1, -2) @ flat + self.out_decay.unsqueeze(-1) * grad_flat.unsqueeze(-2)
-            grad_updates = grad_updates.unflatten(-1, grad_states.shape[-2:])
-            grad_state_in = (self.carry.unsqueeze(-2) @ flat).squeeze(-2) + self.out_carry.unsqueeze(-1) * grad_flat
-            grad_state_in = grad_state_in.unflatten(-1, grad_states.shape[-2:])
+            grad_weights = grad_weights.masked_fill_(~self.keep, 0)
+            grad_inter = grad
+        grad_q = grad_weights @ self.k + grad_inter @ self.entering.transpose(-1, -2)
+        grad_states = (self.q.transpose(-1, -2) @ grad_inter).flatten(-2)  # (..., b, F·(Dv+1)): ∂L/∂S_c
+        grad_flat = grad_out_state.flatten(-2)  # (..., F·(Dv+1))
+        grad_updates = self.decay.transpose(-1, -2) @ grad_states  # (..., b, F·(Dv+1))
+        if self.scaled:
+            grad_updates += self.out_decay.unsqueeze(-1) * grad_flat.unsqueeze(-2)
+            grad_state_in = (self.carry.unsqueeze(-2) @ grad_states).squeeze(-2)
+            grad_state_in += self.out_carry.unsqueeze(-1) * grad_flat
+        else:
+            grad_updates += grad_flat.unsqueeze(-2)
+            grad_state_in = grad_states.sum(-2) + grad_flat
+        grad_updates = grad_updates.unflatten(-1, grad_out_state.shape[-2:])  # (..., b, F, Dv+1)
+        grad_state_in = grad_state_in.unflatten(-1, grad_out_state.shape[-2:])
         grad_keys = self.v @ grad_updates.transpose(-1, -2)  # (..., b, C, F)
-        if self.decay is not None:
-            grad_keys = grad_keys * self.key_decay
+        if self.scaled:
+            grad_keys *= self.key_decay
         grad_k = torch.baddbmm(grad_keys.flatten(0, -3), grad_weights.transpose(-1, -2).flatten(0, -3),
                                self.q.flatten(0, -3))
         grad_v = self.weights.transpose(-1, -2) @ grad + self.keys @ grad_updates  # (..., b, C, Dv+1)
