@@ -191,6 +191,19 @@ def test_features_gradcheck(name: str) -> None:
     assert torch.autograd.gradcheck(lambda t: fmap.features(t, is_query=True), (x,))
 
 
+@pytest.mark.parametrize("form", ["chunked", "recurrent", "parallel"])
+@pytest.mark.parametrize("name", ["favor+", "favor++"])
+def test_log_space_attention_gradcheck(name: str, form: str) -> None:
+    """Gradients through the core's running-max stabilisation of log-space maps, against finite differences."""
+    fmap = feature_maps.create(name, head_dim=4, num_features=6, seed=0).double()
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 7, 4, generator=g, dtype=F64).requires_grad_(True) for _ in range(3))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: linattn.linear_attention(a, b, c, feature_map=fmap, causal=True, form=form, chunk_size=3),
+        (q, k, v),
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # random maps: redraw, options, errors
 
@@ -225,6 +238,8 @@ def test_bad_options_raise() -> None:
         feature_maps.create("favor+", head_dim=D, num_features=0)
     with pytest.raises(LinearAttentionError, match="kernel"):
         TrigFeatureMap(D, kernel="laplace")
+    with pytest.raises(LinearAttentionError, match="rho"):
+        FavorPlusPlusFeatureMap(D, rho=-1.0)
     with pytest.raises(LinearAttentionError, match="nu"):
         DpfpFeatureMap(D, nu=2 * D)
     with pytest.raises(LinearAttentionError, match="head_dim=8"):
