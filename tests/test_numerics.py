@@ -135,3 +135,12 @@ def test_fp64_inputs_accumulate_in_fp64_state():
     assert state.kv.dtype == torch.float64
     _, state = linattn.linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, return_state=True)
     assert state.kv.dtype == torch.float32 and state.k_sum.dtype == torch.float32
+
+
+def test_named_random_map_is_drawn_once_and_reused():
+    """A random map given by name keeps its projections across calls (no silent redraw per call)."""
+    q, k, v = (torch.randn(2, 30, 8, generator=torch.Generator().manual_seed(4)) for _ in range(3))
+    first = linattn.linear_attention(q, k, v, feature_map="favor+")
+    torch.manual_seed(123)  # a later change of the global generator must not matter either
+    second = linattn.linear_attention(q, k, v, feature_map="favor+")
+    assert torch.equal(first, second)

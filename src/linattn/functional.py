@@ -29,10 +29,23 @@ DEFAULT_NONCAUSAL_CHUNK = 1024
 FeatureMapLike = str | nn.Module | Callable[..., Any]
 
 
-def resolve_feature_map(feature_map: FeatureMapLike, head_dim: int, *, numpy: bool = False) -> nn.Module:
-    """A feature-map module from a registered name, a module, or a callable."""
+# maps created from a name, kept so that a random map drawn once serves every later call with that name
+_NAMED_MAPS: dict[tuple[str, int, str], nn.Module] = {}
+
+
+def resolve_feature_map(
+    feature_map: FeatureMapLike, head_dim: int, *, numpy: bool = False, device: torch.device | None = None
+) -> nn.Module:
+    """A feature-map module from a registered name, a module, or a callable.
+
+    A name creates the map with default options once per (name, head_dim, device) and reuses it: random maps keep
+    their projections across calls (drawn from torch's generator at first use). Pass a module for other options.
+    """
     if isinstance(feature_map, str):
-        return create(feature_map, head_dim=head_dim)
+        key = (feature_map, head_dim, str(device))
+        if key not in _NAMED_MAPS:
+            _NAMED_MAPS[key] = create(feature_map, head_dim=head_dim).to(device)
+        return _NAMED_MAPS[key]
     if isinstance(feature_map, nn.Module):
         return feature_map
     if callable(feature_map):
@@ -131,7 +144,7 @@ def linear_attention(
     _validate.check_options(chunk_size, eps, min_denom, form, FORMS)
     if check_finite:
         _validate.check_finite(q, k, v)
-    fmap = resolve_feature_map(feature_map, q.shape[-1], numpy=q_numpy)
+    fmap = resolve_feature_map(feature_map, q.shape[-1], numpy=q_numpy, device=q.device)
     map_name = type(fmap).__name__
     log_space = bool(getattr(fmap, "log_space", False))
     if log_space and not normalize:

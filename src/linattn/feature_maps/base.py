@@ -18,8 +18,9 @@ class FeatureMap(nn.Module):
 
     Class flags, read by :func:`linattn.linear_attention` and shown in the catalogue:
 
-    - ``positive``: features are ≥ 0, so the normaliser φ(q)·Σφ(k) cannot be negative. Signed maps must be used
-      with ``normalize=False`` (or a ``min_denom`` clamp).
+    - ``positive``: the kernel φ(q)·φ(k) is ≥ 0 for all inputs (features ≥ 0, or a kernel such as Taylor's
+      1 + s + s²/2 that is non-negative although its features are signed), so the normaliser cannot be negative.
+      Other maps must be used with ``normalize=False`` (or a ``min_denom`` clamp).
     - ``log_space``: :meth:`features` returns log φ rather than φ. The core exponentiates it with an exact,
       causal-safe shift (a running maximum over keys carried in the state), so exponential maps such as FAVOR+
       neither overflow nor underflow. Such maps need ``normalize=True``: the shift cancels only in the ratio.
