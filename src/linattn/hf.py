@@ -1,0 +1,295 @@
+"""Hugging Face transformers integration: linear attention as the attention implementation ``"linattn"``.
+
+Importing this module registers ``"linattn"`` with transformers' ``AttentionInterface`` (the attention function) and
+``AttentionMaskInterface`` (a mask function that hands over the 2-D padding mask instead of an N×N one), so any
+model that dispatches through them switches by the library's own switch:
+
+>>> import linattn.hf                                                   # doctest: +SKIP
+>>> model = AutoModel.from_pretrained(path, attn_implementation="linattn")   # doctest: +SKIP
+>>> model.set_attn_implementation("linattn")                           # or on a loaded model   # doctest: +SKIP
+>>> linattn.hf.linearize(model, fitted)          # per-layer fitted maps (linattn.distill), and switch  # doctest: +SKIP
+
+What the model's attention becomes, per layer and head (q, k: (B, H, N, d) after the model's own projections,
+rotary embeddings included; s: the model's softmax scale):
+
+    out_t = φ(c·q_t)·Σ_j φ(c·k_j) v_jᵀ / (φ(c·q_t)·Σ_j φ(c·k_j) + eps),   c = (s·√d)^½, j over kept keys (≤ t if causal)
+
+**Scale.** Feature maps see q and k, not q·kᵀ, so the scale cannot be applied to the product. Maps here are built
+for the standard scale s = 1/√d (FAVOR+ divides by d^¼ itself; :mod:`linattn.distill` fits maps at the scale the
+model uses, expressed the same way), so q and k are each multiplied by c, which is 1 for s = 1/√d: the map then
+sees the model's raw q and k. This is the convention of :mod:`linattn.evaluate`.
+
+**Masks.** Padding is honoured: masked keys enter neither numerator nor normaliser. Encoders (``is_causal`` False
+on the attention module, e.g. BERT/MiniLM) attend non-causally, decoders causally. Masks other than padding
+(sliding windows, packed sequences, block overlays, position biases, soft-capping) have no linear-attention
+counterpart here and raise :class:`~linattn.LinearAttentionError` rather than being ignored.
+
+**Generation.** With transformers' KV cache a query sees all cached keys; linattn then recomputes the sums over
+the cache, O(t) per token (as correct as softmax, not faster). O(1)-per-token decoding needs the state itself:
+see :class:`linattn.nn.LinearAttention` and ``examples/associative_recall.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import LinearAttentionError
+from .feature_maps import create
+from .functional import linear_attention
+
+IMPLEMENTATION = "linattn"
+DEFAULT_FEATURE_MAP = "elu"
+MAP_ATTRIBUTE = "linattn_feature_map"
+
+
+def _feature_map_of(module: nn.Module, head_dim: int) -> nn.Module:
+    """The map installed by :func:`linearize`, else one made once from ``config.linattn_feature_map`` (or elu+1).
+
+    Made once and kept on the module: a random map (FAVOR+) must not be redrawn at every call.
+    """
+    fmap = getattr(module, MAP_ATTRIBUTE, None)
+    if fmap is None:
+        config = getattr(module, "config", None)
+        name = getattr(config, "linattn_feature_map", None) or DEFAULT_FEATURE_MAP
+        fmap = create(name, head_dim=head_dim)
+        setattr(module, MAP_ATTRIBUTE, fmap)
+    return fmap
+
+
+def _keep_from_dense_mask(mask: torch.Tensor, num_queries: int, causal: bool) -> torch.Tensor:
+    """A 4-D mask (B, 1|H, Nq, Nk), bool or additive, as a key padding mask (B, Nk) — if it is one.
+
+    Accepted: padding alone (every query row the same), or padding combined with the causal pattern aligned to the
+    last key. Anything else (sliding windows, documents packed together) cannot be expressed and raises.
+    """
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # additive: 0 or min
+    keep = allowed.any(dim=-2).any(dim=1)  # (B, Nk): kept by some query in some head
+    num_keys = keep.shape[-1]
+    padding_only = keep[:, None, None, :].expand(allowed.shape)
+    if bool((allowed == padding_only).all()):
+        return keep
+    if causal:
+        offset = num_keys - num_queries  # queries are the last Nq positions
+        tril = torch.ones(num_queries, num_keys, dtype=torch.bool, device=mask.device).tril(offset)
+        if bool((allowed == (padding_only & tril)).all()):
+            return keep
+    raise LinearAttentionError(
+        f"attention_mask: a {tuple(mask.shape)} mask that is neither key padding nor key padding with the causal "
+        "pattern; linear attention can only drop whole keys. Pass a 2-D padding mask (B, N) instead"
+    )
+
+
+def linattn_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: q (B, H, Nq, d), k/v (B, Hkv, Nk, ·) → ((B, Nq, H, dv), None).
+
+    ``attention_mask`` is the (B, Nk) bool mask from :func:`linattn_mask` (True = keep), or a 4-D mask a caller
+    built (see :func:`_keep_from_dense_mask`), or None.
+    """
+    for option in ("sliding_window", "softcap", "position_bias"):
+        if kwargs.get(option) is not None:
+            raise LinearAttentionError(
+                f"{type(module).__name__}: {option}={kwargs[option]!r} has no counterpart in linear attention; use "
+                "a model without it, or another attn_implementation for this model"
+            )
+    if dropout:
+        raise LinearAttentionError(
+            f"dropout: attention dropout {dropout} drops softmax weights, which linear attention never forms; set "
+            "the model's attention dropout to 0 (e.g. config.attention_probs_dropout_prob = 0) or call model.eval()"
+        )
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    num_queries, num_keys, head_dim = query.shape[-2], key.shape[-2], query.shape[-1]
+    if causal and num_queries > num_keys:
+        raise LinearAttentionError(f"query: {num_queries} causal queries but only {num_keys} keys")
+
+    keep = None
+    if attention_mask is not None:
+        if attention_mask.dim() == 4:
+            keep = _keep_from_dense_mask(attention_mask, num_queries, causal)
+        elif attention_mask.dim() == 2:
+            keep = attention_mask.to(torch.bool)[:, -num_keys:]
+        else:
+            raise LinearAttentionError(
+                f"attention_mask: expected (B, Nk) or (B, 1, Nq, Nk), got {tuple(attention_mask.shape)}"
+            )
+
+    s = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
+    c = math.sqrt(s * math.sqrt(head_dim))  # maps are built for 1/√d: c²/√d = s (module docstring)
+    if c != 1.0:
+        query, key = query * c, key * c
+    if causal and num_queries < num_keys:
+        # the queries are the last positions (a KV cache): causal attention over all keys with placeholder
+        # queries in front; their outputs are discarded, and query t still sees keys ≤ its own position only
+        filler = query[..., :1, :].expand(*query.shape[:-2], num_keys - num_queries, head_dim)
+        query = torch.cat([filler, query], dim=-2)  # (B, H, Nk, d)
+    out = linear_attention(
+        query, key, value, feature_map=_feature_map_of(module, head_dim), causal=causal, key_padding_mask=keep
+    )
+    out = out[..., -num_queries:, :]  # (B, H, Nq, dv)
+    return out.transpose(1, 2).contiguous(), None  # (B, Nq, H, dv)
+
+
+def linattn_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable[..., Any] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """transformers' mask-function contract, for ``"linattn"``: the 2-D padding mask (B, kv_length), or None.
+
+    Linear attention needs no N×N mask: causality is the ``causal`` flag and padding drops whole keys. Only the
+    plain causal and bidirectional patterns are accepted; the others (sliding windows, packing) raise.
+    """
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+
+    if mask_function is not None and mask_function not in (causal_mask_function, bidirectional_mask_function):
+        name = getattr(mask_function, "__name__", type(mask_function).__name__)
+        raise LinearAttentionError(
+            f"attention mask: the model asks for the mask pattern {name!r} (a sliding window, packed sequences or "
+            "an overlay), which linear attention cannot express; only padding with causal or full attention is "
+            "supported"
+        )
+    if attention_mask is None:
+        return None
+    return attention_mask[:, -kv_length:].to(torch.bool)
+
+
+def register() -> None:
+    """Register ``"linattn"`` with transformers' attention and mask interfaces (done on import; idempotent)."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as error:
+        raise LinearAttentionError(
+            "linattn.hf needs transformers ≥ 5 (pip install 'linattn[models]')"
+        ) from error
+    AttentionInterface.register(IMPLEMENTATION, linattn_attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION, linattn_mask)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's self-attention modules in layer order: modules named ``*Attention`` with an int ``layer_idx``.
+
+    (In transformers 5 these are the modules that call the attention interface: ``BertSelfAttention``,
+    ``LlamaAttention``, ...; cross-attention modules of encoder-decoders are included in module order.)
+    """
+    found = [
+        m for m in model.modules()
+        if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)
+    ]
+    return sorted(found, key=lambda m: m.layer_idx)  # type: ignore[arg-type, return-value]
+
+
+FeatureMaps = str | nn.Module | Sequence[nn.Module] | Any
+
+
+def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP, **options: Any) -> nn.Module:
+    """Install feature maps in every attention layer of a transformers ``model`` and switch it to ``"linattn"``.
+
+    Args:
+        model: a loaded transformers model whose attention dispatches through ``AttentionInterface``.
+        feature_maps: one of
+            - fitted maps from :mod:`linattn.distill` (a ``FittedFeatureMaps``, its ``.maps`` one per layer),
+            - a sequence of map modules, one per attention layer (per-head maps with the model's head count),
+            - a registered name (``"elu"``, ``"favor+"``, ...): one new map per layer, built with ``options``
+              (e.g. ``num_features=``, ``seed=``; a random map with ``seed=`` gets ``seed + layer``),
+            - one module, shared by every layer.
+        options: keyword options for a named map.
+
+    Returns the same model, modified in place: each attention module holds its map as the submodule
+    ``linattn_feature_map`` (so ``model.to(...)`` moves it and it appears in ``state_dict``). Switch back with
+    ``model.set_attn_implementation("sdpa")``; the maps stay attached, unused.
+    """
+    register()
+    modules = attention_modules(model)
+    if not modules:
+        raise LinearAttentionError(
+            f"model: no attention module (a '*Attention' module with a layer_idx) found in {type(model).__name__}"
+        )
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // heads if config is not None and heads else None
+    )
+    maps: list[nn.Module]
+    if isinstance(feature_maps, str):
+        if head_dim is None:
+            raise LinearAttentionError("model: config has no head_dim / hidden_size and num_attention_heads")
+        maps = []
+        for layer in range(len(modules)):
+            layer_options = dict(options)
+            if "seed" in layer_options and layer_options["seed"] is not None:
+                layer_options["seed"] = int(layer_options["seed"]) + layer  # independent draws per layer
+            maps.append(create(feature_maps, head_dim=head_dim, **layer_options))
+    elif isinstance(feature_maps, nn.Module):
+        maps = [feature_maps] * len(modules)
+    else:
+        maps = list(getattr(feature_maps, "maps", feature_maps))
+    if len(maps) != len(modules):
+        raise LinearAttentionError(
+            f"feature_maps: {len(maps)} maps for {len(modules)} attention layers; pass one per layer "
+            "(fitted on this model) or a single map/name"
+        )
+    for layer, (module, fmap) in enumerate(zip(modules, maps, strict=True)):
+        if not isinstance(fmap, nn.Module):
+            raise LinearAttentionError(f"feature_maps[{layer}]: expected an nn.Module, got {type(fmap).__name__}")
+        map_heads = getattr(fmap, "num_heads", None)
+        if map_heads is not None and heads is not None and map_heads not in (1, heads):
+            raise LinearAttentionError(
+                f"feature_maps[{layer}]: a per-head map for {map_heads} heads, but the model has {heads} heads"
+            )
+        map_dim = getattr(fmap, "head_dim", None)
+        if map_dim is not None and head_dim is not None and map_dim != head_dim:
+            raise LinearAttentionError(
+                f"feature_maps[{layer}]: built for head_dim={map_dim}, the model's heads have {head_dim}"
+            )
+        setattr(module, MAP_ATTRIBUTE, fmap)
+    set_implementation = getattr(model, "set_attn_implementation", None)
+    if set_implementation is None:
+        raise LinearAttentionError(f"model: {type(model).__name__} has no set_attn_implementation (transformers ≥ 5)")
+    set_implementation(IMPLEMENTATION)
+    return model
+
+
+def sentence_embeddings(model: nn.Module, tokenizer: Any, sentences: Sequence[str], *, batch_size: int = 32,
+                        max_length: int = 256) -> torch.Tensor:
+    """Sentence embeddings (S, E): mean of the last hidden states over non-padding tokens, L2-normalised.
+
+    The pooling of sentence-transformers models such as all-MiniLM-L6-v2 (their ``1_Pooling`` config). Batches are
+    padded, so this also exercises the padding mask.
+    """
+    outputs = []
+    device = next(model.parameters()).device
+    for start in range(0, len(sentences), batch_size):
+        encoded = tokenizer(list(sentences[start : start + batch_size]), padding=True, truncation=True,
+                            max_length=max_length, return_tensors="pt").to(device)
+        with torch.no_grad():
+            hidden = model(**encoded).last_hidden_state  # (B, N, E)
+        weights = encoded["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, N, 1)
+        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+        outputs.append(torch.nn.functional.normalize(pooled.float(), dim=-1))
+    return torch.cat(outputs)
+
+
+try:  # registration on import, when transformers is there; linearize() registers (or explains) otherwise
+    register()
+except LinearAttentionError:
+    pass
