@@ -56,6 +56,33 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench  # imported only when asked for: it pulls in the profiler and matplotlib
+
+    return bench.cli(args)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="time, memory and FLOPs against softmax attention; writes CSV/JSON/PNG")
+    bench.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths N")
+    bench.add_argument("--batch", type=int, default=1)
+    bench.add_argument("--heads", type=int, default=8)
+    bench.add_argument("--dim", type=int, default=64, help="head dimension D")
+    bench.add_argument("--forms", nargs="+", default=["chunked", "global"], help="linattn forms to time")
+    bench.add_argument("--maps", nargs="+", default=["elu"], help="registered feature maps")
+    bench.add_argument("--causal", choices=["both", "causal", "noncausal"], default="both")
+    bench.add_argument("--repeats", type=int, default=5, help="timed runs after one warm-up")
+    bench.add_argument("--max-seconds", type=float, default=30.0, help="stop an implementation beyond this")
+    bench.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    bench.add_argument("--dtype", default="float32")
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    bench.add_argument("--out", default="out/bench", help="folder for bench.csv, bench.json, bench.png")
+    for flag in ("backward", "sdpa", "peers", "memory", "decode", "plot"):
+        bench.add_argument(f"--no-{flag}", action="store_true")
+    bench.set_defaults(run=_bench)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="linattn", description="Linear attention for PyTorch and NumPy.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,5 +90,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="a small end-to-end example: error and time per form")
     demo.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
     demo.set_defaults(run=_demo)
+    _add_bench(sub)
     args = parser.parse_args(argv)
     return int(args.run(args))

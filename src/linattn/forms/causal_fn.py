@@ -30,8 +30,16 @@ import torch.nn.functional as F
 
 from ._common import scale_between
 
-# Tokens per block: bounds the work space of forward and backward; measured in docs/benchmarks.md
-BLOCK_TOKENS = 4096
+# Elements of Q, K and V per block (over all batch and head rows): about 4 MiB of fp32, so a block's operands stay
+# in cache. Measured on a 2-core CPU at B·H=8, F=Dv=64 (1024 tokens per block): 512–1024 tokens ran 1.2–1.7×
+# faster than 4096–16384 (docs/benchmarks.md, benchmarks/chunk_size.py).
+BLOCK_ELEMENTS = 1 << 20
+
+
+def block_tokens(rows: int, features: int, values: int, chunk: int) -> int:
+    """Tokens per block for ``rows`` batch×head rows: BLOCK_ELEMENTS / (rows·(F+Dv)), whole chunks, ≥ 1 chunk."""
+    tokens = BLOCK_ELEMENTS // max(1, rows * (features + values))
+    return max(chunk, tokens // chunk * chunk)
 
 
 def _chunks(x: torch.Tensor, size: int) -> torch.Tensor:

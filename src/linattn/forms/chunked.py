@@ -37,12 +37,14 @@ def causal_chunked_attention(
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """Causal chunkwise-parallel attention through :class:`CausalChunkedFunction` (backward recomputes).
 
-    ``block_tokens`` (default :data:`causal_fn.BLOCK_TOKENS`, rounded to whole chunks) bounds the work space.
+    ``block_tokens`` (default :func:`causal_fn.block_tokens`; rounded to whole chunks) bounds the work space.
     """
     n_tokens = qf.shape[-2]
     size = min(chunk_size, n_tokens)
-    block = max(size, (block_tokens or causal_fn.BLOCK_TOKENS) // size * size)
     batch = qf.shape[:-2]
+    if block_tokens is None:
+        block_tokens = causal_fn.block_tokens(batch.numel(), kf.shape[-1], v.shape[-1], size)
+    block = max(size, block_tokens // size * size)
     if state is None:
         merged = qf.new_zeros(*batch, kf.shape[-1], v.shape[-1] + 1)  # (..., F, Dv+1): [kv, k_sum]
         shift0 = qf.new_full(batch, NEG_INF)
