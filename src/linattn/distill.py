@@ -1,0 +1,295 @@
+"""Fit learned feature maps (``hedgehog``, ``t2r``) to imitate softmax attention, and save/load them per model.
+
+For each head, with softmax weights A = softmax(s·q kᵀ) (s = 1/√d by default) and the map's weights
+Â_ij = φ(q_i)·φ(k_j) / Σ_j' φ(q_i)·φ(k_j'), the loss is the mean row cross-entropy −Σ_j A_ij log Â_ij (Hedgehog's
+attention distillation; it equals KL(A‖Â) up to a constant), plus optionally ``mse_weight`` times the relative
+output error ‖Â v − A v‖² / ‖A v‖² (as in LoLCATs) when values are given. Every head has its own parameters and
+its own loss, so one optimiser fits all heads at once exactly as if each were fitted alone.
+
+Generalising from a few hundred tokens: a seeded fraction ``holdout`` of the query rows of every sequence is kept
+out of the loss; each head keeps the parameters of its best held-out loss (per-head early stopping), and fitting
+stops once no head has improved for ``patience`` evaluations. ``anchor`` adds λ‖W − W₀‖² (pull towards the identity
+initialisation), which keeps maps fitted on little text close to a sensible prior.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import LinearAttentionError
+from .evaluate.metrics import scale_for_map, softmax_weights
+from .feature_maps import LearnedProjectionMap, create
+
+FORMAT_VERSION = 1
+
+
+def _as_list(x: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+    items = [x] if isinstance(x, torch.Tensor) else list(x)
+    if not items or not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in items):
+        raise LinearAttentionError(f"{name}: expected a tensor (H, N, d) or a non-empty list of such tensors")
+    return items
+
+
+def _prepare(
+    q: torch.Tensor | Sequence[torch.Tensor],
+    k: torch.Tensor | Sequence[torch.Tensor],
+    v: torch.Tensor | Sequence[torch.Tensor] | None,
+    scale: float | None,
+    causal: bool,
+) -> list[dict[str, torch.Tensor]]:
+    """Per sequence: scaled q, k (H, N, d) float32, softmax weights A (H, N, N), and A v when v is given."""
+    qs, ks = _as_list(q, "q"), _as_list(k, "k")
+    vs = _as_list(v, "v") if v is not None else [None] * len(qs)
+    if not len(qs) == len(ks) == len(vs):
+        raise LinearAttentionError(f"q, k, v: got {len(qs)}, {len(ks)}, {len(vs)} sequences; pass one each")
+    heads, dim = qs[0].shape[0], qs[0].shape[-1]
+    sequences = []
+    for qi, ki, vi in zip(qs, ks, vs, strict=True):
+        if qi.shape[0] != heads or qi.shape[-1] != dim or ki.shape[-1] != dim or ki.shape[1] != qi.shape[1]:
+            raise LinearAttentionError(
+                f"q, k: every sequence needs q (H={heads}, N, d={dim}) and k (Hkv, N, d), got {tuple(qi.shape)} "
+                f"and {tuple(ki.shape)}"
+            )
+        if heads % ki.shape[0]:
+            raise LinearAttentionError(f"k: {ki.shape[0]} heads do not divide q's {heads} heads")
+        group = heads // ki.shape[0]
+        qi, ki = qi.detach().float(), ki.detach().float().repeat_interleave(group, dim=0)
+        mq, mk, s = scale_for_map(qi, ki, scale)
+        item = {"q": mq, "k": mk, "weights": softmax_weights(qi, ki, s, causal)}  # weights (H, N, N)
+        if vi is not None:
+            vi = vi.detach().float().repeat_interleave(group, dim=0)
+            item["v"], item["output"] = vi, item["weights"] @ vi
+        sequences.append(item)
+    return sequences
+
+
+def _row_losses(
+    fmap: LearnedProjectionMap, item: dict[str, torch.Tensor], rows: torch.Tensor, causal: bool, mse_weight: float
+) -> torch.Tensor:
+    """Loss of the query rows ``rows`` (indices) of one sequence, per head and row: (H, R).
+
+    cross-entropy −Σ_j A_ij log Â_ij = log Σ_j S_ij − Σ_j A_ij log S_ij with S_ij = φ(q_i)·φ(k_j), plus
+    ``mse_weight`` · ‖Ŷ_i − Y_i‖² / mean_i ‖Y_i‖² when values are present.
+    """
+    qf = fmap.features(item["q"][:, rows], is_query=True)  # (H, R, F)
+    kf = fmap.features(item["k"], is_query=False)  # (H, N, F)
+    scores = qf @ kf.transpose(-1, -2)  # (H, R, N)
+    if causal:  # row i sees keys j ≤ i
+        keys = torch.arange(kf.shape[-2])
+        scores = scores.masked_fill(keys > rows.unsqueeze(-1), 0.0)
+    target = item["weights"][:, rows]  # (H, R, N)
+    norm = scores.sum(-1)  # (H, R)
+    loss = torch.log(norm) - torch.special.xlogy(target, scores.clamp_min(1e-30)).sum(-1)
+    if mse_weight and "v" in item:
+        exact = item["output"]
+        approx = (scores @ item["v"]) / norm.unsqueeze(-1)  # (H, R, dv)
+        scale = exact.square().sum(-1).mean(-1, keepdim=True)  # (H, 1)
+        loss = loss + mse_weight * (approx - exact[:, rows]).square().sum(-1) / scale
+    return loss
+
+
+def fit_feature_map(
+    q: torch.Tensor | Sequence[torch.Tensor],
+    k: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    kind: str = "hedgehog",
+    seed: int = 0,
+    v: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    num_features: int | None = None,
+    tied: bool = False,
+    steps: int = 300,
+    lr: float = 0.02,
+    batch_rows: int = 128,
+    holdout: float = 0.2,
+    eval_every: int = 5,
+    patience: int = 12,
+    anchor: float = 0.0,
+    mse_weight: float = 0.0,
+    progress: bool = False,
+    **map_options: Any,
+) -> LearnedProjectionMap:
+    """Fit a learned map, one set of parameters per head, to imitate softmax attention on q, k.
+
+    Args:
+        q: ``(H, N, d)`` queries, or a list of such for several sequences of different lengths (attention is
+            taken within each sequence). k: ``(Hkv, N, d)`` likewise (Hkv dividing H: grouped-query attention).
+        kind: a registered learned map (``"hedgehog"``, ``"t2r"``) built with ``num_heads=H``.
+        seed: the map's initialisation, the held-out rows and the row batches; the same seed gives the same map.
+        v: values ``(Hkv, N, dv)`` (or a list), needed only for ``mse_weight > 0``.
+        causal, scale: the attention to imitate (scale default 1/√d, as in :func:`attention_metrics`).
+        num_features, tied, map_options: passed to the map (e.g. ``init``, ``init_scale``).
+        steps, lr: Adam steps and learning rate. batch_rows: query rows per sequence in each step (all keys
+            are always used). holdout, eval_every, patience: early stopping (see the module docstring; patience
+            counts evaluations).
+        anchor: weight of the pull λ‖W − W₀‖² towards the initialisation. mse_weight: weight of the output loss.
+        progress: show a tqdm progress bar with the held-out loss.
+
+    Returns:
+        The fitted map (``num_heads=H``) in eval mode, holding for each head its parameters at the evaluation of
+        its best held-out loss; ``fit_history`` on it lists (step, mean train loss, mean held-out loss).
+
+    >>> import torch
+    >>> q, k = torch.randn(2, 4, 64, 16).unbind(0)
+    >>> fmap = fit_feature_map(q, k, steps=5)
+    >>> fmap(q).shape
+    torch.Size([4, 64, 32])
+    """
+    if not 0.0 <= holdout < 1.0:
+        raise LinearAttentionError(f"holdout: a fraction in [0, 1), got {holdout!r}")
+    if steps < 0 or patience < 1 or eval_every < 1 or batch_rows < 1:
+        raise LinearAttentionError(f"steps must be ≥ 0 and patience, eval_every, batch_rows ≥ 1, got steps={steps},"
+                                   f" patience={patience}, eval_every={eval_every}, batch_rows={batch_rows}")
+    if mse_weight and v is None:
+        raise LinearAttentionError("mse_weight > 0 needs the values: pass v=...")
+    sequences = _prepare(q, k, v, scale, causal)
+    heads, dim = sequences[0]["q"].shape[0], sequences[0]["q"].shape[-1]
+    if not isinstance(create(kind, head_dim=dim), LearnedProjectionMap):
+        raise LinearAttentionError(f"kind: {kind!r} is not a learned projection map; use 'hedgehog' or 't2r'")
+    fmap = create(kind, head_dim=dim, num_heads=heads, num_features=num_features, tied=tied, seed=seed,
+                  **map_options)
+    assert isinstance(fmap, LearnedProjectionMap)
+    generator = torch.Generator().manual_seed(seed)
+    for item in sequences:  # a seeded random subset of each sequence's query rows is held out
+        order = torch.randperm(item["q"].shape[1], generator=generator)
+        cut = int(round(holdout * len(order)))
+        item["held"], item["train"] = order[:cut].sort().values, order[cut:].sort().values
+    if any(len(item["train"]) == 0 for item in sequences):
+        raise LinearAttentionError("q: a sequence has no query rows left to train on after the holdout")
+    held_rows = sum(len(item["held"]) for item in sequences)
+
+    initial = fmap.weight.detach().clone()
+    best = [p.detach().clone() for p in (fmap.weight, fmap.bias)]
+    best_loss = torch.full((heads,), math.inf)
+    optimiser = torch.optim.Adam(fmap.parameters(), lr=lr)
+    history: list[tuple[int, float, float]] = []
+    bar = _progress(steps, progress, kind)
+    stale = 0
+    train_loss = torch.zeros(heads)
+    for step in range(steps + 1):
+        if step % eval_every == 0 or step == steps:
+            with torch.no_grad():
+                watched = torch.zeros(heads)
+                for item in sequences:
+                    rows = item["held"] if held_rows else item["train"]
+                    watched += _row_losses(fmap, item, rows, causal, mse_weight).sum(-1)
+            improved = watched < best_loss
+            stale = 0 if bool(improved.any()) else stale + 1
+            best_loss = torch.where(improved, watched, best_loss)
+            with torch.no_grad():  # per-head early stopping: keep each head's best parameters
+                for saved, param in zip(best, (fmap.weight, fmap.bias), strict=True):
+                    saved[:, improved] = param.detach()[:, improved]
+            watched_mean = float(watched.mean()) / max(held_rows, 1)
+            history.append((step, float(train_loss.mean()), watched_mean))
+            if bar is not None:
+                bar.set_postfix(held_out=f"{watched_mean:.4f}")
+            if stale >= patience:
+                break
+        if step == steps:
+            break
+        total = torch.zeros(())
+        train_loss = torch.zeros(heads)
+        for item in sequences:
+            pick = torch.randperm(len(item["train"]), generator=generator)[:batch_rows]
+            losses = _row_losses(fmap, item, item["train"][pick], causal, mse_weight).mean(-1)  # (H,)
+            total = total + losses.sum() / len(sequences)
+            train_loss += losses.detach() / len(sequences)
+        if anchor:
+            total = total + anchor * (fmap.weight - initial).square().sum()
+        optimiser.zero_grad()
+        total.backward()
+        optimiser.step()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    with torch.no_grad():
+        fmap.weight.copy_(best[0])
+        fmap.bias.copy_(best[1])
+    fmap.fit_history = history  # type: ignore[assignment]
+    return fmap.eval()
+
+
+def _progress(steps: int, enabled: bool, kind: str) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # the bar is a convenience: fitting works without tqdm
+        return None
+    return tqdm(total=steps, desc=f"fitting {kind}", leave=False)
+
+
+@dataclass
+class FittedFeatureMaps:
+    """Fitted maps for a whole model: ``maps[layer]`` is a per-head map (``num_heads`` = the model's heads)."""
+
+    model_name: str
+    kind: str
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    options: dict[str, Any] = field(default_factory=dict)
+    maps: list[LearnedProjectionMap] = field(default_factory=list)
+
+    def save(self, path: str) -> None:
+        """Write a safetensors file: tensors ``layers.{i}.{name}``, the layout and options as metadata."""
+        from safetensors.torch import save_file
+
+        tensors = {f"layers.{i}.{name}": tensor.detach().contiguous().cpu()
+                   for i, fmap in enumerate(self.maps) for name, tensor in fmap.state_dict().items()}
+        metadata = {
+            "format": "linattn-feature-maps", "version": str(FORMAT_VERSION), "model_name": self.model_name,
+            "kind": self.kind, "num_layers": str(self.num_layers), "num_heads": str(self.num_heads),
+            "head_dim": str(self.head_dim), "options": json.dumps(self.options),
+        }
+        save_file(tensors, path, metadata=metadata)
+
+
+def load_feature_maps(path: str) -> FittedFeatureMaps:
+    """Read maps written by :meth:`FittedFeatureMaps.save`."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        if metadata.get("format") != "linattn-feature-maps":
+            raise LinearAttentionError(f"path: {path!r} is not a linattn feature-map file (no format metadata)")
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - safe_open API
+    fitted = FittedFeatureMaps(
+        model_name=metadata["model_name"], kind=metadata["kind"], num_layers=int(metadata["num_layers"]),
+        num_heads=int(metadata["num_heads"]), head_dim=int(metadata["head_dim"]),
+        options=json.loads(metadata["options"]),
+    )
+    for layer in range(fitted.num_layers):
+        fmap = create(fitted.kind, head_dim=fitted.head_dim, num_heads=fitted.num_heads, **fitted.options)
+        prefix = f"layers.{layer}."
+        fmap.load_state_dict({name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)})
+        fitted.maps.append(fmap.eval())  # type: ignore[arg-type]
+    return fitted
+
+
+def fit_model_feature_maps(
+    capture: Any, *, kind: str = "hedgehog", seed: int = 0, **fit_options: Any
+) -> FittedFeatureMaps:
+    """Fit one map per layer (parameters per head) on an :class:`~linattn.evaluate.AttentionCapture`.
+
+    All layers are fitted in one optimisation (heads are independent, see :func:`fit_feature_map`), then split
+    per layer. ``fit_options`` go to :func:`fit_feature_map` (``num_features``, ``tied``, ``steps``, ...).
+    """
+    qs, ks, vs = capture.all_heads()  # lists of (L·H, N, d)
+    if fit_options.get("mse_weight"):
+        fit_options["v"] = vs
+    stacked = fit_feature_map(qs, ks, kind=kind, seed=seed, causal=capture.causal, scale=capture.scaling,
+                              **fit_options)
+    heads = capture.num_heads
+    options = {"num_features": stacked.num_features, "tied": stacked.tied}
+    fitted = FittedFeatureMaps(capture.model_name, kind, capture.num_layers, heads, capture.head_dim, options)
+    fitted.maps = [stacked.head_slice(i * heads, (i + 1) * heads).eval() for i in range(capture.num_layers)]
+    return fitted

@@ -1,0 +1,96 @@
+"""linattn.distill: fitting learned maps on a tiny problem, determinism, early stopping, save/load per model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linattn import LinearAttentionError
+from linattn.distill import fit_feature_map, fit_model_feature_maps, load_feature_maps
+from linattn.evaluate import AttentionCapture, attention_metrics, capture_metrics
+
+
+def _problem(seed: int, sequences: int, n: int = 48, heads: int = 2, d: int = 8) -> tuple[list, list, list]:
+    """Spiky attention with structure shared across sequences: q, k near a few fixed directions per head."""
+    torch.manual_seed(100)  # the same directions for every call: train and held-out come from one distribution
+    centres = torch.randn(heads, 4, d)
+    generator = torch.Generator().manual_seed(seed)
+    qs, ks, vs = [], [], []
+    for _ in range(sequences):
+        pick = torch.randint(0, 4, (2, heads, n), generator=generator)
+        noise = torch.randn(2, heads, n, d, generator=generator) * 0.5
+        q = torch.gather(centres, 1, pick[0, ..., None].expand(heads, n, d)) + noise[0]
+        k = torch.gather(centres, 1, pick[1, ..., None].expand(heads, n, d)) + noise[1]
+        qs.append(q)
+        ks.append(k)
+        vs.append(torch.randn(heads, n, d, generator=generator))
+    return qs, ks, vs
+
+
+@pytest.mark.parametrize("kind", ["hedgehog", "t2r"])
+def test_fitted_map_beats_elu_on_held_out_data(kind: str) -> None:
+    qs, ks, _ = _problem(seed=0, sequences=3)
+    test_q, test_k, test_v = (torch.stack(x) for x in _problem(seed=1, sequences=2))  # (S, H, N, d)
+    fmap = fit_feature_map(qs, ks, kind=kind, steps=60, lr=0.05)
+    fitted = attention_metrics(test_q, test_k, test_v, fmap)
+    elu = attention_metrics(test_q, test_k, test_v, "elu")
+    assert fitted["rel_error"] < 0.75 * elu["rel_error"], (fitted["rel_error"], elu["rel_error"])
+    assert fitted["kl"] < 0.5 * elu["kl"], (fitted["kl"], elu["kl"])
+    history = fmap.fit_history
+    assert history[-1][1] < history[0][2]  # the training loss went down from the initial loss
+
+
+def test_same_seed_same_map_and_holdout_early_stopping() -> None:
+    qs, ks, vs = _problem(seed=2, sequences=2)
+    a = fit_feature_map(qs, ks, seed=3, steps=6, eval_every=2)
+    b = fit_feature_map(qs, ks, seed=3, steps=6, eval_every=2)
+    c = fit_feature_map(qs, ks, seed=4, steps=6, eval_every=2)
+    assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+    assert not torch.equal(a.weight, c.weight)
+    # patience=1: stops at the first evaluation without improvement, well before steps
+    stopped = fit_feature_map(qs, ks, steps=400, lr=1.0, patience=1, eval_every=1)
+    assert stopped.fit_history[-1][0] < 400
+    with_values = fit_feature_map(qs, ks, v=vs, mse_weight=1.0, steps=3, causal=True)
+    assert with_values.num_heads == 2
+
+
+def test_grouped_query_keys_and_bad_inputs() -> None:
+    qs, ks, _ = _problem(seed=3, sequences=1, heads=4)
+    fmap = fit_feature_map(qs[0], ks[0][:2], steps=2)  # 2 key heads serve 4 query heads
+    assert fmap.num_heads == 4
+    with pytest.raises(LinearAttentionError, match="holdout"):
+        fit_feature_map(qs, ks, holdout=1.5)
+    with pytest.raises(LinearAttentionError, match="mse_weight"):
+        fit_feature_map(qs, ks, mse_weight=1.0)
+    with pytest.raises(LinearAttentionError, match="learned projection"):
+        fit_feature_map(qs, ks, kind="elu")
+    with pytest.raises(LinearAttentionError, match="q"):
+        fit_feature_map(torch.randn(5, 4), torch.randn(5, 4))
+
+
+def test_whole_model_fit_save_and_load(tmp_path) -> None:
+    layers, heads = 2, 2
+    qs, ks, vs = _problem(seed=4, sequences=2, heads=layers * heads)
+    # (L·H, N, d) → (L, H, N, d) per sequence
+    cap = AttentionCapture("tiny-model", layers, heads, heads, 8, 8**-0.5, False, ["a", "b"],
+                           [q.unflatten(0, (layers, heads)) for q in qs], [k.unflatten(0, (layers, heads)) for k in ks],
+                           [v.unflatten(0, (layers, heads)) for v in vs])
+    fitted = fit_model_feature_maps(cap, kind="hedgehog", seed=0, steps=10, num_features=12)
+    assert len(fitted.maps) == layers and fitted.maps[0].num_heads == heads
+    stacked = fit_feature_map(qs, ks, kind="hedgehog", seed=0, steps=10, num_features=12)
+    torch.testing.assert_close(fitted.maps[1].weight, stacked.weight[:, heads:])  # layer 1 = heads 2, 3
+    path = str(tmp_path / "maps.safetensors")
+    fitted.save(path)
+    loaded = load_feature_maps(path)
+    assert (loaded.model_name, loaded.kind, loaded.num_layers, loaded.num_heads, loaded.head_dim) == (
+        "tiny-model", "hedgehog", layers, heads, 8)
+    assert loaded.options == {"num_features": 12, "tied": False}
+    x = torch.randn(heads, 5, 8)
+    for mine, theirs in zip(fitted.maps, loaded.maps, strict=True):
+        torch.testing.assert_close(theirs.features(x, is_query=False), mine.features(x, is_query=False))
+    per_layer = capture_metrics(cap, loaded.maps)
+    together = capture_metrics(cap, stacked)
+    assert per_layer["rel_error"] == pytest.approx(together["rel_error"], rel=1e-9)
+    (tmp_path / "other.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(Exception):  # noqa: B017 - safetensors raises its own error type for a corrupt header
+        load_feature_maps(str(tmp_path / "other.safetensors"))

