@@ -3,14 +3,16 @@
 Notation (leading dims ``...`` are batch and heads; chunk C; a block is b = L/C consecutive chunks):
     Q, K  (..., N, F)   features (for log-space maps K_j is stored at log-scale r_j, so the true key is K_j·e^{r_j},
                         and query t reads at scale r_t: r is non-decreasing, so every factor below is ≤ 1)
-    V'    (..., N, Dv+1) values with a column of ones appended: one GEMM yields numerator and denominator together
-    S'    (..., F, Dv+1) the running state [Σ φ(k)vᵀ, Σ φ(k)]
+    V     (..., N, Dv)  values
+    S, z  (..., F, Dv), (..., F)  the running state Σ φ(k)vᵀ and Σ φ(k); S' = [S, z] (..., F, Dv+1) at the interface
 
-Per chunk c with incoming state S_c at scale s_c and chunk-end scale e_c:
-    num'_c = ((Q_c K_cᵀ) ⊙ E_c) V'_c + diag(α_c) Q_c S_c          E_tj = e^{r_j − r_t}[j ≤ t],  α_t = e^{s_c − r_t}
-    S_{c+1} = e^{s_c − e_c} S_c + (diag(γ_c) K_c)ᵀ V'_c            γ_j = e^{r_j − e_c}
-(ordinary maps: r ≡ 0, so E is the causal mask and α = γ = 1.) Within a block the states entering each chunk are a
-batched prefix sum (a (b+1)×b matrix of decays for log-space maps), so the Python loop runs over blocks only.
+Per chunk c with incoming state (S_c, z_c) at scale s_c and chunk-end scale e_c, W_c = (Q_c K_cᵀ) ⊙ E_c:
+    num_c = W_c V_c + diag(α_c) Q_c S_c,   den_c = W_c 1 + diag(α_c) Q_c z_c
+    S_{c+1} = e^{s_c − e_c} S_c + (diag(γ_c) K_c)ᵀ V_c,   z_{c+1} = e^{s_c − e_c} z_c + (diag(γ_c) K_c)ᵀ 1
+with E_tj = e^{r_j − r_t}[j ≤ t], α_t = e^{s_c − r_t}, γ_j = e^{r_j − e_c} (ordinary maps: r ≡ 0, so E is the causal
+mask and α = γ = 1). Within a block the states entering each chunk are one GEMM with a b×b matrix of 0/1 (or decay)
+weights, so the Python loop runs over blocks only. Numerator and denominator take separate GEMMs: a (Dv+1)-wide
+operand (a ones column on V) ran ~1.8× slower per FLOP than a 64-wide one on the CPU we measured.
 
 Memory: forward saves the inputs, the output, the normaliser (..., N) and one state per block; backward rebuilds
 each block's C×C weights and per-chunk states from them. Training memory is O(N·(F + Dv)) + O((N/L)·F·Dv) plus
@@ -50,11 +52,6 @@ def _chunks(x: torch.Tensor, size: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-2], -1, size, x.shape[-1]).contiguous()
 
 
-def _with_ones(v: torch.Tensor) -> torch.Tensor:
-    """(..., L, Dv) → (..., L, Dv+1): the ones column turns the denominator into one more numerator column."""
-    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
-
-
 def _denominator(den: torch.Tensor, min_denom: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The divisor of ``finalize`` from den + eps: clamped at ``min_denom``, and 1 where it is exactly 0 (no
     visible key, eps = 0: the numerator is 0 too). Also where it does not depend on den (clamped or replaced)."""
@@ -75,14 +72,14 @@ class _Block:
         k: torch.Tensor,
         v: torch.Tensor,
         r: torch.Tensor | None,
-        state_in: torch.Tensor,
+        state_in: tuple[torch.Tensor, torch.Tensor],
         scale_in: torch.Tensor | None,
         size: int,
     ) -> None:
         self.length = q.shape[-2]
         self.q = _chunks(q, size)  # (..., b, C, F)
         self.k = _chunks(k, size)  # (..., b, C, F)
-        self.v = _chunks(_with_ones(v), size)  # (..., b, C, Dv+1)
+        self.v = _chunks(v, size)  # (..., b, C, Dv)
         chunks = self.q.shape[-3]
         self.keep = keep = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
         weights = self.q @ self.k.transpose(-1, -2)  # (..., b, C, C)
@@ -92,7 +89,7 @@ class _Block:
             self.weights = weights.masked_fill_(~keep, 0)
             self.keys = self.k
             # update c' reaches every later chunk of the block, unscaled: a GEMM with a 0/1 matrix is the
-            # exclusive prefix sum (much faster on CPU than cumsum over a middle dimension)
+            # exclusive prefix sum (faster on CPU than cumsum over a middle dimension)
             self.decay = earlier.to(q.dtype)  # (b, b)
             self.scale_out = None
         else:
@@ -108,70 +105,103 @@ class _Block:
             self.weights = weights * self.masked_decay
             self.key_decay = scale_between(r, ends.unsqueeze(-1)).unsqueeze(-1)  # γ (..., b, C, 1)
             self.keys = self.k * self.key_decay
-            self.query_decay = scale_between(scales.unsqueeze(-1), r).unsqueeze(-1)  # α (..., b, C, 1)
+            self.query_decay = scale_between(scales.unsqueeze(-1), r)  # α (..., b, C)
             # update c' (at scale e_c') reaches chunk c > c' at scale s_c, and the block's output at e_{b−1}
             self.decay = scale_between(ends.unsqueeze(-2), scales.unsqueeze(-1), earlier)  # (..., b, b)
             self.out_decay = scale_between(ends, self.scale_out.unsqueeze(-1))  # (..., b)
             self.carry = scale_between(scale_in.unsqueeze(-1), scales)  # (..., b): S_in moved to each s_c
             self.out_carry = scale_between(scale_in, self.scale_out)  # (...)
-        updates = (self.keys.transpose(-1, -2) @ self.v).flatten(-2)  # (..., b, F·(Dv+1))
-        state_flat = state_in.flatten(-2)  # (..., F·(Dv+1))
-        entering = self.decay @ updates  # (..., b, F·(Dv+1))
+        kv_in, z_in = state_in
+        kv_enter, kv_out = self._propagate(self.keys.transpose(-1, -2) @ self.v, kv_in)  # updates (..., b, F, Dv)
+        z_enter, z_out = self._propagate(self.keys.sum(-2).unsqueeze(-1), z_in.unsqueeze(-1))  # (..., b, F, 1)
+        self.kv_enter, self.z_enter = kv_enter, z_enter.squeeze(-1)  # (..., b, F, Dv), (..., b, F)
+        self.state_out = (kv_out, z_out.squeeze(-1))
+
+    def _propagate(self, updates: torch.Tensor, state_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-chunk updates (..., b, F, D) and the block's input state (..., F, D) → the states entering each
+        chunk (..., b, F, D) and leaving the block (..., F, D)."""
+        flat = updates.flatten(-2)  # (..., b, F·D)
+        state_flat = state_in.flatten(-2)  # (..., F·D)
+        entering = self.decay @ flat
         if self.scaled:
             entering += self.carry.unsqueeze(-1) * state_flat.unsqueeze(-2)
-            state_out = (self.out_decay.unsqueeze(-2) @ updates).squeeze(-2) + self.out_carry.unsqueeze(-1) * state_flat
+            out = (self.out_decay.unsqueeze(-2) @ flat).squeeze(-2) + self.out_carry.unsqueeze(-1) * state_flat
         else:
             entering += state_flat.unsqueeze(-2)
-            state_out = updates.sum(-2) + state_flat
-        self.entering = entering.unflatten(-1, state_in.shape[-2:])  # (..., b, F, Dv+1)
-        self.state_out = state_out.unflatten(-1, state_in.shape[-2:])  # (..., F, Dv+1)
+            out = flat.sum(-2) + state_flat
+        return entering.unflatten(-1, updates.shape[-2:]), out.unflatten(-1, updates.shape[-2:])
 
-    def numerator(self) -> torch.Tensor:
-        """num' (..., L, Dv+1) for the block's queries: intra-chunk block plus the carried state."""
-        inter = self.q @ self.entering  # (..., b, C, Dv+1)
+    def _propagate_back(self, grad_entering: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transpose of :meth:`_propagate`: ∂L/∂(entering states, output state) → ∂L/∂(updates, input state)."""
+        flat = grad_entering.flatten(-2)  # (..., b, F·D)
+        out_flat = grad_out.flatten(-2)  # (..., F·D)
+        grad_updates = self.decay.transpose(-1, -2) @ flat
         if self.scaled:
-            inter *= self.query_decay
+            grad_updates += self.out_decay.unsqueeze(-1) * out_flat.unsqueeze(-2)
+            grad_in = (self.carry.unsqueeze(-2) @ flat).squeeze(-2) + self.out_carry.unsqueeze(-1) * out_flat
+        else:
+            grad_updates += out_flat.unsqueeze(-2)
+            grad_in = flat.sum(-2) + out_flat
+        return grad_updates.unflatten(-1, grad_out.shape[-2:]), grad_in.unflatten(-1, grad_out.shape[-2:])
+
+    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., b, C, D) → (..., L, D), dropping the padded rows; (..., b, C) → (..., L)."""
+        batch = self.q.shape[:-3]
+        if x.dim() == self.q.dim() - 1:
+            return x.reshape(*batch, -1)[..., : self.length]
+        return x.reshape(*batch, -1, x.shape[-1])[..., : self.length, :]
+
+    def forward(self, normalize: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """num (..., L, Dv) and, when ``normalize``, den (..., L): intra-chunk block plus the carried state."""
+        inter = self.q @ self.kv_enter  # (..., b, C, Dv)
+        if self.scaled:
+            inter *= self.query_decay.unsqueeze(-1)
         num = inter.flatten(0, -3).baddbmm_(self.weights.flatten(0, -3), self.v.flatten(0, -3))
-        return num.reshape(*self.q.shape[:-3], -1, num.shape[-1])[..., : self.length, :]
+        den = None
+        if normalize:
+            inter_den = (self.q @ self.z_enter.unsqueeze(-1)).squeeze(-1)  # (..., b, C)
+            if self.scaled:
+                inter_den *= self.query_decay
+            den = self._tokens(self.weights.sum(-1) + inter_den)
+        return self._tokens(num.reshape(self.q.shape[:-1] + num.shape[-1:])), den
 
     def backward(
-        self, grad_num: torch.Tensor, grad_out_state: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Given ∂L/∂num' (..., L, Dv+1) and ∂L/∂S'_out, return ∂L/∂(Q, K, V') of the block and ∂L/∂S'_in."""
+        self, grad_num: torch.Tensor, grad_den: torch.Tensor | None, grad_out: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """∂L/∂num (..., L, Dv), ∂L/∂den (..., L) and ∂L/∂(S, z) leaving the block → ∂L/∂(Q, K, V) of the block
+        and ∂L/∂(S, z) entering it."""
         size = self.q.shape[-2]
-        grad = _chunks(grad_num, size)  # (..., b, C, Dv+1)
+        grad = _chunks(grad_num, size)  # (..., b, C, Dv)
         grad_weights = grad @ self.v.transpose(-1, -2)  # (..., b, C, C)
+        grad_d = _chunks(grad_den.unsqueeze(-1), size) if grad_den is not None else None  # (..., b, C, 1)
+        if grad_d is not None:
+            grad_weights += grad_d  # den_t = Σ_j W_tj
+        grad_inter, grad_inter_d = grad, grad_d
         if self.scaled:
-            grad_weights = grad_weights * self.masked_decay
-            grad_inter = grad * self.query_decay
+            grad_weights *= self.masked_decay
+            grad_inter = grad * self.query_decay.unsqueeze(-1)
+            grad_inter_d = grad_d * self.query_decay.unsqueeze(-1) if grad_d is not None else None
         else:
-            grad_weights = grad_weights.masked_fill_(~self.keep, 0)
-            grad_inter = grad
-        grad_q = grad_weights @ self.k + grad_inter @ self.entering.transpose(-1, -2)
-        grad_states = (self.q.transpose(-1, -2) @ grad_inter).flatten(-2)  # (..., b, F·(Dv+1)): ∂L/∂S_c
-        grad_flat = grad_out_state.flatten(-2)  # (..., F·(Dv+1))
-        grad_updates = self.decay.transpose(-1, -2) @ grad_states  # (..., b, F·(Dv+1))
-        if self.scaled:
-            grad_updates += self.out_decay.unsqueeze(-1) * grad_flat.unsqueeze(-2)
-            grad_state_in = (self.carry.unsqueeze(-2) @ grad_states).squeeze(-2)
-            grad_state_in += self.out_carry.unsqueeze(-1) * grad_flat
-        else:
-            grad_updates += grad_flat.unsqueeze(-2)
-            grad_state_in = grad_states.sum(-2) + grad_flat
-        grad_updates = grad_updates.unflatten(-1, grad_out_state.shape[-2:])  # (..., b, F, Dv+1)
-        grad_state_in = grad_state_in.unflatten(-1, grad_out_state.shape[-2:])
-        grad_keys = self.v @ grad_updates.transpose(-1, -2)  # (..., b, C, F)
+            grad_weights.masked_fill_(~self.keep, 0)
+        grad_q = (grad_weights @ self.k).flatten(0, -3)
+        grad_q = grad_q.baddbmm_(grad_inter.flatten(0, -3), self.kv_enter.transpose(-1, -2).flatten(0, -3))
+        grad_q = grad_q.reshape(self.q.shape)
+        grad_kv_enter = self.q.transpose(-1, -2) @ grad_inter  # (..., b, F, Dv): ∂L/∂S_c from chunk c's queries
+        grad_z_enter = torch.zeros_like(self.z_enter).unsqueeze(-1)  # (..., b, F, 1)
+        if grad_inter_d is not None:
+            grad_q += grad_inter_d * self.z_enter.unsqueeze(-2)
+            grad_z_enter = self.q.transpose(-1, -2) @ grad_inter_d
+        grad_kv_updates, grad_kv_in = self._propagate_back(grad_kv_enter, grad_out[0])
+        grad_z_updates, grad_z_in = self._propagate_back(grad_z_enter, grad_out[1].unsqueeze(-1))
+        grad_keys = self.v @ grad_kv_updates.transpose(-1, -2) + grad_z_updates.transpose(-1, -2)  # (..., b, C, F)
         if self.scaled:
             grad_keys *= self.key_decay
-        grad_k = torch.baddbmm(grad_keys.flatten(0, -3), grad_weights.transpose(-1, -2).flatten(0, -3),
-                               self.q.flatten(0, -3))
-        grad_v = self.weights.transpose(-1, -2) @ grad + self.keys @ grad_updates  # (..., b, C, Dv+1)
-        batch = self.q.shape[:-3]
-
-        def tokens(x: torch.Tensor) -> torch.Tensor:  # (..., b, C, D) → (..., L, D)
-            return x.reshape(*batch, -1, x.shape[-1])[..., : self.length, :]
-
-        return tokens(grad_q), tokens(grad_k), tokens(grad_v), grad_state_in
+        grad_k = grad_keys.flatten(0, -3).baddbmm_(
+            grad_weights.transpose(-1, -2).flatten(0, -3), self.q.flatten(0, -3)
+        ).reshape(self.k.shape)
+        grad_v = self.weights.transpose(-1, -2) @ grad + self.keys @ grad_kv_updates  # (..., b, C, Dv)
+        grad_in = (grad_kv_in, grad_z_in.squeeze(-1))
+        return self._tokens(grad_q), self._tokens(grad_k), self._tokens(grad_v), grad_in
 
 
 class CausalChunkedFunction(torch.autograd.Function):
@@ -195,78 +225,80 @@ class CausalChunkedFunction(torch.autograd.Function):
         values = v.shape[-1]
         out = q.new_empty(*q.shape[:-1], values)  # (..., N, Dv)
         denom = q.new_empty(q.shape[:-1]) if normalize else None  # (..., N): den + eps, before any clamp
-        state, scale = state0, scale0
+        state = (state0[..., :values], state0[..., values])
+        scale = scale0
         starts = list(range(0, q.shape[-2], block))
-        block_states, block_scales = [], []
+        block_kv, block_z, block_scales = [], [], []
         for start in starts:
             end = start + block
-            block_states.append(state)
+            block_kv.append(state[0])
+            block_z.append(state[1])
             block_scales.append(scale)
             r = ref[..., start:end] if ref is not None else None
             part = _Block(q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], r, state, scale, size)
-            num = part.numerator()  # (..., L, Dv+1)
-            state = part.state_out
-            scale = part.scale_out
+            num, den = part.forward(normalize)
+            state, scale = part.state_out, part.scale_out
             del part
-            if normalize:
+            if den is not None:
                 assert denom is not None
-                den = num[..., values] + eps
+                den += eps
                 denom[..., start:end] = den
-                den, _ = _denominator(den, min_denom)
-                torch.div(num[..., :values], den.unsqueeze(-1), out=out[..., start:end, :])
+                divisor, _ = _denominator(den, min_denom)
+                torch.div(num, divisor.unsqueeze(-1), out=out[..., start:end, :])
             else:
-                out[..., start:end, :] = num[..., :values]
+                out[..., start:end, :] = num
         scales = torch.stack(block_scales, -1) if ref is not None else None  # type: ignore[arg-type]
-        ctx.save_for_backward(q, k, v, ref, state0, scale0, out, denom, torch.stack(block_states, -3), scales, state)
+        final = torch.cat([state[0], state[1].unsqueeze(-1)], dim=-1)  # (..., F, Dv+1)
+        ctx.save_for_backward(
+            q, k, v, ref, state0, scale0, out, denom, torch.stack(block_kv, -3), torch.stack(block_z, -2), scales,
+            final,
+        )
         ctx.options = (size, block, normalize, min_denom, starts)
         ctx.set_materialize_grads(False)
-        return out, state[..., :values].contiguous(), state[..., values].contiguous()
+        return out, state[0], state[1]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(
         ctx: Any, grad_out: torch.Tensor | None, grad_kv: torch.Tensor | None, grad_k_sum: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, ref, state0, scale0, out, denom, block_states, block_scales, final = ctx.saved_tensors
+        q, k, v, ref, state0, scale0, out, denom, block_kv, block_z, block_scales, final = ctx.saved_tensors
         size, block, normalize, min_denom, starts = ctx.options
         values = v.shape[-1]
-        grad_state = torch.zeros_like(final)  # ∂L/∂S' leaving the current block, walking backwards
-        if grad_kv is not None:
-            grad_state[..., :values] = grad_kv
-        if grad_k_sum is not None:
-            grad_state[..., values] = grad_k_sum
-        grad_final = grad_state.clone() if ref is not None else None
+        # ∂L/∂(S, z) leaving the current block, walking backwards
+        grad_state = (
+            grad_kv if grad_kv is not None else torch.zeros_like(final[..., :values]),
+            grad_k_sum if grad_k_sum is not None else torch.zeros_like(final[..., values]),
+        )
+        grad_final = torch.cat([grad_state[0], grad_state[1].unsqueeze(-1)], dim=-1)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for index in reversed(range(len(starts))):
             start = starts[index]
             end = start + block
-            grad_num = grad_out.new_zeros(*grad_out[..., start:end, :].shape[:-1], values + 1)  # (..., L, Dv+1)
+            grad_num, grad_den = grad_out[..., start:end, :], None
             if normalize:
-                # out = num / d: ∂L/∂num = g / d, ∂L/∂den = −(g·out) / d (0 where the clamp to min_denom bit)
-                den, constant = _denominator(denom[..., start:end], min_denom)
-                torch.div(grad_out[..., start:end, :], den.unsqueeze(-1), out=grad_num[..., :values])
-                grad_den = (grad_num[..., :values] * out[..., start:end, :]).sum(-1).neg_()
-                grad_num[..., values] = grad_den.masked_fill_(constant, 0)
-            else:
-                grad_num[..., :values] = grad_out[..., start:end, :]
+                # out = num / d: ∂L/∂num = g / d, ∂L/∂den = −(g·out) / d (0 where d does not depend on den)
+                divisor, constant = _denominator(denom[..., start:end], min_denom)
+                grad_num = grad_num / divisor.unsqueeze(-1)
+                grad_den = (grad_num * out[..., start:end, :]).sum(-1).neg_().masked_fill_(constant, 0)
             r = ref[..., start:end] if ref is not None else None
             scale = block_scales[..., index] if block_scales is not None else None
             part = _Block(
                 q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], r,
-                block_states[..., index, :, :], scale, size,
+                (block_kv[..., index, :, :], block_z[..., index, :]), scale, size,
             )
-            gq, gk, gv, grad_state = part.backward(grad_num, grad_state)
+            gq, gk, gv, grad_state = part.backward(grad_num, grad_den, grad_state)
             del part
             grad_q[..., start:end, :] = gq
             grad_k[..., start:end, :] = gk
-            grad_v[..., start:end, :] = gv[..., :values]
+            grad_v[..., start:end, :] = gv
+        grad_state0 = torch.cat([grad_state[0], grad_state[1].unsqueeze(-1)], dim=-1)  # (..., F, Dv+1)
         grad_ref = grad_scale0 = None
         if ref is not None and ctx.needs_input_grad[3]:
-            assert grad_final is not None
             grad_ref = (k * grad_k).sum(-1) - (q * grad_q).sum(-1)  # (..., N)
             grad_ref[..., -1] -= (final * grad_final).sum((-2, -1))
         if scale0 is not None and ctx.needs_input_grad[5]:
-            grad_scale0 = (state0 * grad_state).sum((-2, -1))
-        return grad_q, grad_k, grad_v, grad_ref, grad_state, grad_scale0, None, None, None, None, None
+            grad_scale0 = (state0 * grad_state0).sum((-2, -1))
+        return grad_q, grad_k, grad_v, grad_ref, grad_state0, grad_scale0, None, None, None, None, None
