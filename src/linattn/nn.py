@@ -141,6 +141,8 @@ class LinearAttention(nn.Module):
         k = self._heads(self.k_proj(x), self.num_kv_heads)  # (B, Hkv, N, D)
         v = self._heads(self.v_proj(x), self.num_kv_heads)  # (B, Hkv, N, D)
         # fp32 accumulation inside the core must not be undone by autocast re-lowering its matmuls to bf16
+        # one new token (decoding): the token-by-token form has the least per-call work
+        form = "recurrent" if self.causal and x.shape[1] == 1 else "auto"
         with torch.autocast(device_type=x.device.type, enabled=False):
             result = linear_attention(
                 q,
@@ -151,6 +153,7 @@ class LinearAttention(nn.Module):
                 key_padding_mask=key_padding_mask,
                 initial_state=state,
                 return_state=return_state,
+                form=form,
                 **self.options,
             )
         out, new_state = result if return_state else (result, None)
