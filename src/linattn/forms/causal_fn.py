@@ -188,18 +188,19 @@ class _Block:
         grad_q = grad_q.reshape(self.q.shape)
         grad_kv_enter = self.q.transpose(-1, -2) @ grad_inter  # (..., b, F, Dv): ∂L/∂S_c from chunk c's queries
         grad_z_enter = torch.zeros_like(self.z_enter).unsqueeze(-1)  # (..., b, F, 1)
-        if grad_inter_d is not None:
-            grad_q += grad_inter_d * self.z_enter.unsqueeze(-2)
+        if grad_inter_d is not None:  # the rank-one term ∂L/∂den ⊗ z, accumulated in place
+            grad_q.flatten(0, -3).baddbmm_(grad_inter_d.flatten(0, -3), self.z_enter.unsqueeze(-2).flatten(0, -3))
             grad_z_enter = self.q.transpose(-1, -2) @ grad_inter_d
         grad_kv_updates, grad_kv_in = self._propagate_back(grad_kv_enter, grad_out[0])
         grad_z_updates, grad_z_in = self._propagate_back(grad_z_enter, grad_out[1].unsqueeze(-1))
-        grad_keys = self.v @ grad_kv_updates.transpose(-1, -2) + grad_z_updates.transpose(-1, -2)  # (..., b, C, F)
+        grad_keys = (self.v @ grad_kv_updates.transpose(-1, -2)).add_(grad_z_updates.transpose(-1, -2))  # (.., b, C, F)
         if self.scaled:
             grad_keys *= self.key_decay
         grad_k = grad_keys.flatten(0, -3).baddbmm_(
             grad_weights.transpose(-1, -2).flatten(0, -3), self.q.flatten(0, -3)
         ).reshape(self.k.shape)
-        grad_v = self.weights.transpose(-1, -2) @ grad + self.keys @ grad_kv_updates  # (..., b, C, Dv)
+        grad_v = (self.keys @ grad_kv_updates).flatten(0, -3)  # (b·..., C, Dv)
+        grad_v = grad_v.baddbmm_(self.weights.transpose(-1, -2).flatten(0, -3), grad.flatten(0, -3)).reshape(grad.shape)
         grad_in = (grad_kv_in, grad_z_in.squeeze(-1))
         return self._tokens(grad_q), self._tokens(grad_k), self._tokens(grad_v), grad_in
 
