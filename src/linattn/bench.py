@@ -272,11 +272,13 @@ def run(config: BenchConfig) -> tuple[list[Result], list[DecodeResult]]:
                     if len(samples) == 1:
                         stopped.add((impl.name, pass_name))  # larger N would take longer still
                     q1, median, q3 = _quartiles(samples)
-                    peak_bytes = peak_memory(fn, device) if config.memory else -1
+                    # a run past max_seconds is not repeated for its memory either
+                    peak_bytes = peak_memory(fn, device) if config.memory and len(samples) > 1 else -1
                     gflops = pass_flops / median / 1e9
                     results.append(Result(
                         impl.name, causal, pass_name, n, median, q1, q3, len(samples),
-                        config.batch * n / median, gflops, gflops / peak, peak_bytes, peak_bytes / io_bytes, peak,
+                        config.batch * n / median, gflops, gflops / peak, peak_bytes,
+                        peak_bytes / io_bytes if peak_bytes >= 0 else float("nan"), peak,
                     ))
                     print(_row(results[-1]), flush=True)
     _speedups(results)
