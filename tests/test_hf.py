@@ -203,3 +203,16 @@ def test_linearize_rejects_mismatched_maps():
         hf.linearize(model, [create("hedgehog", head_dim=16, num_heads=4)] * 2)
     with pytest.raises(LinearAttentionError, match="no attention module"):
         hf.linearize(nn.Linear(2, 2))
+
+
+def test_linearize_from_a_saved_fitted_maps_file(tmp_path):
+    from linattn.distill import FittedFeatureMaps
+
+    maps = [create("hedgehog", head_dim=8, num_heads=4, init="random", seed=i) for i in range(2)]
+    options = {"num_features": 8, "tied": False}
+    FittedFeatureMaps("tiny-bert", "hedgehog", 2, 4, 8, options, maps).save(str(tmp_path / "maps.safetensors"))
+    model = hf.linearize(tiny_bert(), tmp_path / "maps.safetensors")
+    for module, fmap in zip(hf.attention_modules(model), maps, strict=True):
+        assert torch.equal(module.linattn_feature_map.weight, fmap.weight)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.randint(1, 50, (1, 5))).last_hidden_state).all()

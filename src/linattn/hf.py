@@ -32,6 +32,7 @@ see :class:`linattn.nn.LinearAttention` and ``examples/associative_recall.py``.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -207,7 +208,8 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
     Args:
         model: a loaded transformers model whose attention dispatches through ``AttentionInterface``.
         feature_maps: one of
-            - fitted maps from :mod:`linattn.distill` (a ``FittedFeatureMaps``, its ``.maps`` one per layer),
+            - fitted maps from :mod:`linattn.distill` (a ``FittedFeatureMaps``, its ``.maps`` one per layer), or
+              the path of a file written by its ``save()``,
             - a sequence of map modules, one per attention layer (per-head maps with the model's head count),
             - a registered name (``"elu"``, ``"favor+"``, ...): one new map per layer, built with ``options``
               (e.g. ``num_features=``, ``seed=``; a random map with ``seed=`` gets ``seed + layer``),
@@ -230,6 +232,10 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
         config.hidden_size // heads if config is not None and heads else None
     )
     maps: list[nn.Module]
+    if isinstance(feature_maps, str | os.PathLike) and os.path.isfile(feature_maps):
+        from .distill import load_feature_maps
+
+        feature_maps = load_feature_maps(os.fspath(feature_maps))
     if isinstance(feature_maps, str):
         if head_dim is None:
             raise LinearAttentionError("model: config has no head_dim / hidden_size and num_attention_heads")
