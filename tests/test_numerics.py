@@ -144,3 +144,16 @@ def test_named_random_map_is_drawn_once_and_reused():
     torch.manual_seed(123)  # a later change of the global generator must not matter either
     second = linattn.linear_attention(q, k, v, feature_map="favor+")
     assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize(("causal", "form"), [(False, "global"), (False, "chunked"), (True, "chunked"),
+                                              (True, "recurrent"), (True, "parallel")])
+def test_autocast_does_not_lower_the_accumulation_precision(causal, form):
+    """Under torch.autocast(bf16) the core still accumulates in fp32: same result as without autocast."""
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 300, 16, generator=generator) for _ in range(3))
+    plain = linattn.linear_attention(q, k, v, causal=causal, form=form, chunk_size=64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = linattn.linear_attention(q, k, v, causal=causal, form=form, chunk_size=64)
+    assert autocast.dtype == torch.float32
+    assert torch.equal(autocast, plain)

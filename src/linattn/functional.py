@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -188,6 +189,45 @@ def linear_attention(
         raise LinearAttentionError("form='global' is non-causal; pass causal=False, or form='chunked'")
     options: dict[str, Any] = {"normalize": normalize, "eps": eps, "min_denom": min_denom}
 
+    # under torch.autocast the GEMMs below would run in bf16/fp16 again: the fp32 accumulation is the point
+    guard = torch.autocast(q.device.type, enabled=False) if _autocast_on(q.device.type) else nullcontext()
+    with guard:
+        out, final = _run_form(
+            fmap, q, k, v, keep=keep, state=state, form=form, causal=causal, chunk_size=chunk_size,
+            log_space=log_space, map_name=map_name, return_state=return_state, options=options,
+        )
+
+    out = out.to(out_dtype)
+    result: Any = out.detach().numpy() if q_numpy else out
+    if return_state:
+        return result, final
+    return result
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return False
+
+
+def _run_form(
+    fmap: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    keep: torch.Tensor | None,
+    state: LinearAttentionState | None,
+    form: str,
+    causal: bool,
+    chunk_size: int | None,
+    log_space: bool,
+    map_name: str,
+    return_state: bool,
+    options: dict[str, Any],
+) -> tuple[torch.Tensor, LinearAttentionState | None]:
+    """Feature maps, stabilisation and the chosen form, on inputs already in the compute dtype."""
     final: LinearAttentionState | None
     if form == "chunked" and not causal:
         size = chunk_size or DEFAULT_NONCAUSAL_CHUNK
@@ -213,12 +253,7 @@ def linear_attention(
         else:
             size = chunk_size or DEFAULT_CAUSAL_CHUNK
             out, final = causal_chunked_attention(qf, kf, v, ref=ref, state=state, chunk_size=size, **options)
-
-    out = out.to(out_dtype)
-    result: Any = out.detach().numpy() if q_numpy else out
-    if return_state:
-        return result, final
-    return result
+    return out, final
 
 
 def _noncausal_chunked(
