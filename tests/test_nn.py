@@ -137,7 +137,7 @@ def test_autocast_decoding_state_stays_fp32():
     assert rel_error(step, layer(x)[:, 5:]) < 2e-2
 
 
-def test_torch_compile_forward_and_backward():
+def test_torch_compile_fullgraph_forward_and_backward():
     torch.manual_seed(6)
     layer = LinearAttention(16, 2, causal=True)
     x = torch.randn(1, 9, 16)
@@ -145,7 +145,7 @@ def test_torch_compile_forward_and_backward():
     eager.square().sum().backward()
     expected_grad = layer.q_proj.weight.grad.clone()
     layer.zero_grad()
-    compiled = torch.compile(layer)
+    compiled = torch.compile(layer, fullgraph=True)  # no graph break anywhere in layer + core
     out = compiled(x)
     out.square().sum().backward()
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
