@@ -72,10 +72,10 @@ class Result:
     samples: int
     tokens_per_s: float
     gflops: float  # useful GFLOP/s
-    peak_fraction: float  # of the in-run matmul peak
+    peak_fraction: float  # of the best matmul rate measured in the run
     peak_bytes: int  # -1 when not measured
     io_ratio: float  # peak_bytes / bytes of (q, k, v, out)
-    matmul_peak_gflops: float  # measured just before this implementation's sweep
+    matmul_peak_gflops: float  # measured just before this implementation's sweep (the run's best sets %peak)
     speedup_vs_sdpa: float | None = None
 
 
@@ -282,6 +282,9 @@ def run(config: BenchConfig) -> tuple[list[Result], list[DecodeResult]]:
                     ))
                     print(_row(results[-1]), flush=True)
     _speedups(results)
+    best = max((r.matmul_peak_gflops for r in results), default=0.0)
+    for r in results:  # against the best GEMM rate seen in the run: the load drags each measurement differently
+        r.peak_fraction = r.gflops / best
     decode = decode_benchmark(config) if config.decode_contexts else []
     return results, decode
 
@@ -390,8 +393,10 @@ def _plot(results: list[Result], decode: list[DecodeResult], path: Path, meta: d
         marker = "o" if causal else "s"
         ns = [p.n for p in points]
         axes[0].plot(ns, [p.median_s for p in points], style, marker=marker, label=label)
-        if pass_name == "forward+backward" and all(p.peak_bytes >= 0 for p in points):
-            axes[1].plot(ns, [p.peak_bytes / 2**20 for p in points], style, marker=marker, label=label)
+        measured = [p for p in points if p.peak_bytes >= 0]
+        if pass_name == "forward+backward" and measured:
+            axes[1].plot([p.n for p in measured], [p.peak_bytes / 2**20 for p in measured], style, marker=marker,
+                         label=label)
     for name in sorted({d.impl for d in decode}):
         steps = [d for d in decode if d.impl == name]
         axes[2].plot([d.context for d in steps], [d.step_s * 1e3 for d in steps], marker="o", label=name)
