@@ -216,3 +216,17 @@ def test_linearize_from_a_saved_fitted_maps_file(tmp_path):
         assert torch.equal(module.linattn_feature_map.weight, fmap.weight)
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=torch.randint(1, 50, (1, 5))).last_hidden_state).all()
+
+
+def test_batched_left_padded_generation_equals_each_sequence_alone():
+    model = tiny_llama()
+    model.set_attn_implementation("linattn")
+    torch.manual_seed(5)
+    ids = torch.randint(1, 50, (2, 6))
+    ids[1, :2] = 0
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0  # the second prompt is 4 tokens, left-padded
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        alone = model.generate(ids[1:, 2:], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(batch[1:, 2:], alone)
