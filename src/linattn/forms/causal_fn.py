@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from ._common import scale_between
 
 # Elements of Q, K and V per block (over all batch and head rows): about 4 MiB of fp32, so a block's operands stay
-# in cache. Measured on a 2-core CPU at B·H=8, F=Dv=64 (1024 tokens per block): 512–1024 tokens ran 1.2–1.7×
-# faster than 4096–16384 (docs/benchmarks.md, benchmarks/chunk_size.py).
+# in cache. Measured on a 2-core CPU at B·H=8, F=Dv=64, N=16384 (this gives 1024 tokens per block): blocks of
+# 512–1024 tokens ran the forward 1.2–1.6× faster than 4096–16384 (docs/benchmarks.md, "Chunk size and block size").
 BLOCK_ELEMENTS = 1 << 20
 
 
