@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/linattn demo
+	$(VENV)/bin/linattn compare
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks examples

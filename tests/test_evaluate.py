@@ -123,3 +123,28 @@ def test_capture_matches_the_models_attention() -> None:
             ours = ours.transpose(0, 1).reshape(direct.shape)  # (N, H·d)
             torch.testing.assert_close(ours, direct, rtol=1e-4, atol=1e-5)
     assert cap.queries[1].shape[-2] == len(tokenizer(text[1])["input_ids"])
+
+
+def test_report_table_sweep_trend_and_plots(tmp_path) -> None:
+    from linattn.evaluate.compare import CompareResult, Row
+    from linattn.evaluate.report import write_report
+
+    result = CompareResult("tiny", 2, 3, 8, False, 100, 120, 3.0, 5.0, 1024, 2)
+    result.rows = [
+        Row("elu", 8, 0.8, 0.82, 1.7, 5.0, 1.0),
+        Row("favor+", 16, 0.9, 0.9, 2.0, 4.0, 2.0, num_features=16, default=False, seeds=2),
+        Row("favor+", 32, 0.85, 0.86, 1.9, 4.0, 3.0, num_features=32, default=True, seeds=2),
+        Row("trig", 32, 5.0, 5.0, 3.0, 4.0, 2.0, num_features=16, default=False),
+        Row("trig", 64, 7.0, 7.0, 3.0, 4.0, 3.0, num_features=32, default=True),
+        Row("hedgehog", 32, 0.4, 0.45, 0.3, 4.2, 1.5, note="fitted, 100 steps"),
+    ]
+    result.skipped = {"broken": "an error"}
+    written = write_report(result, str(tmp_path))
+    report = (tmp_path / "report.md").read_text()
+    assert "| hedgehog | 32 | 0.400 | 0.450 | 0.300 | 4.20 | 1.50 | fitted, 100 steps |" in report
+    assert "`favor+`: 0.900 → 0.850 for m = 16, 32: falls monotonically." in report
+    assert "`trig`: 5.000 → 7.000 for m = 16, 32: does not fall monotonically." in report
+    assert "`broken`: an error" in report
+    if len(written) > 1:  # matplotlib installed: both plots
+        assert (tmp_path / "error_vs_features.png").stat().st_size > 1000
+        assert (tmp_path / "frontier.png").stat().st_size > 1000

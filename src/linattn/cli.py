@@ -83,6 +83,22 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.set_defaults(run=_bench)
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from .evaluate import compare  # imported only when asked for: it loads transformers and matplotlib
+
+    return compare.cli(args)
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    compare = sub.add_parser(
+        "compare", help="every feature map against softmax attention on a real model; Markdown report and plots"
+    )
+    from .evaluate.arguments import add_compare_arguments
+
+    add_compare_arguments(compare)
+    compare.set_defaults(run=_compare)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="linattn", description="Linear attention for PyTorch and NumPy.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,5 +107,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
     demo.set_defaults(run=_demo)
     _add_bench(sub)
+    _add_compare(sub)
     args = parser.parse_args(argv)
     return int(args.run(args))

@@ -1,0 +1,256 @@
+"""``linattn compare``: every registered feature map measured against softmax attention on a real model.
+
+1. Capture q, k, v of every layer and head of the model on the train text and on the held-out text.
+2. For each map in ``feature_maps.available()``: learned maps are fitted on the train capture
+   (:func:`linattn.distill.fit_feature_map`, one parameter set per layer and head); random maps are measured at
+   several feature counts m (the mean over ``seeds`` draws); every other map is created with
+   ``create(name, head_dim=d)``. All are measured on the held-out capture (:func:`capture_metrics`).
+3. Time per token of a forward pass at a long N (random inputs, the model's head count and head dimension).
+4. Print the table as rows finish; write ``report.md``, ``results.json`` and PNG plots to the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .. import feature_maps
+from ..data import load_text, paragraphs
+from ..errors import LinearAttentionError
+from ..feature_maps import FeatureMap
+from ..functional import linear_attention
+from .capture import AttentionCapture, capture_attention, load_model
+from .metrics import capture_metrics, capture_references
+
+SWEEP_FEATURES = (16, 64, 256)
+
+
+@dataclass
+class Row:
+    """One measured configuration: a map at one feature dimension (random maps: mean over seeds)."""
+
+    name: str
+    feature_dim: int
+    rel_error: float
+    rel_error_total: float
+    kl: float
+    entropy_linear: float
+    us_per_token: float
+    num_features: int | None = None
+    default: bool = True
+    note: str = ""
+    seeds: int = 1
+
+
+@dataclass
+class CompareResult:
+    model_name: str
+    layers: int
+    heads: int
+    head_dim: int
+    causal: bool
+    train_tokens: int
+    heldout_tokens: int
+    softmax_entropy: float
+    softmax_us_per_token: float
+    long_n: int
+    threads: int
+    rows: list[Row] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class _Uniform(FeatureMap):
+    """φ(x) = 1: every key gets the same weight — plain averaging, the "no attention" baseline."""
+
+    def output_dim(self, head_dim: int) -> int:
+        return 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
+
+
+def time_per_token(fmap: Any, heads: int, head_dim: int, n: int, causal: bool, repeats: int = 3) -> float:
+    """Median µs per token of a forward pass (B=1, H heads, N=n), one warm-up excluded; map None = softmax SDPA."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 1, heads, n, head_dim, generator=generator).unbind(0)
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            if fmap is None:
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            else:
+                linear_attention(q, k, v, feature_map=fmap, causal=causal, **_signed_options(fmap))
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / n * 1e6
+
+
+def number(x: float) -> str:
+    """Three decimals, or scientific notation for the huge errors of signed maps."""
+    return f"{x:.3f}" if abs(x) < 1e4 else f"{x:.1e}"
+
+
+def _signed_options(fmap: Any) -> dict[str, Any]:
+    return {"min_denom": 1e-6} if getattr(fmap, "positive", True) is False else {}
+
+
+def _split_text(text: str) -> tuple[str, str]:
+    """First half of the paragraphs for fitting, second half held out."""
+    parts = paragraphs(text)
+    if len(parts) < 2:
+        raise LinearAttentionError("text: need at least two paragraphs (blank-line separated) to split into "
+                                   "train and held-out parts; or pass --heldout")
+    half = len(parts) // 2
+    return "\n\n".join(parts[:half]), "\n\n".join(parts[half:])
+
+
+def run_compare(
+    *,
+    model: str | None = None,
+    text: str | None = None,
+    heldout: str | None = None,
+    out_dir: str = "out/compare",
+    maps: list[str] | None = None,
+    sweep: tuple[int, ...] = SWEEP_FEATURES,
+    seeds: int = 2,
+    fit_options: dict[str, Any] | None = None,
+    long_n: int = 4096,
+    progress: bool = True,
+    max_tokens: int = 384,
+    save_maps: str | None = None,
+) -> CompareResult:
+    """Measure every registered map (or ``maps``) and write the report; see the module docstring.
+
+    ``text``/``heldout`` are file paths; with ``text`` alone its paragraphs are split in half; with neither, the
+    shipped corpus (:mod:`linattn.data`) is used. ``save_maps``: a folder where each learned kind's fitted maps
+    are written (``{kind}.safetensors``, loadable with :func:`linattn.distill.load_feature_maps`).
+    """
+    from ..distill import FittedFeatureMaps, fit_feature_map
+    from .report import write_report
+
+    began = time.perf_counter()
+    say = print if progress else (lambda *args, **kwargs: None)
+    if text is None:
+        train_text, heldout_text = load_text("train"), load_text("heldout")
+    else:
+        with open(text, encoding="utf-8") as handle:
+            train_text = handle.read()
+        if heldout is None:
+            train_text, heldout_text = _split_text(train_text)
+        else:
+            with open(heldout, encoding="utf-8") as handle:
+                heldout_text = handle.read()
+    names = maps if maps is not None else feature_maps.available()
+    unknown = [name for name in names if name not in feature_maps.available()]
+    if unknown:
+        raise LinearAttentionError(f"maps: unknown {unknown}; known maps are {feature_maps.available()}")
+
+    say("loading the model and capturing q, k, v ...", flush=True)
+    net, tokenizer, model_name = load_model(model)
+    train = capture_attention(net, tokenizer, train_text, max_tokens=max_tokens, model_name=model_name)
+    test = capture_attention(net, tokenizer, heldout_text, max_tokens=max_tokens, model_name=model_name)
+    del net
+    references = capture_references(test)
+    heads, dim = test.num_heads, test.head_dim
+    result = CompareResult(
+        model_name=model_name, layers=test.num_layers, heads=heads, head_dim=dim, causal=test.causal,
+        train_tokens=train.num_tokens, heldout_tokens=test.num_tokens,
+        softmax_entropy=float(references[0].entropy.mean()) if len(references) == 1 else float(
+            sum(r.entropy.mean() * r.q.shape[-2] for r in references) / test.num_tokens),
+        softmax_us_per_token=time_per_token(None, heads, dim, long_n, test.causal), long_n=long_n,
+        threads=torch.get_num_threads(),
+    )
+    say(f"{model_name}: {test.num_layers} layers × {heads} heads, d={dim}, {'causal' if test.causal else 'non-causal'}"
+        f"; fit on {train.num_tokens} tokens, measured on {test.num_tokens} held-out tokens; "
+        f"{result.threads} threads", flush=True)
+    say(f"{'map':<22}{'F':>6}{'rel.err':>9}{'KL':>8}{'entropy':>9}{'µs/token':>10}   (softmax: entropy "
+        f"{result.softmax_entropy:.2f}, {result.softmax_us_per_token:.2f} µs/token at N={long_n})", flush=True)
+
+    def measure(name: str, fmap: Any, timing_map: Any, *, num_features: int | None = None, default: bool = True,
+                note: str = "", seeds_used: int = 1, metrics: dict[str, Any] | None = None) -> None:
+        metrics = metrics if metrics is not None else capture_metrics(test, fmap, references=references)
+        row = Row(name, metrics["feature_dim"], metrics["rel_error"], metrics["rel_error_total"], metrics["kl"],
+                  metrics["entropy_linear"], time_per_token(timing_map, heads, dim, long_n, test.causal),
+                  num_features, default, note, seeds_used)
+        result.rows.append(row)
+        label = name if default else f"{name} (m={num_features})"
+        say(f"{label:<22}{row.feature_dim:>6}{number(row.rel_error):>9}{number(row.kl):>8}"
+            f"{row.entropy_linear:>9.2f}{row.us_per_token:>10.2f}", flush=True)
+
+    measure("uniform (no attention)", _Uniform(), _Uniform())
+    for name in names:
+        try:
+            probe = feature_maps.create(name, head_dim=dim)
+            if getattr(probe, "learned", False):
+                options = {"progress": progress, **(fit_options or {})}
+                qs, ks, vs = train.all_heads()  # (L·H, N, d) per sequence: one fit for every layer and head
+                fitted = fit_feature_map(qs, ks, kind=name, v=vs, causal=train.causal, scale=train.scaling,
+                                         **options)
+                steps = fitted.fit_history[-1][0]  # type: ignore[index]
+                timing = feature_maps.create(name, head_dim=dim, num_heads=heads,
+                                             num_features=fitted.num_features)  # same cost, per-head parameters
+                measure(name, fitted, timing, note=f"fitted, {steps} steps")
+                if save_maps:
+                    layers = [fitted.head_slice(i * heads, (i + 1) * heads) for i in range(train.num_layers)]
+                    options_saved = {"num_features": fitted.num_features, "tied": fitted.tied}
+                    os.makedirs(save_maps, exist_ok=True)
+                    FittedFeatureMaps(model_name, name, train.num_layers, heads, dim, options_saved, layers).save(
+                        os.path.join(save_maps, f"{name}.safetensors"))
+            elif getattr(probe, "random", False):
+                _sweep_random(name, probe, dim, sweep, seeds, test, references, measure)
+            else:
+                measure(name, probe, probe)
+        except (LinearAttentionError, RuntimeError, TypeError, ValueError) as error:
+            result.skipped[name] = str(error)
+            say(f"{name:<22}skipped: {error}", flush=True)
+    result.seconds = time.perf_counter() - began
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as handle:
+        json.dump(asdict(result), handle, indent=1)
+    written = write_report(result, out_dir)
+    say(f"done in {result.seconds:.0f} s; wrote {', '.join(written)}", flush=True)
+    return result
+
+
+def _sweep_random(name: str, probe: Any, dim: int, sweep: tuple[int, ...], seeds: int, test: AttentionCapture,
+                  references: list[Any], measure: Any) -> None:
+    """Measure a random map at its default size and at each m in ``sweep``: the mean of ``seeds`` runs, each with
+    an independent draw per layer (L·seeds draws in all, so the mean is not one draw's luck)."""
+    default_m = getattr(probe, "num_features", None)
+    sizes = sorted({*sweep, *([default_m] if isinstance(default_m, int) else [])})
+    for m in sizes:
+        try:
+            runs = [[feature_maps.create(name, head_dim=dim, num_features=m, seed=1000 * s + layer)
+                     for layer in range(test.num_layers)] for s in range(seeds)]
+        except LinearAttentionError:
+            if m != default_m:
+                continue  # this map has no num_features/seed options: measured at its default only
+            raise
+        results = [capture_metrics(test, per_layer, references=references) for per_layer in runs]
+        mean = {key: sum(r[key] for r in results) / len(results)
+                for key in ("rel_error", "rel_error_total", "kl", "entropy_linear")}
+        mean["feature_dim"] = results[0]["feature_dim"]
+        measure(name, runs[0][0], runs[0][0], num_features=m, default=m == default_m, seeds_used=seeds,
+                metrics=mean)
+    if default_m is None:
+        measure(name, probe, probe)
+
+
+def cli(args: Any) -> int:
+    """``linattn compare`` with the options of :func:`linattn.evaluate.arguments.add_compare_arguments`."""
+    fit_options: dict[str, Any] = {}
+    if args.steps is not None:
+        fit_options["steps"] = args.steps
+    if args.num_features is not None:
+        fit_options["num_features"] = args.num_features
+    run_compare(model=args.model, text=args.text, heldout=args.heldout, out_dir=args.out, maps=args.maps,
+                sweep=tuple(args.sweep), seeds=args.seeds, fit_options=fit_options, long_n=args.long_n,
+                progress=not args.quiet, max_tokens=args.max_tokens, save_maps=args.save_maps)
+    return 0
