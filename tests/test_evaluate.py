@@ -148,3 +148,15 @@ def test_report_table_sweep_trend_and_plots(tmp_path) -> None:
     if len(written) > 1:  # matplotlib installed: both plots
         assert (tmp_path / "error_vs_features.png").stat().st_size > 1000
         assert (tmp_path / "frontier.png").stat().st_size > 1000
+
+
+def test_per_head_wrapper_applies_each_heads_map() -> None:
+    from linattn import feature_maps
+    from linattn.evaluate.compare import PerHead
+
+    draws = [feature_maps.create("favor+", head_dim=8, num_features=16, seed=s) for s in range(3)]
+    q, k, v = torch.randn(3, 3, 20, 8, dtype=torch.float64).unbind(0)
+    together = attention_metrics(q, k, v, PerHead(draws))
+    for h, fmap in enumerate(draws):
+        alone = attention_metrics(q[h], k[h], v[h], fmap)
+        assert float(together["per_head"]["rel_error"][h]) == pytest.approx(alone["rel_error"], rel=1e-9)

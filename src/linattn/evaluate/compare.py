@@ -219,26 +219,49 @@ def run_compare(
     return result
 
 
+class PerHead(FeatureMap):
+    """One map per head along dim −3 (e.g. an independent random draw per head): (..., H, N, d) → (..., H, N, F).
+
+    The flags ``positive`` and ``log_space`` are those of the wrapped maps (all of one kind).
+    """
+
+    def __init__(self, maps: list[FeatureMap]) -> None:
+        super().__init__()
+        self.maps = torch.nn.ModuleList(maps)
+        self.positive = bool(getattr(maps[0], "positive", True))  # type: ignore[misc]
+        self.log_space = bool(getattr(maps[0], "log_space", False))  # type: ignore[misc]
+
+    def output_dim(self, head_dim: int) -> int:
+        return int(self.maps[0].output_dim(head_dim))  # type: ignore[operator]
+
+    def features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        if x.dim() < 3 or x.shape[-3] != len(self.maps):
+            raise LinearAttentionError(f"PerHead: {len(self.maps)} maps for input of shape {tuple(x.shape)}")
+        return torch.stack([fmap.features(x[..., h, :, :], is_query=is_query)  # type: ignore[operator]
+                            for h, fmap in enumerate(self.maps)], dim=-3)
+
+
 def _sweep_random(name: str, probe: Any, dim: int, sweep: tuple[int, ...], seeds: int, test: AttentionCapture,
                   references: list[Any], measure: Any) -> None:
     """Measure a random map at its default size and at each m in ``sweep``: the mean of ``seeds`` runs, each with
-    an independent draw per layer (L·seeds draws in all, so the mean is not one draw's luck)."""
+    an independent draw per layer and head (so the mean reflects the map, not one draw's luck)."""
     default_m = getattr(probe, "num_features", None)
     sizes = sorted({*sweep, *([default_m] if isinstance(default_m, int) else [])})
+    heads = test.num_layers * test.num_heads
     for m in sizes:
         try:
-            runs = [[feature_maps.create(name, head_dim=dim, num_features=m, seed=1000 * s + layer)
-                     for layer in range(test.num_layers)] for s in range(seeds)]
+            runs = [PerHead([feature_maps.create(name, head_dim=dim, num_features=m, seed=1000 * s + h)
+                             for h in range(heads)]) for s in range(seeds)]
         except LinearAttentionError:
             if m != default_m:
                 continue  # this map has no num_features/seed options: measured at its default only
             raise
-        results = [capture_metrics(test, per_layer, references=references) for per_layer in runs]
+        results = [capture_metrics(test, fmap, references=references) for fmap in runs]
         mean = {key: sum(r[key] for r in results) / len(results)
                 for key in ("rel_error", "rel_error_total", "kl", "entropy_linear")}
         mean["feature_dim"] = results[0]["feature_dim"]
-        measure(name, runs[0][0], runs[0][0], num_features=m, default=m == default_m, seeds_used=seeds,
-                metrics=mean)
+        timing = runs[0].maps[0]  # the cost of one draw: every head's draw costs the same
+        measure(name, runs[0], timing, num_features=m, default=m == default_m, seeds_used=seeds, metrics=mean)
     if default_m is None:
         measure(name, probe, probe)
 

@@ -30,7 +30,7 @@ def write_report(result: Any, out_dir: str) -> list[str]:
         "weights;",
         f"- **µs/token**: median forward time per token at N = {result.long_n} ({result.heads} heads, random "
         f"inputs, {result.threads} threads); softmax (torch SDPA): {result.softmax_us_per_token:.2f} µs/token.",
-        "- random maps: mean over seeds at each m (each seed an independent draw per layer); learned maps: "
+        "- random maps: mean over seeds at each m (each seed an independent draw per head); learned maps: "
         "fitted with the defaults of "
         "`linattn.distill.fit_feature_map`.",
         "",
