@@ -25,7 +25,9 @@ the final state is stored at); an initial state stored at scale s_0 gets ∂L/�
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -205,6 +207,21 @@ class _Block:
         return self._tokens(grad_q), self._tokens(grad_k), self._tokens(grad_v), grad_in
 
 
+_Backward = TypeVar("_Backward", bound=Callable[..., Any])
+
+
+def _without_autocast(backward: _Backward) -> _Backward:
+    """backward() may be called inside a torch.autocast region: recompute in the forward's dtypes regardless."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        device = next((g.device.type for g in grads if g is not None), "cpu")
+        with torch.autocast(device, enabled=False):
+            return backward(ctx, *grads)
+
+    return cast(_Backward, wrapper)
+
+
 class CausalChunkedFunction(torch.autograd.Function):
     """(Q, K, V, r, S'_0, s_0) → (out, kv_final, k_sum_final); see the module docstring. Once differentiable."""
 
@@ -260,6 +277,7 @@ class CausalChunkedFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @_without_autocast
     def backward(
         ctx: Any, grad_out: torch.Tensor | None, grad_kv: torch.Tensor | None, grad_k_sum: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
