@@ -157,3 +157,17 @@ def test_autocast_does_not_lower_the_accumulation_precision(causal, form):
         autocast = linattn.linear_attention(q, k, v, causal=causal, form=form, chunk_size=64)
     assert autocast.dtype == torch.float32
     assert torch.equal(autocast, plain)
+
+
+def test_backward_inside_autocast_region():
+    """backward() called inside torch.autocast recomputes in fp32 too (the causal chunked Function recomputes)."""
+    generator = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 300, 16, generator=generator, requires_grad=True) for _ in range(3))
+    plain = linattn.linear_attention(q, k, v, causal=True, chunk_size=64)
+    expected = torch.autograd.grad(plain.square().sum(), (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linattn.linear_attention(q, k, v, causal=True, chunk_size=64)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    for got, want in zip(grads, expected, strict=True):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -20,9 +22,27 @@ class EluFeatureMap(FeatureMap):
         super().__init__()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tiny = torch.finfo(x.dtype).tiny
-        # exp on the clamped input: the branch not taken must stay finite or its gradient is NaN
-        return torch.where(x > 0, x + 1, torch.exp(x.clamp(max=0)).clamp(min=tiny))
+        return _EluPlusOne.apply(x)
+
+
+class _EluPlusOne(torch.autograd.Function):
+    """elu(x) + 1 = exp(min(x, 0)) + max(x, 0), with derivative min(φ, 1), in one pass each way.
+
+    No branch select: ``torch.where`` costs several times an add here, and the usual form needs one forward and
+    three backward (measured in ``benchmarks/elu_cost.py``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        features = x.clamp(max=0).exp_().clamp_(min=torch.finfo(x.dtype).tiny)
+        features += x.clamp(min=0)
+        ctx.save_for_backward(features)
+        return features
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (features,) = ctx.saved_tensors
+        return grad * features.clamp(max=1)
 
 
 class ReluFeatureMap(FeatureMap):
