@@ -270,8 +270,11 @@ def _noncausal_chunked(
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """The bounded-memory non-causal form: the feature map runs one chunk at a time."""
 
+    # split once (a slice per chunk would cost a whole-input zero gradient per chunk in backward)
+    key_chunks, query_chunks = k.split(size, dim=-2), q.split(size, dim=-2)
+
     def key_features(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        kf = map_features(fmap, k[..., start:end, :], is_query=False)
+        kf = map_features(fmap, key_chunks[start // size], is_query=False)
         chunk_keep = keep[..., start:end] if keep is not None else None
         if log_space:
             return _stabilise_keys(kf, chunk_keep, False, None)
@@ -280,7 +283,7 @@ def _noncausal_chunked(
         return kf, None
 
     def query_features(start: int, end: int) -> torch.Tensor:
-        qf = map_features(fmap, q[..., start:end, :], is_query=True)
+        qf = map_features(fmap, query_chunks[start // size], is_query=True)
         return _stabilise_queries(qf) if log_space else qf
 
     features = map_features(fmap, k[..., :1, :], is_query=False).shape[-1]

@@ -77,7 +77,9 @@ def noncausal_chunked_attention(
     the log-scale (..., 1) they are stored at; ``state`` is the carried-in (or empty) state."""
     kv, k_sum, shift = state.kv, state.k_sum, state.shift
     num_keys = v.shape[-2]
-    for start in range(0, num_keys, chunk_size):
+    # split, not sliced one by one: a slice's backward writes into a zero tensor of the whole input, O(N²/C) work
+    value_chunks = v.split(chunk_size, dim=-2)
+    for index, start in enumerate(range(0, num_keys, chunk_size)):
         end = min(start + chunk_size, num_keys)
         kf, chunk_ref = key_features(start, end)  # (..., C, F)
         if log_space:
@@ -88,16 +90,26 @@ def noncausal_chunked_attention(
             k_sum = k_sum * carry[..., None]
             kf = kf * scale_between(chunk_ref, new_shift.unsqueeze(-1)).unsqueeze(-1)
             shift = new_shift
-        kv = kv + kf.transpose(-1, -2) @ v[..., start:end, :]
+        kv = kv + kf.transpose(-1, -2) @ value_chunks[index]
         k_sum = k_sum + kf.sum(-2)
-    # written chunk by chunk into one buffer: a list of chunks plus a final cat would hold the output twice
-    out = v.new_empty(*v.shape[:-2], num_queries, v.shape[-1])
+    # Inference writes each chunk into one output buffer, so the output is never held twice. With autograd the
+    # pieces are concatenated once instead: slice writes would pass the whole output's gradient through every
+    # slice in backward, O(N²/C) work.
+    track = torch.is_grad_enabled() and (v.requires_grad or kv.requires_grad)
+    out = None if track else v.new_empty(*v.shape[:-2], num_queries, v.shape[-1])
+    pieces = []
     for start in range(0, num_queries, chunk_size):
         end = min(start + chunk_size, num_queries)
         qf = query_features(start, end)  # (..., C, F)
         num = qf @ kv
         den = (qf @ k_sum.unsqueeze(-1)).squeeze(-1)
-        out[..., start:end, :] = finalize(num, den, normalize=normalize, eps=eps, min_denom=min_denom)
+        piece = finalize(num, den, normalize=normalize, eps=eps, min_denom=min_denom)
+        if out is None:
+            pieces.append(piece)
+        else:
+            out[..., start:end, :] = piece
+    if out is None:
+        out = torch.cat(pieces, dim=-2)
     if not log_space:
         shift = torch.zeros_like(shift)
     return out, LinearAttentionState(kv, k_sum, shift, state.num_tokens + num_keys)
