@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from . import feature_maps
+from . import feature_maps, nn
 from .errors import LinearAttentionError
 from .feature_maps import FeatureMap
 from .forms import FORMS
@@ -28,5 +28,6 @@ __all__ = [
     "chunked_linear_attention",
     "feature_maps",
     "linear_attention",
+    "nn",
     "stable_linear_attention",
 ]
