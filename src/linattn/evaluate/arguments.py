@@ -21,7 +21,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-features", type=int, default=None, help="m of learned maps (default: the fit's)")
     parser.add_argument("--long-n", type=int, default=4096, help="sequence length of the timing")
     parser.add_argument("--max-tokens", type=int, default=384,
-                        help="longest captured sequence (paragraphs are grouped up to it)")
+                        help="longest held-out sequence (paragraphs are grouped up to it)")
+    parser.add_argument("--fit-max-tokens", type=int, default=None,
+                        help="longest train sequence for fitting (default: the model's limit)")
     parser.add_argument("--save-maps", default=None,
                         help="also write the fitted maps of each learned kind to this folder (safetensors)")
     parser.add_argument("--out", default="out/compare", help="folder for report.md, results.json and plots")
