@@ -26,7 +26,8 @@ fmap = "elu" if features == dim else doubled
 linattn.linear_attention(q[..., :8, :], k[..., :8, :], v[..., :8, :], feature_map=fmap)  # warm the allocator
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 with torch.no_grad():
-    out = linattn.linear_attention(q, k, v, feature_map=fmap, form=form, chunk_size=chunk if form == "chunked" else None)
+    size = chunk if form == "chunked" else None
+    out = linattn.linear_attention(q, k, v, feature_map=fmap, form=form, chunk_size=size)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"extra_kib": after - before, "output_kib": out.numel() * out.element_size() // 1024}))
 """
