@@ -70,5 +70,5 @@ def relu(x: torch.Tensor) -> torch.Tensor:
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp(min=1e-300))
