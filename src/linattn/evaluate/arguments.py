@@ -16,7 +16,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", type=int, nargs="+", default=[16, 64, 256],
                         help="feature counts m for random maps")
     parser.add_argument("--seeds", type=int, default=2,
-                        help="runs of each random map (each an independent draw per layer), averaged")
+                        help="runs of each random map (each an independent draw per head), averaged")
     parser.add_argument("--steps", type=int, default=None, help="fitting steps for learned maps")
     parser.add_argument("--num-features", type=int, default=None, help="m of learned maps (default: the fit's)")
     parser.add_argument("--long-n", type=int, default=4096, help="sequence length of the timing")
