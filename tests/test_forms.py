@@ -246,3 +246,13 @@ def test_min_denom_clamps_after_eps(causal, form):
         expected = reference_attention(q, k, v, relu, causal=causal, min_denom=min_denom)
         assert torch.isfinite(out).all()
         assert rel_error(out, expected) <= 1e-10
+
+
+def test_auto_form_for_long_noncausal_inputs_equals_the_definition():
+    """Beyond 4096 keys "auto" runs the non-causal chunked form; results agree with the global form."""
+    generator = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 5000, 4, generator=generator, dtype=torch.float64) for _ in range(3))
+    auto, state = linattn.linear_attention(q, k, v, return_state=True)
+    expected, expected_state = linattn.linear_attention(q, k, v, form="global", return_state=True)
+    assert rel_error(auto, expected) <= 1e-12
+    assert rel_error(state.kv, expected_state.kv) <= 1e-12

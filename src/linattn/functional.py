@@ -26,6 +26,9 @@ from .state import LinearAttentionState
 
 DEFAULT_CAUSAL_CHUNK = 64
 DEFAULT_NONCAUSAL_CHUNK = 1024
+# "auto" runs non-causal attention chunked beyond this many keys: measured faster from 8192 keys on (features and
+# GEMM operands stay in cache), while the global form wins up to 4096 (docs/benchmarks.md, benchmarks/run.py)
+NONCAUSAL_CHUNKED_ABOVE = 4096
 
 FeatureMapLike = str | nn.Module | Callable[..., Any]
 
@@ -119,7 +122,8 @@ def linear_attention(
         feature_map: a registered name (``linattn.feature_maps.available()``), a feature-map ``nn.Module``, or a
             callable applied to q and k (NumPy callables for NumPy inputs). F may differ from Dk.
         causal: token t attends to keys ≤ t (needs Nq = Nk).
-        chunk_size: chunk length of the chunked forms (default 64 causal; non-causal chunks only when given).
+        chunk_size: chunk length of the chunked forms (default 64 causal, 1024 non-causal). Non-causal attention
+            is chunked when this is given or when there are more than 4096 keys (measured faster there).
         normalize: divide by φ(q)·Σφ(k) + eps; False for signed maps (plain linear attention).
         eps: added to the denominator (in the stabilised scale for log-space maps such as FAVOR+).
         min_denom: if given, the denominator is clamped below at this value after adding eps.
@@ -182,7 +186,8 @@ def linear_attention(
             )
 
     if form == "auto":
-        form = "chunked" if causal or chunk_size is not None else "global"
+        long_keys = k.shape[-2] > NONCAUSAL_CHUNKED_ABOVE
+        form = "chunked" if causal or chunk_size is not None or long_keys else "global"
     if form == "recurrent" and not causal:
         raise LinearAttentionError("form='recurrent' is the causal token-by-token form; pass causal=True")
     if form == "global" and causal:
