@@ -87,6 +87,28 @@ def _stabilise_keys(
     return torch.exp(log_features - finite_ref.unsqueeze(-1)), ref
 
 
+def _query_features(fmap: nn.Module, q: torch.Tensor, log_space: bool) -> torch.Tensor:
+    qf = map_features(fmap, q, is_query=True)
+    return _stabilise_queries(qf) if log_space else qf
+
+
+def _key_features(
+    fmap: nn.Module,
+    k: torch.Tensor,
+    keep: torch.Tensor | None,
+    log_space: bool,
+    causal: bool,
+    start: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Key features with masked keys zeroed, and (log-space maps) the log-scale they are stored at."""
+    kf = map_features(fmap, k, is_query=False)
+    if log_space:
+        return _stabilise_keys(kf, keep, causal, start)
+    if keep is not None:
+        kf = kf.masked_fill(~keep.unsqueeze(-1), 0)
+    return kf, None
+
+
 def _to_torch(x: Any, name: str) -> tuple[torch.Tensor, bool]:
     if isinstance(x, np.ndarray):
         if not np.issubdtype(x.dtype, np.floating) and x.dtype != np.bool_:
@@ -238,15 +260,9 @@ def _run_form(
         size = chunk_size or DEFAULT_NONCAUSAL_CHUNK
         out, final = _noncausal_chunked(fmap, q, k, v, keep, state, log_space, size, map_name, options)
     else:
-        qf = map_features(fmap, q, is_query=True)
-        kf = map_features(fmap, k, is_query=False)
+        qf = _query_features(fmap, q, log_space)
+        kf, ref = _key_features(fmap, k, keep, log_space, causal, state.shift if state is not None else None)
         _validate.check_state_features(state, kf.shape[-1], map_name)
-        ref = None
-        if log_space:
-            qf = _stabilise_queries(qf)
-            kf, ref = _stabilise_keys(kf, keep, causal, state.shift if state is not None else None)
-        elif keep is not None:
-            kf = kf.masked_fill(~keep.unsqueeze(-1), 0)
         if form == "parallel":
             out, final = parallel_attention(
                 qf, kf, v, causal=causal, ref=ref, state=state, want_state=return_state, **options
@@ -279,17 +295,11 @@ def _noncausal_chunked(
     key_chunks, query_chunks = k.split(size, dim=-2), q.split(size, dim=-2)
 
     def key_features(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        kf = map_features(fmap, key_chunks[start // size], is_query=False)
         chunk_keep = keep[..., start:end] if keep is not None else None
-        if log_space:
-            return _stabilise_keys(kf, chunk_keep, False, None)
-        if chunk_keep is not None:
-            kf = kf.masked_fill(~chunk_keep.unsqueeze(-1), 0)
-        return kf, None
+        return _key_features(fmap, key_chunks[start // size], chunk_keep, log_space, False, None)
 
     def query_features(start: int, end: int) -> torch.Tensor:
-        qf = map_features(fmap, query_chunks[start // size], is_query=True)
-        return _stabilise_queries(qf) if log_space else qf
+        return _query_features(fmap, query_chunks[start // size], log_space)
 
     features = map_features(fmap, k[..., :1, :], is_query=False).shape[-1]
     _validate.check_state_features(state, features, map_name)
