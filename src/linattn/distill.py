@@ -28,7 +28,7 @@ from .errors import LinearAttentionError
 from .evaluate.metrics import scale_for_map, softmax_weights
 from .feature_maps import LearnedProjectionMap, create
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: hedgehog maps hold a key gate; version-1 files load with the gate at 0 (the same map)
 
 
 def _as_list(x: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
@@ -90,10 +90,12 @@ def _batch(
     if noise:
         q = q + noise * item["q_std"] * torch.randn(q.shape, generator=generator)
         k = k + noise * item["k_std"] * torch.randn(k.shape, generator=generator)
-        logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        logits = (q / math.sqrt(q.shape[-1])) @ k.transpose(-1, -2)
         if mask is not None:
             logits = logits.masked_fill(~mask, float("-inf"))
         weights = torch.softmax(logits, dim=-1)  # (H, R, K)
+    elif len(keys) == item["k"].shape[1]:
+        weights = item["weights"][:, rows]  # every key: the softmax rows as they are
     else:
         weights = item["weights"][:, rows][:, :, keys]
         weights = weights / weights.sum(-1, keepdim=True)
@@ -109,14 +111,15 @@ def _batch(
 def _loss(fmap: LearnedProjectionMap, batch: dict[str, torch.Tensor], mse_weight: float) -> torch.Tensor:
     """Per head and row (H, R): cross-entropy −Σ_j A_ij log Â_ij = log Σ_j S_ij − Σ_j A_ij log S_ij with
     S_ij = φ(q_i)·φ(k_j), plus ``mse_weight`` · ‖Ŷ_i − Y_i‖² / mean_i ‖Y_i‖² when values are present."""
-    qf = fmap.features(batch["q"], is_query=True)  # (H, R, F)
-    kf = fmap.features(batch["k"], is_query=False)  # (H, K, F)
+    qf = fmap.scaled_features(batch["q"], is_query=True)  # (H, R, F), up to a constant per row
+    kf = fmap.scaled_features(batch["k"], is_query=False)  # (H, K, F), up to a constant per head
     # + 1e-6: a row whose features are all zero (relu maps) gets uniform weights and a finite loss, not 0/0
     scores = qf @ kf.transpose(-1, -2) + 1e-6  # (H, R, K)
     if "mask" in batch:
         scores = scores.masked_fill(~batch["mask"], 0.0)
+        scores = scores.clamp_min(1e-30)  # masked scores are 0, where xlogy's gradient would be 0/0
     norm = scores.sum(-1)  # (H, R)
-    loss = torch.log(norm) - torch.special.xlogy(batch["weights"], scores.clamp_min(1e-30)).sum(-1)
+    loss = torch.log(norm) - torch.special.xlogy(batch["weights"], scores).sum(-1)
     if mse_weight and "v" in batch:
         exact = batch["output"]
         approx = (scores @ batch["v"]) / norm.unsqueeze(-1)  # (H, R, dv)
@@ -137,14 +140,16 @@ def fit_feature_map(
     num_features: int | None = None,
     tied: bool = True,
     init_scale: float = 2.0,
-    steps: int = 300,
+    steps: int = 600,
     lr: float = 0.02,
     batch_rows: int = 128,
     batch_keys: int | None = 128,
+    batch_sequences: int | None = 4,
     holdout: float = 0.2,
     holdout_by: str = "rows",
-    eval_every: int = 5,
-    patience: int = 12,
+    eval_every: int = 10,
+    eval_rows: int | None = 768,
+    patience: int = 6,
     anchor: float = 0.0,
     mse_weight: float = 0.0,
     noise: float = 0.2,
@@ -166,8 +171,11 @@ def fit_feature_map(
             sharper softmax features from the start; e.g. ``init="random"``).
         steps, lr: Adam steps and learning rate. batch_rows, batch_keys: query rows and keys (None: all) sampled
             per sequence in each step; the target is softmax over the sampled keys, renormalised.
+            batch_sequences: sequences sampled per step (None: all), so that many sequences (e.g. a text captured
+            in several paragraph orders) cost no more per step.
         holdout, holdout_by, eval_every, patience: early stopping on held-out query rows (``"rows"``) or whole
             held-out sequences (``"sequences"``); see the module docstring; patience counts evaluations.
+            eval_rows: evaluate on a fixed seeded subset of at most about this many held-out rows (None: all).
         anchor: weight of the pull λ‖W − W₀‖² towards the initialisation. mse_weight: weight of the output loss.
         noise: Gaussian jitter on q and k (× their per-head std) in each step, the target recomputed on the
             jittered inputs: it makes the map match exp(q·k/√d) around the training tokens, not only at them.
@@ -221,10 +229,17 @@ def fit_feature_map(
     training = [item for item in sequences if len(item["train"])]
     if not training:
         raise LinearAttentionError("q: no query rows left to train on after the holdout; pass more tokens")
+    if eval_rows is not None:  # a fixed seeded subset of the held-out rows, spread evenly over the sequences
+        share = max(1, eval_rows // max(1, sum(bool(len(item["held"])) for item in sequences)))
+        for item in sequences:
+            if len(item["held"]) > share:
+                keep = torch.randperm(len(item["held"]), generator=generator)[:share]
+                item["held"] = item["held"][keep.sort().values]
     held_rows = sum(len(item["held"]) for item in sequences)
 
     initial = fmap.weight.detach().clone()
-    best = [p.detach().clone() for p in (fmap.weight, fmap.bias)]
+    params = list(fmap.parameters())  # each (P, H, ...): the head is dim 1, so heads are kept independently
+    best = [p.detach().clone() for p in params]
     best_loss = torch.full((heads,), math.inf)
     optimiser = torch.optim.Adam(fmap.parameters(), lr=lr)
     history: list[tuple[int, float, float]] = []
@@ -242,7 +257,7 @@ def fit_feature_map(
             stale = 0 if bool(improved.any()) else stale + 1
             best_loss = torch.where(improved, watched, best_loss)
             with torch.no_grad():  # per-head early stopping: keep each head's best parameters
-                for saved, param in zip(best, (fmap.weight, fmap.bias), strict=True):
+                for saved, param in zip(best, params, strict=True):
                     saved[:, improved] = param.detach()[:, improved]
             watched_mean = float(watched.mean()) / max(held_rows, 1)
             history.append((step, float(train_loss.mean()), watched_mean))
@@ -254,7 +269,10 @@ def fit_feature_map(
             break
         total = torch.zeros(())
         train_loss = torch.zeros(heads)
-        for item in training:
+        chosen = training
+        if batch_sequences and batch_sequences < len(training):
+            chosen = [training[i] for i in torch.randperm(len(training), generator=generator)[:batch_sequences]]
+        for item in chosen:
             pick = torch.randperm(len(item["train"]), generator=generator)[:batch_rows]
             n = item["k"].shape[1]
             keys = None
@@ -262,8 +280,8 @@ def fit_feature_map(
                 keys = torch.randperm(n, generator=generator)[:batch_keys].sort().values
             batch = _batch(item, item["train"][pick], keys, noise, generator)
             losses = _loss(fmap, batch, mse_weight).mean(-1)  # (H,)
-            total = total + losses.sum() / len(training)
-            train_loss += losses.detach() / len(training)
+            total = total + losses.sum() / len(chosen)
+            train_loss += losses.detach() / len(chosen)
         if anchor:
             total = total + anchor * (fmap.weight - initial).square().sum()
         optimiser.zero_grad()
@@ -274,8 +292,8 @@ def fit_feature_map(
     if bar is not None:
         bar.close()
     with torch.no_grad():
-        fmap.weight.copy_(best[0])
-        fmap.bias.copy_(best[1])
+        for saved, param in zip(best, params, strict=True):
+            param.copy_(saved)
     fmap.fit_history = history  # type: ignore[assignment]
     return fmap.eval()
 
@@ -333,7 +351,10 @@ def load_feature_maps(path: str) -> FittedFeatureMaps:
     for layer in range(fitted.num_layers):
         fmap = create(fitted.kind, head_dim=fitted.head_dim, num_heads=fitted.num_heads, **fitted.options)
         prefix = f"layers.{layer}."
-        fmap.load_state_dict({name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)})
+        state = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+        if metadata.get("version") == "1" and "gate" in fmap.state_dict():
+            state["gate"] = fmap.state_dict()["gate"]  # zero: written before hedgehog had a key gate
+        fmap.load_state_dict(state)
         fitted.maps.append(fmap.eval())  # type: ignore[arg-type]
     return fitted
 

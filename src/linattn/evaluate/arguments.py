@@ -24,6 +24,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest held-out sequence (paragraphs are grouped up to it)")
     parser.add_argument("--fit-max-tokens", type=int, default=None,
                         help="longest train sequence for fitting (default: the model's limit)")
+    parser.add_argument("--fit-orders", type=int, default=4,
+                        help="capture the train text in this many paragraph orders for fitting (1: as given)")
     parser.add_argument("--save-maps", default=None,
                         help="also write the fitted maps of each learned kind to this folder (safetensors)")
     parser.add_argument("--out", default="out/compare", help="folder for report.md, results.json and plots")

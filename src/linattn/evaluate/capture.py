@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,21 @@ def split_sequences(text: str, tokenizer: Any, max_tokens: int) -> list[str]:
     return pieces
 
 
+def reordered(text: str, orders: int, seed: int = 0) -> list[str]:
+    """``text`` followed by up to ``orders − 1`` seeded shuffles of its paragraphs, each order at most once."""
+    parts = paragraphs(text)
+    generator = random.Random(seed)
+    seen, texts = {tuple(parts)}, [text]
+    for _ in range(8 * orders):  # a few paragraphs have few distinct orders: stop trying after a while
+        if len(texts) >= orders:
+            break
+        order = generator.sample(parts, len(parts))
+        if tuple(order) not in seen:
+            seen.add(tuple(order))
+            texts.append("\n\n".join(order))
+    return texts
+
+
 @dataclass
 class AttentionCapture:
     """q, k, v of every attention layer for each captured sequence.
@@ -103,10 +119,17 @@ class AttentionCapture:
     queries: list[torch.Tensor] = field(default_factory=list)
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    orders: list[int] = field(default_factory=list)  # the paragraph order of each sequence (0: as given; [] all 0)
 
     @property
     def num_tokens(self) -> int:
         return sum(q.shape[-2] for q in self.queries)
+
+    @property
+    def text_tokens(self) -> int:
+        """Tokens of the text as given: those of the sequences captured in the first paragraph order."""
+        orders = self.orders or [0] * len(self.queries)
+        return sum(q.shape[-2] for q, order in zip(self.queries, orders, strict=True) if order == 0)
 
     def layer(self, index: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Lists over sequences of q ``(H, N, d)``, k, v ``(Hkv, N, ·)`` of layer ``index``."""
@@ -158,6 +181,8 @@ def capture_attention(
     *,
     max_tokens: int | None = 512,
     model_name: str | None = None,
+    orders: int = 1,
+    seed: int = 0,
 ) -> AttentionCapture:
     """Run ``model`` on ``texts`` and capture q, k, v of every attention layer.
 
@@ -166,7 +191,12 @@ def capture_attention(
             (one sequence each, truncated to ``max_tokens``). Each sequence runs alone (batch 1, no padding).
         max_tokens: longest sequence; capped at the model's ``max_position_embeddings`` when it has one.
         model_name: recorded in the capture (default: the model config's name or path).
+        orders: for a string, capture it in this many paragraph orders: as given, then seeded shuffles (``seed``;
+            repeated orders are skipped). The same text then shows every token at other positions and after
+            other context, more activations to fit learned maps on without more text (docs/evaluation.md).
     """
+    if orders < 1:
+        raise LinearAttentionError(f"orders: need at least 1, got {orders!r}")
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -174,7 +204,13 @@ def capture_attention(
     limit = getattr(config, "max_position_embeddings", None)
     if max_tokens is None or (limit is not None and max_tokens > limit):
         max_tokens = limit or 512
-    pieces = split_sequences(texts, tokenizer, max_tokens) if isinstance(texts, str) else list(texts)
+    if isinstance(texts, str):
+        split = [(index, piece) for index, text in enumerate(reordered(texts, orders, seed))
+                 for piece in split_sequences(text, tokenizer, max_tokens)]
+        order_of, pieces = [index for index, _ in split], [piece for _, piece in split]
+    else:
+        pieces = list(texts)
+        order_of = [0] * len(pieces)
     if not pieces or not all(isinstance(p, str) and p.strip() for p in pieces):
         raise LinearAttentionError("texts: need at least one non-empty string")
 
@@ -187,7 +223,7 @@ def capture_attention(
     model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
     _Recorder.active = recorder
     try:
-        for piece in pieces:
+        for piece, order in zip(pieces, order_of, strict=True):
             recorder.calls.clear()
             encoded = tokenizer(piece, return_tensors="pt", truncation=True, max_length=max_tokens)
             with torch.no_grad():
@@ -205,6 +241,7 @@ def capture_attention(
                     head_dim=q0.shape[-1], scaling=scaling, causal=causal,
                 )
             capture.texts.append(piece)
+            capture.orders.append(order)
             capture.queries.append(torch.stack([call[0] for call in recorder.calls]))  # (L, H, N, d)
             capture.keys.append(torch.stack([call[1] for call in recorder.calls]))
             capture.values.append(torch.stack([call[2] for call in recorder.calls]))

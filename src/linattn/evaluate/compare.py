@@ -64,6 +64,7 @@ class CompareResult:
     rows: list[Row] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    fit_orders: int = 1
 
 
 class _Uniform(FeatureMap):
@@ -125,13 +126,15 @@ def run_compare(
     progress: bool = True,
     max_tokens: int = 384,
     fit_max_tokens: int | None = None,
+    fit_orders: int = 4,
     save_maps: str | None = None,
 ) -> CompareResult:
     """Measure every registered map (or ``maps``) and write the report; see the module docstring.
 
     ``text``/``heldout`` are file paths; with ``text`` alone its paragraphs are split in half; with neither, the
     shipped corpus (:mod:`linattn.data`) is used. Held-out text is measured in pieces of ≤ ``max_tokens`` tokens;
-    train text is captured in pieces of ≤ ``fit_max_tokens`` (None: the model's limit). ``save_maps``: a folder
+    train text is captured in pieces of ≤ ``fit_max_tokens`` (None: the model's limit), in ``fit_orders``
+    paragraph orders (:func:`~linattn.evaluate.capture_attention`'s ``orders``). ``save_maps``: a folder
     where each learned kind's fitted maps are written (``{kind}.safetensors``, loadable with
     :func:`linattn.distill.load_feature_maps`).
     """
@@ -157,24 +160,25 @@ def run_compare(
 
     say("loading the model and capturing q, k, v ...", flush=True)
     net, tokenizer, model_name = load_model(model)
-    # train text in sequences as long as the model takes: each query then sees more keys, and maps fitted that
-    # way generalise better (MiniLM: held-out KL 0.28 against 0.34 when fitted on 384-token pieces)
-    train = capture_attention(net, tokenizer, train_text, max_tokens=fit_max_tokens, model_name=model_name)
+    # train text in sequences as long as the model takes, each query then seeing more keys, and in several
+    # paragraph orders: maps fitted that way generalise better (docs/evaluation.md)
+    train = capture_attention(net, tokenizer, train_text, max_tokens=fit_max_tokens, model_name=model_name,
+                              orders=fit_orders)
     test = capture_attention(net, tokenizer, heldout_text, max_tokens=max_tokens, model_name=model_name)
     del net
     references = capture_references(test)
     heads, dim = test.num_heads, test.head_dim
     result = CompareResult(
         model_name=model_name, layers=test.num_layers, heads=heads, head_dim=dim, causal=test.causal,
-        train_tokens=train.num_tokens, heldout_tokens=test.num_tokens,
+        train_tokens=train.text_tokens, heldout_tokens=test.num_tokens, fit_orders=max(train.orders, default=0) + 1,
         softmax_entropy=float(references[0].entropy.mean()) if len(references) == 1 else float(
             sum(r.entropy.mean() * r.q.shape[-2] for r in references) / test.num_tokens),
         softmax_us_per_token=time_per_token(None, heads, dim, long_n, test.causal), long_n=long_n,
         threads=torch.get_num_threads(),
     )
     say(f"{model_name}: {test.num_layers} layers × {heads} heads, d={dim}, {'causal' if test.causal else 'non-causal'}"
-        f"; fit on {train.num_tokens} tokens, measured on {test.num_tokens} held-out tokens; "
-        f"{result.threads} threads", flush=True)
+        f"; fit on {train.text_tokens} tokens ({result.fit_orders} paragraph orders), measured on {test.num_tokens} "
+        f"held-out tokens; {result.threads} threads", flush=True)
     say(f"{'map':<22}{'F':>6}{'rel.err':>9}{'KL':>8}{'entropy':>9}{'µs/token':>10}   (softmax: entropy "
         f"{result.softmax_entropy:.2f}, {result.softmax_us_per_token:.2f} µs/token at N={long_n})", flush=True)
 
@@ -281,5 +285,5 @@ def cli(args: Any) -> int:
     run_compare(model=args.model, text=args.text, heldout=args.heldout, out_dir=args.out, maps=args.maps,
                 sweep=tuple(args.sweep), seeds=args.seeds, fit_options=fit_options, long_n=args.long_n,
                 progress=not args.quiet, max_tokens=args.max_tokens, fit_max_tokens=args.fit_max_tokens,
-                save_maps=args.save_maps)
+                fit_orders=args.fit_orders, save_maps=args.save_maps)
     return 0

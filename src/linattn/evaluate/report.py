@@ -21,8 +21,9 @@ def write_report(result: Any, out_dir: str) -> list[str]:
         "",
         f"{result.layers} layers × {result.heads} heads, head dimension d = {result.head_dim}, "
         f"{'causal' if result.causal else 'non-causal'} attention. Learned maps fitted on {result.train_tokens} "
-        f"tokens; every map measured on {result.heldout_tokens} held-out tokens, in float64, against exact "
-        f"softmax attention (mean row entropy {result.softmax_entropy:.2f} nats).",
+        f"tokens of text, captured in {result.fit_orders} paragraph orders; every map measured on "
+        f"{result.heldout_tokens} held-out tokens, in float64, against exact softmax attention (mean row entropy "
+        f"{result.softmax_entropy:.2f} nats).",
         "",
         "- **rel. error**: ‖Ŷ − Y‖/‖Y‖ of the attention output, mean over layers and heads (total: over all heads "
         "at once);",
