@@ -7,10 +7,12 @@ output error ‖Â v − A v‖² / ‖A v‖² (as in LoLCATs) when values are 
 its own loss, so one optimiser fits all heads at once exactly as if each were fitted alone.
 
 Generalising from a few hundred tokens: the defaults (tied query/key projection, m = 2d, identity × 2
-initialisation, Gaussian jitter of q and k, random key subsets per step) were chosen on MiniLM-L6 attention,
-measured on held-out text (docs/evaluation.md gives the figures). A seeded fraction ``holdout`` of the query
-rows of every sequence is kept out of the loss; each head keeps the parameters of its best held-out loss
-(per-head early stopping), and fitting stops once no head has improved for ``patience`` evaluations.
+initialisation, Gaussian jitter of q and k, random key subsets, 4 sequences per step, 600 steps) were chosen on
+MiniLM-L6 attention, measured on held-out text (docs/evaluation.md gives the figures); pass many sequences, e.g.
+the text captured in several paragraph orders (``capture_attention(..., orders=4)``), and each step samples 4
+of them. A seeded fraction ``holdout`` of the query rows of every sequence is kept out of the loss; each head
+keeps the parameters of its best held-out loss (per-head early stopping, on a fixed subset of ``eval_rows``
+held-out rows), and fitting stops once no head has improved for ``patience`` evaluations.
 ``anchor`` adds λ‖W − W₀‖² (a pull towards the initialisation); it did not help on MiniLM and is off.
 """
 
