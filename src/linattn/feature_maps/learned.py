@@ -6,7 +6,7 @@ projections, fitted to mimic softmax attention (see :mod:`linattn.distill`).
 - ``t2r`` (Kasai et al., "Finetuning Pretrained Transformers into RNNs", 2021): φ(x) = relu(Wx + b), F = m.
 - ``hedgehog`` (Zhang et al., "The Hedgehog & the Porcupine", 2024): z = Wx + b,
   φ(x) = [softmax(z), softmax(−z)], F = 2m, and for keys a learned weight e^{u·k} (linattn's addition; u = 0 at
-  initialisation). Identity initialisation (W = I, b = 0 for m = d). Log-space: the core exponentiates it.
+  initialisation). Identity initialisation (W = I, b = 0 for m = d).
 
 Both take ``num_features`` (m, default d), ``num_heads`` (one projection per head, applied along dim −3; ``None``
 shares one projection across heads), ``tied`` (one projection for queries and keys, or one each), ``init``
@@ -145,7 +145,7 @@ class T2RFeatureMap(LearnedProjectionMap):
 
 class HedgehogFeatureMap(LearnedProjectionMap):
     """φ(x) = [softmax(z), softmax(−z)], z = Wx + b (Hedgehog), and for keys a learned weight e^{u·k}.
-    x (..., N, d) → (..., N, 2m); learned; log-space.
+    x (..., N, d) → (..., N, 2m); learned.
 
     Each half is a probability vector over the m features, so φ(q)·φ(k) = Σ_f e^{z_f(q)+z_f(k)}/(Z(q)Z(k)) + the
     mirrored term: a sum of exponentials of the projected scores, which is what lets it mimic softmax's spikiness.
@@ -154,14 +154,13 @@ class HedgehogFeatureMap(LearnedProjectionMap):
     a key draw more or less attention from every query, as softmax's sink tokens do, which the normalised
     features 1/Z(k) alone cannot: on MiniLM-L6 it lowers the held-out row KL of a fitted map by 0.025 at the same
     fitting cost (docs/evaluation.md). A query gate would cancel in the normalisation, so queries have none.
-
-    :meth:`features` returns log φ = log_softmax(z) (+ u·k for keys), and the core exponentiates it with its exact,
-    causal-safe shift (as for FAVOR+), so a large gate can neither overflow nor underflow. ``forward`` gives the
-    query features φ(x) themselves, floored at the dtype's smallest normal number.
+    u·k is clipped to ±``GATE_LIMIT`` (30): key features then stay below 2e^30 ≈ 2e13, so sums over a million
+    tokens stay far inside fp32's range (fitted gates on MiniLM span |u·k| ≤ 6). Strictly positive: the dtype's
+    smallest normal number is added (softmax of far-apart scores underflows to 0 otherwise).
     """
 
     mirrored = True
-    log_space: ClassVar[bool] = True
+    GATE_LIMIT: ClassVar[float] = 30.0
 
     def __init__(self, head_dim: int | None = None, **options: Any) -> None:
         super().__init__(head_dim, **options)
@@ -171,26 +170,22 @@ class HedgehogFeatureMap(LearnedProjectionMap):
         return 2 * self.num_features
 
     def activate(self, z: torch.Tensor) -> torch.Tensor:
-        # z = [Wx + b, −(Wx + b)]: one log-softmax over its (..., 2, m) view
-        return z.unflatten(-1, (2, self.num_features)).log_softmax(dim=-1).flatten(-2)
+        # z = [Wx + b, −(Wx + b)]: one softmax over its (..., 2, m) view
+        return z.unflatten(-1, (2, self.num_features)).softmax(dim=-1).flatten(-2)
 
-    def features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
-        log_phi = self.activate(self.project(x, is_query=is_query))
-        return log_phi if is_query else log_phi + self._log_gate(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The query features φ(x) (no gate), strictly positive."""
-        return self.features(x, is_query=True).exp().clamp(min=torch.finfo(x.dtype).tiny)
+    def key_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """e^{u·k}, u·k clipped to ±GATE_LIMIT, for keys x (..., [H,] N, d) → (..., [H,] N, 1)."""
+        gate = self.gate[0].to(x.dtype)  # (H, d)
+        log_weight = x @ gate[0].unsqueeze(-1) if self.num_heads is None else x @ gate.unsqueeze(-1)
+        return log_weight.clamp(-self.GATE_LIMIT, self.GATE_LIMIT).exp()
 
     def scaled_features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
-        # softmax (one pass) rather than exp(log_softmax − max) (two); keys: the gate shifted by its maximum
-        phi = self.project(x, is_query=is_query).unflatten(-1, (2, self.num_features)).softmax(-1).flatten(-2)
-        if is_query:
-            return phi
-        log_weight = self._log_gate(x)
-        return phi * torch.exp(log_weight - log_weight.detach().amax(-2, keepdim=True))
+        # as features(), without the floor (one pass less in fitting)
+        phi = self.activate(self.project(x, is_query=is_query))
+        return phi if is_query else phi * self.key_weight(x)
 
-    def _log_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """u·k for keys x (..., [H,] N, d) → (..., [H,] N, 1)."""
-        gate = self.gate[0].to(x.dtype)  # (H, d)
-        return x @ gate[0].unsqueeze(-1) if self.num_heads is None else x @ gate.unsqueeze(-1)
+    def features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        phi = self.activate(self.project(x, is_query=is_query))
+        floor = torch.tensor(torch.finfo(x.dtype).tiny, dtype=x.dtype, device=x.device)
+        # keys: floor + φ·e^{u·k} in one fused pass
+        return phi + floor if is_query else torch.addcmul(floor, phi, self.key_weight(x))
