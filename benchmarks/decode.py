@@ -21,32 +21,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from associative_recall import RecallLM  # noqa: E402
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_steps(step: Callable[[], None], tokens: int, warmup: int, device: torch.device) -> list[float]:
-    """Seconds per call of ``step``, each timed alone, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    times = []
-    for _ in range(tokens):
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return times
+from linattn.bench import time_calls  # noqa: E402
 
 
 def linattn_decode(
@@ -64,7 +45,7 @@ def linattn_decode(
             logits, carried["caches"] = model.step(carried["token"], carried["caches"])
             carried["token"] = logits.argmax(-1)
 
-        times = time_steps(step, tokens, warmup, device)
+        times = time_calls(step, tokens, device, warmup=warmup)
     state_bytes = sum(
         t.numel() * t.element_size()
         for c in carried["caches"]
@@ -104,7 +85,7 @@ def softmax_decode(
         state["length"] = n + 1
 
     with torch.no_grad():
-        times = time_steps(step, tokens, warmup, device)
+        times = time_calls(step, tokens, device, warmup=warmup)
     cache_bytes = sum(k[:, :, :context].numel() * k.element_size() * 2 for k, _ in caches)
     return times, cache_bytes
 

@@ -20,6 +20,7 @@ import csv
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import platform
 import time
@@ -148,15 +149,19 @@ def peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
     return peak
 
 
-def _time(fn: Callable[[], Any], repeats: int, device: torch.device, max_seconds: float) -> list[float]:
-    """Seconds per call: one warm-up, then ``repeats`` timed calls (just the warm-up if it took too long)."""
+def time_calls(
+    fn: Callable[[], Any], repeats: int, device: torch.device, *, warmup: int = 1, max_seconds: float = math.inf
+) -> list[float]:
+    """Seconds per call, each timed alone (the device synchronised): ``warmup`` untimed calls, then ``repeats``
+    timed ones; if one warm-up call took over ``max_seconds``, just its time."""
+    for index in range(warmup):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        if index == 0 and time.perf_counter() - start > max_seconds:
+            return [time.perf_counter() - start]
     _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    warm = time.perf_counter() - start
-    if warm > max_seconds:
-        return [warm]
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -268,7 +273,7 @@ def run(config: BenchConfig) -> tuple[list[Result], list[DecodeResult]]:
                 for pass_name, fn, pass_flops in passes:
                     if (impl.name, pass_name) in stopped:
                         continue
-                    samples = _time(fn, config.repeats, device, config.max_seconds)
+                    samples = time_calls(fn, config.repeats, device, max_seconds=config.max_seconds)
                     if len(samples) == 1:
                         stopped.add((impl.name, pass_name))  # larger N would take longer still
                     q1, median, q3 = _quartiles(samples)
@@ -320,7 +325,7 @@ def decode_benchmark(config: BenchConfig) -> list[DecodeResult]:
                 F.scaled_dot_product_attention(q, k, v)
 
             for name, fn in (("linattn recurrent step", step), ("sdpa kv-cache step", cache_step)):
-                q1, median, q3 = _quartiles(_time(fn, config.decode_steps, device, config.max_seconds))
+                q1, median, q3 = _quartiles(time_calls(fn, config.decode_steps, device, max_seconds=config.max_seconds))
                 rows.append(DecodeResult(name, context, median, q1, q3))
                 print(f"decode {name:>24} L={context:>6}: {median * 1e3:8.3f} ms/token "
                       f"(IQR {q1 * 1e3:.3f}–{q3 * 1e3:.3f})", flush=True)
