@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from associative_recall import RecallLM  # noqa: E402
 
-from linattn.bench import time_calls  # noqa: E402
+from linattn.measure import time_calls  # noqa: E402
 
 
 def linattn_decode(

@@ -19,8 +19,8 @@ import time
 import torch
 
 import linattn
-from linattn import bench
 from linattn.feature_maps import FeatureMap, create
+from linattn.measure import peak_memory
 
 
 class WhereElu(FeatureMap):
@@ -72,7 +72,7 @@ def main() -> None:
                 leaf.grad = None
             linattn.linear_attention(*leaves, feature_map=fmap, causal=True).backward(grad)
 
-        peak = bench.peak_memory(attention_training, torch.device("cpu"))
+        peak = peak_memory(attention_training, torch.device("cpu"))
         print(f"{name:>15}: map forward {median_time(map_forward) * 1e3:7.1f} ms | causal attention forward "
               f"{median_time(attention_forward) * 1e3:7.1f} ms, forward+backward "
               f"{median_time(attention_training) * 1e3:7.1f} ms, peak {peak / io_bytes:.2f}× bytes(q,k,v,out)")

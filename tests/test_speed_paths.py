@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import linattn
-from linattn import bench
+from linattn import bench, measure
 from linattn.forms import causal_fn
 from maps_for_tests import LogExp
 from reference import elu_plus_one, reference_attention, rel_error
@@ -129,10 +129,10 @@ def test_float32_blocks_agree_with_float64_definition():
 
 
 def test_useful_flops_and_matmul_peak():
-    assert bench.useful_flops("linear", n=128, heads=2, batch=3, features=8, values=4) == 4 * 128 * 8 * 4 * 6
-    assert bench.useful_flops("sdpa", n=128, heads=1, batch=1, features=8, values=8, causal=False) == 4 * 128**2 * 8
-    assert bench.useful_flops("sdpa", n=128, heads=1, batch=1, features=8, values=8, causal=True) == 2 * 128**2 * 8
-    assert bench.matmul_peak(size=128, repeats=2) > 0
+    assert measure.useful_flops("linear", n=128, heads=2, batch=3, features=8, values=4) == 4 * 128 * 8 * 4 * 6
+    assert measure.useful_flops("sdpa", n=128, heads=1, batch=1, features=8, values=8, causal=False) == 4 * 128**2 * 8
+    assert measure.useful_flops("sdpa", n=128, heads=1, batch=1, features=8, values=8, causal=True) == 2 * 128**2 * 8
+    assert measure.matmul_peak(size=128, repeats=2) > 0
 
 
 def test_peak_memory_sees_a_known_allocation():
@@ -142,7 +142,7 @@ def test_peak_memory_sees_a_known_allocation():
         block = torch.ones(size, dtype=torch.float32)
         block.add_(1)
 
-    measured = bench.peak_memory(allocate, torch.device("cpu"))
+    measured = measure.peak_memory(allocate, torch.device("cpu"))
     assert 4 * size <= measured <= 4 * size * 2
 
 

@@ -20,10 +20,8 @@ import csv
 import dataclasses
 import importlib.util
 import json
-import math
 import os
 import platform
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +32,7 @@ import torch.nn.functional as F
 
 from . import __version__, feature_maps
 from .functional import linear_attention
+from .measure import matmul_peak, peak_memory, quartiles, time_calls, useful_flops
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -96,91 +95,6 @@ class _Impl:
     kind: str  # "linear" or "sdpa": which FLOP count applies
     features: int
     needs: Callable[[int], bool] = lambda n: True  # sizes the implementation accepts
-
-
-def useful_flops(
-    kind: str, *, n: int, heads: int, batch: int, features: int, values: int, causal: bool = True
-) -> int:
-    """Useful FLOPs of one forward pass (see the module docstring)."""
-    rows = batch * heads
-    if kind == "linear":
-        return 4 * n * features * values * rows
-    return (2 if causal else 4) * n * n * features * rows
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def matmul_peak(size: int = 2048, repeats: int = 5, device: str | torch.device = "cpu") -> float:
-    """GFLOP/s of the best of ``repeats`` fp32 size×size matmuls: the practical GEMM peak of this run."""
-    device = torch.device(device)
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first call warms up
-        _sync(device)
-        start = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
-
-
-def peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
-    """Bytes of the highest point of live allocations made while ``fn()`` runs, above those before it."""
-    if device.type == "cuda":
-        _sync(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        _sync(device)
-        return int(torch.cuda.max_memory_allocated(device) - base)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
-def time_calls(
-    fn: Callable[[], Any], repeats: int, device: torch.device, *, warmup: int = 1, max_seconds: float = math.inf
-) -> list[float]:
-    """Seconds per call, each timed alone (the device synchronised): ``warmup`` untimed calls, then ``repeats``
-    timed ones; if one warm-up call took over ``max_seconds``, just its time."""
-    for index in range(warmup):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        if index == 0 and time.perf_counter() - start > max_seconds:
-            return [time.perf_counter() - start]
-    _sync(device)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return samples
-
-
-def _quartiles(samples: list[float]) -> tuple[float, float, float]:
-    ordered = sorted(samples)
-
-    def at(fraction: float) -> float:
-        position = fraction * (len(ordered) - 1)
-        low = int(position)
-        high = min(low + 1, len(ordered) - 1)
-        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-    return at(0.25), at(0.5), at(0.75)
 
 
 def _peers(config: BenchConfig, causal: bool) -> list[_Impl]:
@@ -276,7 +190,7 @@ def run(config: BenchConfig) -> tuple[list[Result], list[DecodeResult]]:
                     samples = time_calls(fn, config.repeats, device, max_seconds=config.max_seconds)
                     if len(samples) == 1:
                         stopped.add((impl.name, pass_name))  # larger N would take longer still
-                    q1, median, q3 = _quartiles(samples)
+                    q1, median, q3 = quartiles(samples)
                     # a run past max_seconds is not repeated for its memory either
                     peak_bytes = peak_memory(fn, device) if config.memory and len(samples) > 1 else -1
                     gflops = pass_flops / median / 1e9
@@ -325,7 +239,7 @@ def decode_benchmark(config: BenchConfig) -> list[DecodeResult]:
                 F.scaled_dot_product_attention(q, k, v)
 
             for name, fn in (("linattn recurrent step", step), ("sdpa kv-cache step", cache_step)):
-                q1, median, q3 = _quartiles(time_calls(fn, config.decode_steps, device, max_seconds=config.max_seconds))
+                q1, median, q3 = quartiles(time_calls(fn, config.decode_steps, device, max_seconds=config.max_seconds))
                 rows.append(DecodeResult(name, context, median, q1, q3))
                 print(f"decode {name:>24} L={context:>6}: {median * 1e3:8.3f} ms/token "
                       f"(IQR {q1 * 1e3:.3f}–{q3 * 1e3:.3f})", flush=True)
