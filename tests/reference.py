@@ -72,3 +72,20 @@ def relu(x: torch.Tensor) -> torch.Tensor:
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp(min=1e-300))
+
+
+# Calls of different shapes (12 tokens against 18, one row against a batch) may take different BLAS kernels, whose
+# reduction orders differ by CPU (AVX2/AVX-512, Intel/AMD), thread count and shape: their results can differ in the
+# last bits, so "the same result" across shapes means agreement within a few rounding errors of the output's own
+# scale. Each output here is a normalised weighted average (or a sum) over at most a few dozen terms, and a
+# different summation order moves it by a few ulps of that scale. Measured: at most 0.5 ulp over every map and form
+# of tests/test_feature_maps.py under ATEN_CPU_CAPABILITY=default/avx2/avx512 with 1 and 2 threads; 4 ulp leaves 8×
+# margin and stays ~10^6 below the change a sequence-wide (non-causal) stabiliser causes.
+SHAPE_ULPS = 4.0
+
+
+def ulps_of_scale(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual − expected| in units of eps(dtype) · max |expected|: rounding errors of the output's scale."""
+    actual, expected = actual.detach(), expected.detach()
+    scale = torch.finfo(expected.dtype).eps * expected.abs().max().double().clamp(min=1e-300)
+    return float((actual.double() - expected.double()).abs().max() / scale)

@@ -140,8 +140,54 @@ def test_version_1_files_load_with_a_zero_key_gate(tmp_path) -> None:
     assert torch.equal(loaded.gate, torch.zeros_like(loaded.gate))
     torch.testing.assert_close(loaded.features(ks[0], is_query=False), fitted.maps[0].features(ks[0], is_query=False))
     save_file({n: t for n, t in tensors.items() if not n.endswith("gate")}, old, metadata=metadata)
-    with pytest.raises(RuntimeError, match="gate"):  # a version-2 file must hold the gate
+    with pytest.raises(LinearAttentionError, match=r"damaged.*Missing key.*gate"):  # version 2 must hold the gate
         load_feature_maps(old)
+
+
+def test_loading_an_empty_corrupted_or_foreign_file_says_what_it_is(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    empty, garbage, foreign = (str(tmp_path / name) for name in ("empty.safetensors", "garbage.bin", "other.st"))
+    open(empty, "wb").close()
+    with open(garbage, "wb") as handle:
+        handle.write(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all")
+    save_file({"weight": torch.zeros(2)}, foreign)
+    cases = [(empty, "damaged"), (garbage, "damaged"), (foreign, "not a linattn feature-map file"),
+             (str(tmp_path / "missing.safetensors"), "is not a file")]
+    for path, what in cases:
+        with pytest.raises(LinearAttentionError, match=rf"path: '{path}' .*{what}.*fit the maps again"):
+            load_feature_maps(path)
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_fitting_refuses_non_finite_activations(where: str) -> None:
+    qs, ks, _ = _problem(seed=7, sequences=2, heads=2)
+    bad = [t.clone() for t in (qs if where == "q" else ks)]
+    bad[1][0, 3, 1] = float("nan")
+    q, k = (bad, ks) if where == "q" else (qs, bad)
+    with pytest.raises(LinearAttentionError, match=rf"{where}: sequence 1 holds 1 NaN/inf values"):
+        fit_feature_map(q, k, steps=3)
+
+
+def test_fitting_stops_with_a_clear_error_when_the_loss_turns_non_finite(monkeypatch) -> None:
+    """The guard itself: whatever makes a loss non-finite mid-fit (here head 1's loss from the 6th call on), the
+    fit stops with an error instead of returning the initial map with a NaN history."""
+    import linattn.distill as distill
+
+    original, calls = distill._loss, []
+
+    def failing_loss(*args, **kwargs):
+        loss = original(*args, **kwargs)
+        calls.append(1)
+        if len(calls) > 5:
+            loss = loss.clone()
+            loss[1] = float("nan")
+        return loss
+
+    monkeypatch.setattr(distill, "_loss", failing_loss)
+    qs, ks, _ = _problem(seed=8, sequences=1, heads=2)
+    with pytest.raises(LinearAttentionError, match=r"loss of head\(s\) \[1\] became non-finite at step \d+; lower lr"):
+        fit_feature_map(qs, ks, steps=20, eval_every=1)
 
 
 @pytest.mark.slow

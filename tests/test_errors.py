@@ -69,7 +69,7 @@ BAD_CALLS = {
     "map-wrong-type": (lambda: linattn.linear_attention(*qkv(4, 3), feature_map=3), r"feature_map: expected"),
     "callable-returns-junk": (
         lambda: linattn.linear_attention(*qkv(4, 3), feature_map=lambda x: "x"),
-        r"feature_map: the callable returned str",
+        r"feature_map '<lambda>': returned str; it must return a tensor",
     ),
     "signed-map-normalized": (
         lambda: linattn.linear_attention(*qkv(4, 3), feature_map="identity"),
@@ -145,3 +145,52 @@ def test_registry_errors():
         feature_maps.create("elu", head_dim=4, nonsense=1)
     with pytest.raises(LinearAttentionError, match=r"non-empty string"):
         feature_maps.register("", feature_maps.EluFeatureMap)
+
+
+def _wrong_rows(x):
+    return x[..., :-1, :]  # drops a token
+
+
+def _flattened(x):
+    return x.reshape(-1, x.shape[-1])  # loses the head dim
+
+
+def _not_a_tensor(x):
+    return x.tolist()
+
+
+def _integer_features(x):
+    return (x > 0).long()
+
+
+class _MismatchedMap(linattn.feature_maps.FeatureMap):
+    """A map that treats queries and keys differently, and gets their widths wrong."""
+
+    def features(self, x, *, is_query):
+        return torch.cat([x, x], -1) if is_query else x
+
+
+@pytest.mark.parametrize(
+    ("fmap", "pattern"),
+    [
+        (_wrong_rows, r"feature_map '_wrong_rows': returned shape \(1, 2, (6|0), 4\) for (queries|keys) of shape "
+                      r"\(1, 2, (7|1), 4\).*map the last dim only"),
+        (_flattened, r"feature_map '_flattened': returned shape \((14|2), 4\)"),
+        (_not_a_tensor, r"feature_map '_not_a_tensor': returned list"),
+        (_integer_features, r"feature_map '_integer_features': returned dtype torch.int64"),
+    ],
+    ids=["rows", "flattened", "list", "int"],
+)
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"chunk_size": 3}, {"causal": True, "form": "recurrent"}],
+                         ids=["global", "causal", "noncausal-chunked", "recurrent"])
+def test_a_bad_callable_feature_map_is_named_in_the_error(fmap, pattern, kw):
+    q, k, v = qkv(1, 2, 7, 4)
+    with pytest.raises(LinearAttentionError, match=pattern):
+        linattn.linear_attention(q, k, v, feature_map=fmap, **kw)
+
+
+def test_a_feature_map_with_different_query_and_key_widths_is_refused():
+    q, k, v = torch.randn(1, 7, 4), torch.randn(1, 8, 4), torch.randn(1, 8, 4)
+    for kw in ({}, {"chunk_size": 4}):
+        with pytest.raises(LinearAttentionError, match=r"8 query features but 4 key features"):
+            linattn.linear_attention(q, k, v, feature_map=_MismatchedMap(), **kw)

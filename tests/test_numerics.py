@@ -8,7 +8,7 @@ import torch
 
 import linattn
 from linattn.feature_maps import EluFeatureMap
-from reference import elu_plus_one, reference_attention, rel_error
+from reference import SHAPE_ULPS, elu_plus_one, reference_attention, rel_error, ulps_of_scale
 
 
 def plain_torch_attention(q, k, v, causal):
@@ -116,7 +116,7 @@ def test_numpy_callable_feature_map_receives_numpy():
 
 @pytest.mark.parametrize("form", ["parallel", "chunked", "recurrent"])
 def test_causal_outputs_do_not_depend_on_later_tokens(form):
-    """Bit for bit: the first t outputs are the same whether or not (much larger) tokens follow."""
+    """The first t outputs are the same, to rounding, whether or not (much larger) tokens follow."""
     generator = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 96, 8, generator=generator) for _ in range(3))
     t = 64
@@ -126,7 +126,8 @@ def test_causal_outputs_do_not_depend_on_later_tokens(form):
         torch.cat([q[:, :t], later], 1), torch.cat([k[:, :t], later], 1), torch.cat([v[:, :t], later], 1),
         causal=True, form=form, chunk_size=32,
     )
-    assert torch.equal(long[:, :t], short)
+    # 64 against 96 tokens: other GEMM shapes may round differently (tests/reference.py, SHAPE_ULPS)
+    assert ulps_of_scale(long[:, :t], short) <= SHAPE_ULPS
 
 
 def test_fp64_inputs_accumulate_in_fp64_state():
@@ -143,7 +144,7 @@ def test_named_random_map_is_drawn_once_and_reused():
     first = linattn.linear_attention(q, k, v, feature_map="favor+")
     torch.manual_seed(123)  # a later change of the global generator must not matter either
     second = linattn.linear_attention(q, k, v, feature_map="favor+")
-    assert torch.equal(first, second)
+    assert torch.equal(first, second)  # bit for bit: same inputs, shapes and projections take the same kernels
 
 
 @pytest.mark.parametrize(("causal", "form"), [(False, "global"), (False, "chunked"), (True, "chunked"),
@@ -156,7 +157,7 @@ def test_autocast_does_not_lower_the_accumulation_precision(causal, form):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         autocast = linattn.linear_attention(q, k, v, causal=causal, form=form, chunk_size=64)
     assert autocast.dtype == torch.float32
-    assert torch.equal(autocast, plain)
+    assert torch.equal(autocast, plain)  # bit for bit: same shapes and dtypes, so the very same kernels run
 
 
 def test_backward_inside_autocast_region():

@@ -30,6 +30,25 @@ def test_decoding_token_by_token_equals_one_causal_call():
     assert rel_error(torch.cat(steps, dim=-2), whole) <= 1e-12
 
 
+def test_token_by_token_recurrent_steps_equal_one_recurrent_call_bit_for_bit():
+    """Where bit-identity honestly holds, it is asserted. relu features are exact (no rounding, so no kernel can
+    change them), and the recurrent form does the same per-token operations, on tensors of the same shapes, whether
+    the tokens come in one call or one call each: S += k⊗v (correctly rounded products and sums), then (1, F) @ (F, Dv)
+    products of identical shapes. The chunked forms or projection maps would not qualify: there the call's length
+    changes GEMM shapes (tests/reference.py, SHAPE_ULPS)."""
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 20, 8, generator=generator) for _ in range(3))
+    whole = linattn.linear_attention(q, k, v, causal=True, feature_map="relu", form="recurrent")
+    state, steps = None, []
+    for t in range(20):
+        step, state = linattn.linear_attention(
+            q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :], causal=True, feature_map="relu",
+            form="recurrent", initial_state=state, return_state=True,
+        )
+        steps.append(step)
+    assert torch.equal(torch.cat(steps, dim=-2), whole)
+
+
 def test_state_is_fixed_size_and_serialisable():
     q = k = v = torch.randn(1, 2, 300, 8)
     _, state = linattn.linear_attention(q, k, v, causal=True, return_state=True)
@@ -41,7 +60,7 @@ def test_state_is_fixed_size_and_serialisable():
     more = torch.randn(1, 2, 5, 8)
     a = linattn.linear_attention(more, more, more, causal=True, initial_state=state)
     b = linattn.linear_attention(more, more, more, causal=True, initial_state=restored)
-    assert torch.equal(a, b)
+    assert torch.equal(a, b)  # bit for bit: the restored tensors are the same values in the same shapes
 
 
 def test_state_to_and_detach():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +55,13 @@ def _prepare(
         raise LinearAttentionError(f"q, k, v: got {len(qs)}, {len(ks)}, {len(vs)} sequences; pass one each")
     heads, dim = qs[0].shape[0], qs[0].shape[-1]
     sequences = []
-    for qi, ki, vi in zip(qs, ks, vs, strict=True):
+    for index, (qi, ki, vi) in enumerate(zip(qs, ks, vs, strict=True)):
+        for name, tensor in (("q", qi), ("k", ki), ("v", vi)):
+            if tensor is not None and not bool(torch.isfinite(tensor).all()):
+                raise LinearAttentionError(
+                    f"{name}: sequence {index} holds {int((~torch.isfinite(tensor)).sum())} NaN/inf values; fitting "
+                    "needs finite activations (capture them in fp32 from a model whose outputs are finite)"
+                )
         if qi.shape[0] != heads or qi.shape[-1] != dim or ki.shape[-1] != dim or ki.shape[1] != qi.shape[1]:
             raise LinearAttentionError(
                 f"q, k: every sequence needs q (H={heads}, N, d={dim}) and k (Hkv, N, d), got {tuple(qi.shape)} "
@@ -261,6 +268,7 @@ def fit_feature_map(
             with torch.no_grad():  # per-head early stopping: keep each head's best parameters
                 for saved, param in zip(best, params, strict=True):
                     saved[:, improved] = param.detach()[:, improved]
+            _check_finite_loss(watched, step, "held-out")
             watched_mean = float(watched.mean()) / max(held_rows, 1)
             history.append((step, float(train_loss.mean()), watched_mean))
             if bar is not None:
@@ -286,6 +294,7 @@ def fit_feature_map(
             train_loss += losses.detach() / len(chosen)
         if anchor:
             total = total + anchor * (fmap.weight - initial).square().sum()
+        _check_finite_loss(train_loss, step, "training")
         optimiser.zero_grad()
         total.backward()
         optimiser.step()
@@ -298,6 +307,16 @@ def fit_feature_map(
             param.copy_(saved)
     fmap.fit_history = history  # type: ignore[assignment]
     return fmap.eval()
+
+
+def _check_finite_loss(per_head: torch.Tensor, step: int, kind: str) -> None:
+    """Stop, rather than return a map whose history is NaN, once a head's loss is no longer finite."""
+    bad = (~torch.isfinite(per_head)).nonzero().flatten().tolist()
+    if bad:
+        raise LinearAttentionError(
+            f"fitting: the {kind} loss of head(s) {bad} became non-finite at step {step}; lower lr (e.g. lr=0.005) "
+            "or init_scale, or check the activations for extreme values"
+        )
 
 
 def _progress(steps: int, enabled: bool, kind: str) -> Any:
@@ -340,24 +359,39 @@ def load_feature_maps(path: str) -> FittedFeatureMaps:
     """Read maps written by :meth:`FittedFeatureMaps.save`."""
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt") as handle:
-        metadata = handle.metadata() or {}
-        if metadata.get("format") != "linattn-feature-maps":
-            raise LinearAttentionError(f"path: {path!r} is not a linattn feature-map file (no format metadata)")
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - safe_open API
-    fitted = FittedFeatureMaps(
-        model_name=metadata["model_name"], kind=metadata["kind"], num_layers=int(metadata["num_layers"]),
-        num_heads=int(metadata["num_heads"]), head_dim=int(metadata["head_dim"]),
-        options=json.loads(metadata["options"]),
-    )
-    for layer in range(fitted.num_layers):
-        fmap = create(fitted.kind, head_dim=fitted.head_dim, num_heads=fitted.num_heads, **fitted.options)
-        prefix = f"layers.{layer}."
-        state = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
-        if metadata.get("version") == "1" and "gate" in fmap.state_dict():
-            state["gate"] = fmap.state_dict()["gate"]  # zero: written before hedgehog had a key gate
-        fmap.load_state_dict(state)
-        fitted.maps.append(fmap.eval())  # type: ignore[arg-type]
+    what_to_do = ("pass a file written by FittedFeatureMaps.save() (e.g. `linattn compare ... --save-maps DIR`), or "
+                  "fit the maps again with fit_model_feature_maps()")
+    if not os.path.isfile(path):
+        raise LinearAttentionError(f"path: {path!r} is not a file; {what_to_do}")
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            if metadata.get("format") != "linattn-feature-maps":
+                raise LinearAttentionError(
+                    f"path: {path!r} is a safetensors file but not a linattn feature-map file (no linattn format "
+                    f"metadata); {what_to_do}"
+                )
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - safe_open API
+        fitted = FittedFeatureMaps(
+            model_name=metadata["model_name"], kind=metadata["kind"], num_layers=int(metadata["num_layers"]),
+            num_heads=int(metadata["num_heads"]), head_dim=int(metadata["head_dim"]),
+            options=json.loads(metadata["options"]),
+        )
+        for layer in range(fitted.num_layers):
+            fmap = create(fitted.kind, head_dim=fitted.head_dim, num_heads=fitted.num_heads, **fitted.options)
+            prefix = f"layers.{layer}."
+            state = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+            if metadata.get("version") == "1" and "gate" in fmap.state_dict():
+                state["gate"] = fmap.state_dict()["gate"]  # zero: written before hedgehog had a key gate
+            fmap.load_state_dict(state)
+            fitted.maps.append(fmap.eval())  # type: ignore[arg-type]
+    except LinearAttentionError:
+        raise
+    except Exception as error:  # the file format library's own errors, missing keys, tensors of the wrong shape
+        raise LinearAttentionError(
+            f"path: {path!r} is not a readable linattn feature-map file (empty, truncated or damaged: "
+            f"{type(error).__name__}: {' '.join(str(error).split())}); {what_to_do}"
+        ) from error
     return fitted
 
 

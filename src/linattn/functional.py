@@ -60,9 +60,38 @@ def resolve_feature_map(
 
 
 def map_features(fmap: nn.Module, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
-    if isinstance(fmap, FeatureMap):
-        return fmap.features(x, is_query=is_query)
-    return fmap(x)
+    """The map's features of ``x`` (..., N, D) → (..., N, F), checked: any map, a user's callable or module too."""
+    features = fmap.features(x, is_query=is_query) if isinstance(fmap, FeatureMap) else fmap(x)
+    role = "queries" if is_query else "keys"
+    if not isinstance(features, torch.Tensor):
+        raise LinearAttentionError(
+            f"feature_map {_map_label(fmap)}: returned {type(features).__name__} for the {role}; it must return a "
+            f"tensor of shape (..., N, F), here {tuple(x.shape[:-1])} + (F,)"
+        )
+    if features.shape[:-1] != x.shape[:-1]:
+        raise LinearAttentionError(
+            f"feature_map {_map_label(fmap)}: returned shape {tuple(features.shape)} for {role} of shape "
+            f"{tuple(x.shape)}; a feature map must keep every leading dim and the token dim, returning "
+            f"{tuple(x.shape[:-1])} + (F,) (map the last dim only)"
+        )
+    if not features.is_floating_point():
+        raise LinearAttentionError(
+            f"feature_map {_map_label(fmap)}: returned dtype {features.dtype} for the {role}; return floating point"
+        )
+    return features if features.dtype == x.dtype else features.to(x.dtype)
+
+
+def _map_label(fmap: nn.Module) -> str:
+    inner = getattr(fmap, "fn", None)  # a wrapped callable: name the user's function, not the wrapper
+    return repr(getattr(inner, "__name__", inner)) if inner is not None else type(fmap).__name__
+
+
+def _check_feature_dims(query_dim: int, key_dim: int, fmap: nn.Module) -> None:
+    if query_dim != key_dim:
+        raise LinearAttentionError(
+            f"feature_map {_map_label(fmap)}: {query_dim} query features but {key_dim} key features; φ(q)·φ(k) "
+            "needs the same F for both"
+        )
 
 
 def _stabilise_queries(log_features: torch.Tensor) -> torch.Tensor:
@@ -262,6 +291,7 @@ def _run_form(
     else:
         qf = _query_features(fmap, q, log_space)
         kf, ref = _key_features(fmap, k, keep, log_space, causal, state.shift if state is not None else None)
+        _check_feature_dims(qf.shape[-1], kf.shape[-1], fmap)
         _validate.check_state_features(state, kf.shape[-1], map_name)
         if form == "parallel":
             out, final = parallel_attention(
@@ -302,6 +332,7 @@ def _noncausal_chunked(
         return _query_features(fmap, query_chunks[start // size], log_space)
 
     features = map_features(fmap, k[..., :1, :], is_query=False).shape[-1]
+    _check_feature_dims(map_features(fmap, q[..., :1, :], is_query=True).shape[-1], features, fmap)
     _validate.check_state_features(state, features, map_name)
     if state is None:
         state = empty_state(q.shape[:-2], features, v.shape[-1], q)

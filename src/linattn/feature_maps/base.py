@@ -66,9 +66,10 @@ class CallableFeatureMap(FeatureMap):
         if not isinstance(result, torch.Tensor):
             from ..errors import LinearAttentionError
 
+            name = getattr(self.fn, "__name__", repr(self.fn))
             raise LinearAttentionError(
-                f"feature_map: the callable returned {type(result).__name__}; it must return a tensor "
-                "(or a NumPy array) of shape (..., N, F)"
+                f"feature_map {name!r}: returned {type(result).__name__}; it must return a tensor (or a NumPy "
+                f"array) of shape {tuple(x.shape[:-1])} + (F,)"
             )
         return result
 
