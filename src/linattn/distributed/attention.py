@@ -1,0 +1,239 @@
+"""context_parallel_attention(): one sequence split across the ranks of a process group, exact, with gradients.
+
+Rank r holds the contiguous slice r of the sequence. Everything it needs from the tokens before it is one
+fixed-size summary per slice, so a call is:
+
+1. summary of the own slice: S_r = Σ φ(k_j) v_jᵀ, z_r = Σ φ(k_j) at log-scale m_r (log-space maps: the slice's
+   maximal log-feature; ordinary maps: 0), from :func:`linattn.linear_attention` with ``return_state=True``;
+2. one all-gather of the summaries (world × B·H·(F·Dv + F + 1) numbers, whatever N is);
+3. combine: causal — the slices before r (:func:`combine_prefix`); non-causal — every other slice
+   (:func:`combine_others`); log-scales are merged exactly (max, then e^{m_j − M} ≤ 1 factors);
+4. the own slice through :func:`linattn.linear_attention` with the combined state as ``initial_state``. Its
+   stabilising reference is then max(running max of the slice, M), exactly the single-process one.
+
+Backward runs through the same autograd graph; the only collective is a reduce-scatter of the gathered summaries'
+gradient, which delivers to rank j the sum of what every later (causal) or other (non-causal) rank's initial
+state sent back to its summary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _validate
+from ..errors import LinearAttentionError
+from ..forms import FORMS
+from ..forms._common import NEG_INF, scale_between
+from ..functional import FeatureMapLike, linear_attention, resolve_feature_map
+from ..state import LinearAttentionState
+from . import _exchange
+
+
+def _weighted_sum(
+    kv: torch.Tensor, k_sum: torch.Tensor, log_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Σ_j e^{lw_j} (S_j, z_j) kept at log-scale M = max_j lw_j; -inf log-weights drop out (empty: M = -inf)."""
+    top = log_weight.amax(0)  # (...)
+    weight = scale_between(log_weight, top.unsqueeze(0)).to(kv.dtype)  # (W, ...), every factor ≤ 1
+    # multiply-and-sum over all W slices, zero weights included: the gathered tensor stays in this rank's graph,
+    # so every rank runs the backward collective
+    combined_kv = (weight[..., None, None] * kv).sum(0)  # (..., F, Dv)
+    combined_k_sum = (weight[..., None] * k_sum).sum(0)  # (..., F)
+    return combined_kv, combined_k_sum, top.to(kv.dtype)
+
+
+def combine_prefix(
+    kv: torch.Tensor,
+    k_sum: torch.Tensor,
+    shift: torch.Tensor,
+    rank: int,
+    *,
+    log_decay: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The state before slice ``rank``: slices 0..rank-1 combined in order.
+
+    ``kv`` (W, ..., F, Dv), ``k_sum`` (W, ..., F), ``shift`` (W, ...): each slice's sums at log-scale shift
+    (true sums = kv·e^shift, -inf for a slice with no visible key). ``log_decay`` (W, ...) ≤ 0: a slice's total
+    log-decay Σ g_t over its tokens (scalar decays), so that slice j reaches slice ``rank`` scaled by
+    e^{Σ_{j<i<rank} g_i}. Returns (kv, k_sum, shift) of the combined state, shift = max_j of the scales.
+    """
+    world = kv.shape[0]
+    before = torch.arange(world, device=kv.device) < rank  # (W,)
+    index_shape = (world,) + (1,) * (shift.dim() - 1)
+    log_weight = shift.to(torch.float64)
+    if log_decay is not None:
+        # decay from the end of slice j to the start of slice `rank`: the sum of g_i over j < i < rank, formed in
+        # fp64 as a suffix sum of the slices in between (never a difference of two long cumulative sums)
+        inside = torch.where(before.view(index_shape), log_decay.to(torch.float64), 0.0)
+        suffix = inside.flip(0).cumsum(0).flip(0)  # Σ_{i ≥ j, i < rank} g_i
+        log_weight = log_weight + torch.cat([suffix[1:], torch.zeros_like(suffix[:1])])
+    log_weight = torch.where(before.view(index_shape), log_weight, NEG_INF)
+    return _weighted_sum(kv, k_sum, log_weight)
+
+
+def combine_others(
+    kv: torch.Tensor, k_sum: torch.Tensor, shift: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The summary of every slice but ``rank`` (non-causal attention: what the other ranks' keys contribute)."""
+    world = kv.shape[0]
+    others = torch.arange(world, device=kv.device) != rank
+    log_weight = torch.where(others.view((world,) + (1,) * (shift.dim() - 1)), shift.to(torch.float64), NEG_INF)
+    return _weighted_sum(kv, k_sum, log_weight)
+
+
+def _rank_and_world(group: Any) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise LinearAttentionError(
+            "group: torch.distributed is not initialised; call torch.distributed.init_process_group(...) on every "
+            "rank first (backend 'gloo' on CPU, 'nccl' on GPU)"
+        )
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise LinearAttentionError(
+            f"group: this process (global rank {dist.get_rank()}) is not a member of the given group; call "
+            "context_parallel_attention only on the group's ranks"
+        )
+    return rank, dist.get_world_size(group)
+
+
+def _slice_summary(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmap: Any, mask: Any, options: dict[str, Any]
+) -> LinearAttentionState:
+    """The own slice's sums (q-head layout, as linear_attention's initial_state wants them).
+
+    One query token stands in for q: it fixes the head layout (grouped-query attention) and the dtype checks, and
+    its output (1×F×Dv work) is discarded. Non-causal, so the sums sit at the slice's maximal log-scale.
+    """
+    _, state = linear_attention(
+        q[..., :1, :], k, v, causal=False, feature_map=fmap, key_padding_mask=mask, return_state=True, **options
+    )
+    return state
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Any = None,
+    causal: bool = False,
+    feature_map: FeatureMapLike = "elu",
+    key_padding_mask: torch.Tensor | None = None,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    min_denom: float | None = None,
+    chunk_size: int | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Linear attention over a sequence split across the ranks of ``group``: this rank's slice of the output.
+
+    Rank r passes its contiguous slice of the sequence: q ``(..., N_r, Dk)``, k ``(..., N_r, Dk)``, v
+    ``(..., N_r, Dv)`` (k/v may have fewer heads, as in :func:`linattn.linear_attention`), and ``key_padding_mask``
+    ``(..., N_r)`` for those keys. Slices may be uneven (each N_r ≥ 1) and are ordered by rank. The result is
+    ``(..., N_r, Dv)``, equal — to rounding — to rows of ``linear_attention`` on the concatenated sequence; so are
+    the gradients of q, k, v and of the feature map's parameters summed over ranks (each rank's backward delivers
+    its share; sum them as data-parallel training does).
+
+    Communication per call: forward one all-gather of world × B·H·(F·Dv + F + 1) numbers in the state dtype (fp32
+    for fp16/bf16/fp32 inputs, fp64 for fp64), independent of N; backward one reduce-scatter of the same size.
+    ``validate=True`` (default) adds a small all-gather of 19 int64 per rank before it, so that ranks whose shapes
+    disagree raise a clear error everywhere instead of corrupting the collective; ``validate=False`` folds the
+    header into the one all-gather (empty slices and disagreeing options still raise on every rank; shapes that
+    change the state size must then agree — gloo aborts the process otherwise).
+
+    Every rank of the group must make the same calls in the same order, and every rank must run backward through
+    every call whose output needs a gradient (as with DDP). Random feature maps must be equal on every rank (seed
+    them, or pass one module): the header carries a checksum of the map and a mismatch raises.
+
+    >>> # on each of 2 ranks, after torch.distributed.init_process_group("gloo", ...):
+    >>> # x = torch.randn(1, 4, 1000, 32); part = torch.tensor_split(x, 2, dim=-2)[rank]
+    >>> # out = context_parallel_attention(part, part, part, causal=True)   # (1, 4, N_rank, 32)
+    """
+    rank, world = _rank_and_world(group)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            seen = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise LinearAttentionError(f"{name}: expected a torch.Tensor of shape (..., N, D), got {seen}")
+    options: dict[str, Any] = {"normalize": normalize, "eps": eps, "min_denom": min_denom}
+    fmap = resolve_feature_map(feature_map, q.shape[-1], device=q.device)
+    state: LinearAttentionState | None = None
+    error: LinearAttentionError | None = None
+    if q.shape[-2] > 0 and k.shape[-2] > 0:
+        # local checks run before any collective: a rank that raised alone would leave the others waiting
+        try:
+            _validate.check_options(chunk_size, eps, min_denom, "auto", FORMS)
+            state = _slice_summary(q, k, v, fmap, key_padding_mask, options)
+        except LinearAttentionError as raised:
+            error = raised
+    batch = q.shape[:-2].numel()
+    features = state.feature_dim if state is not None else -1
+    header = _exchange.make_header(
+        {
+            "q_tokens": q.shape[-2],
+            "k_tokens": k.shape[-2],
+            "ok": int(state is not None),
+            "ndim": q.dim(),
+            "batch": batch,
+            "heads": q.shape[-3] if q.dim() > 2 else 0,
+            "kv_heads": k.shape[-3] if k.dim() > 2 else 0,
+            "key_dim": q.shape[-1],
+            "value_dim": v.shape[-1],
+            "features": features,
+            "dtype": _exchange.dtype_code(q.dtype),
+            "causal": int(causal),
+            "normalize": int(normalize),
+            "eps": _exchange.float_bits(eps),
+            "min_denom": _exchange.float_bits(-1.0 if min_denom is None else min_denom),
+            "mask": int(key_padding_mask is not None),
+            "log_space": int(bool(getattr(fmap, "log_space", False))),
+            "decay": 0,
+            "feature_map": _exchange.fingerprint(fmap),
+        }
+    )
+    if validate:
+        table = _exchange.gather_headers(header.to(q.device), world, group)
+        _exchange.check_headers(table, rank, error, q_shape=tuple(q.shape))
+    elif state is None:
+        # no header exchange first: this rank cannot build a payload of the agreed size, so it can only raise
+        # here (the other ranks then fail in, or time out of, the collective)
+        raise error or LinearAttentionError(
+            f"context_parallel_attention (rank {rank}): empty slice (q {tuple(q.shape)}, k {tuple(k.shape)}); "
+            "every rank needs at least one token"
+        )
+    assert state is not None
+    # (..., F, Dv) + (..., F) + (...) flattened into one (P,) payload
+    payload = torch.cat([state.kv.reshape(-1), state.k_sum.reshape(-1), state.shift.reshape(-1)])
+    gathered, headers_inline = _exchange.GatherSummaries.apply(
+        payload, None if validate else header, world, group
+    )
+    if not validate:
+        table = headers_inline
+        _exchange.check_headers(table, rank, error, q_shape=tuple(q.shape))
+    rows = state.kv.shape[:-2]  # (...) batch × heads
+    size_kv, size_k = state.kv.numel(), state.k_sum.numel()
+    kv = gathered[:, :size_kv].reshape(world, *state.kv.shape)  # (W, ..., F, Dv)
+    k_sum = gathered[:, size_kv : size_kv + size_k].reshape(world, *state.k_sum.shape)  # (W, ..., F)
+    shift = gathered[:, size_kv + size_k :].reshape(world, *rows)  # (W, ...)
+    tokens = table[:, _exchange.FIELDS.index("k_tokens")].cpu()
+    if causal:
+        combined = combine_prefix(kv, k_sum, shift, rank)
+        prefix_tokens = int(tokens[:rank].sum())
+    else:
+        combined = combine_others(kv, k_sum, shift, rank)
+        prefix_tokens = int(tokens.sum()) - k.shape[-2]
+    initial = LinearAttentionState(*combined, num_tokens=prefix_tokens)
+    out: torch.Tensor = linear_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        feature_map=fmap,
+        key_padding_mask=key_padding_mask,
+        initial_state=initial,
+        chunk_size=chunk_size,
+        **options,
+    )
+    return out
