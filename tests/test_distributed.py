@@ -340,3 +340,22 @@ def test_combine_prefix_with_decay_matches_the_recurrence() -> None:
     kv_all, _, shift_all = combine_others(kv, k_sum, shift, 2)
     expect = sum(kv[j] * torch.exp(shift[j])[:, None, None] for j in range(world) if j != 2)
     assert torch.allclose(kv_all * torch.exp(shift_all)[:, None, None], expect, rtol=1e-12, atol=0)
+
+
+def test_combine_prefix_fp32_states_at_large_scales() -> None:
+    """fp32 summaries at log-scales ≈ 640 with decays: the combined sums are exact to fp32 rounding at the scale
+    the result records (the scale is rounded to fp32 before the weights are formed against it)."""
+    g = torch.Generator().manual_seed(1)
+    world, rows, features, values = 4, 64, 3, 2
+    kv = torch.rand(world, rows, features, values, generator=g, dtype=torch.float64)
+    k_sum = torch.rand(world, rows, features, generator=g, dtype=torch.float64)
+    shift = (640 + torch.randn(world, rows, generator=g, dtype=torch.float64)).float().double()
+    log_decay = (-torch.rand(world, rows, generator=g, dtype=torch.float64)).float().double()
+    exact_kv, _, exact_shift = combine_prefix(kv, k_sum, shift, world - 1, log_decay=log_decay)  # fp64
+    got_kv, _, got_shift = combine_prefix(kv.float(), k_sum.float(), shift.float(), world - 1,
+                                          log_decay=log_decay.float())
+    assert got_kv.dtype == torch.float32
+    # both as true sums relative to the fp64 scale: e^{got_shift − exact_shift} brings the fp32 result over
+    rescaled = got_kv.double() * torch.exp(got_shift.double() - exact_shift)[:, None, None]
+    relative = ((rescaled - exact_kv).abs() / exact_kv.abs()).max().item()
+    assert relative < 1e-6, relative  # a few fp32 ulps; an unrounded scale gives ~3e-5 here

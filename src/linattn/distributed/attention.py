@@ -36,8 +36,11 @@ def _weighted_sum(
     kv: torch.Tensor, k_sum: torch.Tensor, log_weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Σ_j e^{lw_j} (S_j, z_j) kept at log-scale M = max_j lw_j; -inf log-weights drop out (empty: M = -inf)."""
-    top = log_weight.amax(0)  # (...)
-    weight = scale_between(log_weight, top.unsqueeze(0)).to(kv.dtype)  # (W, ...), every factor ≤ 1
+    # M rounded to the state dtype before the weights are formed against it, so that the sums are exact at the
+    # scale the state records (with decays, M is no longer one of the fp32 shifts; at |M| ≈ 640 an fp32 ulp of M
+    # would otherwise be a 3e-5 relative error of the sums)
+    top = log_weight.amax(0).to(kv.dtype).to(torch.float64)  # (...)
+    weight = scale_between(log_weight, top.unsqueeze(0)).to(kv.dtype)  # (W, ...), every factor ≤ 1 (+ 1 ulp)
     # multiply-and-sum over all W slices, zero weights included: the gathered tensor stays in this rank's graph,
     # so every rank runs the backward collective
     combined_kv = (weight[..., None, None] * kv).sum(0)  # (..., F, Dv)
