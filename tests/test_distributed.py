@@ -158,13 +158,14 @@ def _count_collectives(rank: int, world: int) -> dict[str, float]:
     try:
         for name, fn in originals.items():
             setattr(dist, name, counting(name, fn))
-        for validate in (False, True):
-            counts.clear()
-            out = context_parallel_attention(*parts, causal=True, validate=validate)
-            result[f"forward_validate_{validate}"] = float(sum(counts.values()))
-            counts.clear()
-            out.sum().backward()
-            result[f"backward_validate_{validate}"] = float(sum(counts.values()))
+        for causal in (True, False):  # non-causal with elu: an all-reduce instead of the all-gather
+            for validate in (False, True):
+                counts.clear()
+                out = context_parallel_attention(*parts, causal=causal, validate=validate)
+                result[f"causal_{causal}_forward_validate_{validate}"] = float(sum(counts.values()))
+                counts.clear()
+                out.sum().backward()
+                result[f"causal_{causal}_backward_validate_{validate}"] = float(sum(counts.values()))
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
@@ -186,9 +187,11 @@ def _raises(rank: int, world: int, kind: str) -> dict[str, float]:
         options["feature_map"] = _favor(seed=rank)  # a different random draw on every rank
     elif kind == "local_error" and bad:
         options["key_padding_mask"] = torch.ones(3, dtype=torch.long)  # not a bool mask: rejected locally
-    elif kind == "heads_inline" and bad:  # validate=False: options disagree, sizes agree → still an error
+    elif kind in ("eps_inline", "eps_inline_noncausal") and bad:  # validate=False: sizes agree, options not
         options["eps"] = 1e-3
-    validate = kind != "heads_inline"
+    if kind == "eps_inline_noncausal":
+        options["causal"] = False  # the all-reduce path: the header travels as summed pieces and squares
+    validate = not kind.startswith("eps_inline")
     context_parallel_attention(*part, validate=validate, **options)
     raise AssertionError(f"{kind}: no error raised")
 
@@ -216,6 +219,8 @@ def cases(world: int) -> dict[str, Callable[[int, int], dict[str, float]]]:
             r, w, causal=True, feature_map=elu, split=[6] * w, chunk_size=4),
         "noncausal_elu": lambda r, w: _compare(r, w, causal=False, feature_map=elu),
         "noncausal_elu_chunked": lambda r, w: _compare(r, w, causal=False, feature_map=elu, chunk_size=4),
+        "noncausal_elu_mask_gqa_inline_header": lambda r, w: _compare(
+            r, w, causal=False, feature_map=elu, mask=_mask(w), kv_heads=2, validate=False),
         "causal_favor_mask_gqa": lambda r, w: _compare(
             r, w, causal=True, feature_map=favor, mask=_mask(w), kv_heads=2),
         "noncausal_favor_mask": lambda r, w: _compare(r, w, causal=False, feature_map=favor, mask=_mask(w)),
@@ -233,7 +238,7 @@ def cases(world: int) -> dict[str, Callable[[int, int], dict[str, float]]]:
         "layer_noncausal": lambda r, w: _layer_case(r, w, False),
         "collectives": _count_collectives,
     }
-    for kind in ("empty", "value_dim", "feature_map", "local_error", "heads_inline"):
+    for kind in ("empty", "value_dim", "feature_map", "local_error", "eps_inline", "eps_inline_noncausal"):
         table[f"raises_{kind}"] = lambda r, w, kind=kind: _raises(r, w, kind)
     # the group must still work after the errors above
     table["causal_elu_after_errors"] = lambda r, w: _compare(r, w, causal=True, feature_map=elu, seed=4)
@@ -279,7 +284,8 @@ RAISES = {
     "raises_value_dim": "value_dim differs",
     "raises_feature_map": "feature_map differs",
     "raises_local_error": "key_padding_mask",
-    "raises_heads_inline": "eps differs",
+    "raises_eps_inline": "eps differs",
+    "raises_eps_inline_noncausal": "eps differs",
 }
 
 
@@ -310,10 +316,8 @@ def test_one_collective_each_way(spawned: tuple[int, list[dict]]) -> None:
     _, ranks = spawned
     for results in ranks:
         assert results["collectives"]["errors"] == {
-            "forward_validate_False": 1.0,
-            "backward_validate_False": 1.0,
-            "forward_validate_True": 2.0,
-            "backward_validate_True": 1.0,
+            f"causal_{causal}_{way}_validate_{validate}": 2.0 if way == "forward" and validate else 1.0
+            for causal in (True, False) for validate in (False, True) for way in ("forward", "backward")
         }
 
 

@@ -129,6 +129,57 @@ class GatherSummaries(torch.autograd.Function):
         return out, None, None, None
 
 
+# A header that fits an all-reduce (sum): each int64 field split into 11 pieces of 6 bits, sent with their squares.
+# After the sum, a field agrees on every rank iff W·Σx² = (Σx)² for each of its pieces; sums stay exact in fp32
+# (Σx² ≤ 63²·W < 2^24) up to W = 4096. Constant size (2·19·11 numbers), unlike a gathered table.
+PIECE_BITS, PIECES = 6, 11
+
+
+def header_moments(header: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(K,) int64 → (2·K·PIECES,) in ``dtype``: the 6-bit pieces of every field, then their squares."""
+    shifts = torch.arange(PIECES, dtype=torch.int64) * PIECE_BITS
+    pieces = (header.unsqueeze(-1) >> shifts) & ((1 << PIECE_BITS) - 1)  # (K, PIECES)
+    return torch.cat([pieces.reshape(-1), pieces.square().reshape(-1)]).to(device=device, dtype=dtype)
+
+
+def check_moments(moments: torch.Tensor, header: torch.Tensor, world: int, rank: int) -> int:
+    """Raise on every rank when a field differs (from the summed pieces); returns the total of ``k_tokens``."""
+    sums, squares = moments.detach().double().round().long().cpu().view(2, len(FIELDS), PIECES)
+    where = f"context_parallel_attention (rank {rank} of {world})"
+    for index, name in enumerate(FIELDS):
+        if name not in _MAY_DIFFER and bool((world * squares[index] != sums[index].square()).any()):
+            mine = _readable(name, int(header[index]))
+            raise LinearAttentionError(
+                f"{where}: {name} differs across ranks (this rank: {mine}). Every rank must pass the same batch, "
+                "heads, head dims, dtype, options and feature map; only the slice length N may differ"
+            )
+    index = FIELDS.index("k_tokens")
+    return sum(int(sums[index, i]) << (PIECE_BITS * i) for i in range(PIECES))
+
+
+class ReduceSummaries(torch.autograd.Function):
+    """payload (P,) → Σ over ranks (P,) by one all-reduce; backward all-reduces the gradient (the sum's gradient
+    is every rank's, summed). An optional ``extra`` (non-differentiable, same dtype) is summed in the same call."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, payload: torch.Tensor, extra: torch.Tensor | None, group: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.group = group
+        parts = [payload.reshape(-1)] + ([extra] if extra is not None else [])
+        buffer = torch.cat(parts)
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        total, summed_extra = buffer[: payload.numel()], buffer[payload.numel() :]
+        ctx.mark_non_differentiable(summed_extra)
+        return total, summed_extra
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _grad_extra: torch.Tensor) -> tuple[Any, ...]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None, None
+
+
 def check_headers(
     headers: torch.Tensor, rank: int, local_error: Exception | None, *, q_shape: tuple[int, ...]
 ) -> None:

@@ -209,6 +209,10 @@ def context_parallel_attention(
     assert state is not None
     # (..., F, Dv) + (..., F) + (...) flattened into one (P,) payload
     payload = torch.cat([state.kv.reshape(-1), state.k_sum.reshape(-1), state.shift.reshape(-1)])
+    if not causal and not getattr(fmap, "log_space", False):
+        total_tokens = int(table[:, _exchange.FIELDS.index("k_tokens")].sum()) if validate else None
+        return _noncausal_all_reduce(q, k, v, payload, state, header, total_tokens, rank, world, group, fmap,
+                                     chunk_size, options)
     gathered, headers_inline = _exchange.GatherSummaries.apply(
         payload, None if validate else header, world, group
     )
@@ -238,5 +242,42 @@ def context_parallel_attention(
         initial_state=initial,
         chunk_size=chunk_size,
         **options,
+    )
+    return out
+
+
+def _noncausal_all_reduce(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    payload: torch.Tensor,
+    state: LinearAttentionState,
+    header: torch.Tensor,
+    total_tokens: int | None,
+    rank: int,
+    world: int,
+    group: Any,
+    fmap: Any,
+    chunk_size: int | None,
+    options: dict[str, Any],
+) -> torch.Tensor:
+    """Non-causal attention with an ordinary map (sums at scale 1): one all-reduce of the summaries gives the
+    whole sequence's state, 2·(W−1)/W·P numbers per rank in a ring instead of the all-gather's (W−1)·P. The
+    queries then read that state through one key that is masked out (it adds nothing)."""
+    extra = None if total_tokens is not None else _exchange.header_moments(header, payload.dtype, payload.device)
+    total, moments = _exchange.ReduceSummaries.apply(payload, extra, group)
+    if total_tokens is None:
+        total_tokens = _exchange.check_moments(moments, header, world, rank)
+    size_kv, size_k = state.kv.numel(), state.k_sum.numel()
+    whole = LinearAttentionState(
+        total[:size_kv].reshape(state.kv.shape),  # (..., F, Dv)
+        total[size_kv : size_kv + size_k].reshape(state.k_sum.shape),  # (..., F)
+        torch.zeros_like(state.shift),
+        num_tokens=total_tokens,
+    )
+    masked = torch.zeros(1, dtype=torch.bool, device=k.device)  # broadcasts to (..., 1): the one key is masked
+    out: torch.Tensor = linear_attention(
+        q, k[..., :1, :], v[..., :1, :], causal=False, feature_map=fmap, key_padding_mask=masked,
+        initial_state=whole, chunk_size=chunk_size, **options,
     )
     return out
