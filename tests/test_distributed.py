@@ -363,3 +363,25 @@ def test_combine_prefix_fp32_states_at_large_scales() -> None:
     rescaled = got_kv.double() * torch.exp(got_shift.double() - exact_shift)[:, None, None]
     relative = ((rescaled - exact_kv).abs() / exact_kv.abs()).max().item()
     assert relative < 1e-6, relative  # a few fp32 ulps; an unrounded scale gives ~3e-5 here
+
+
+def test_summed_header_pieces_detect_any_disagreement() -> None:
+    """The all-reduce header: sums of pieces and squares expose one differing field; slice lengths may differ
+    and their total comes back exact (large values, negative bit patterns included)."""
+    from linattn.distributed import _exchange
+
+    base = {name: 7 for name in _exchange.FIELDS}
+    base.update(eps=_exchange.float_bits(1e-6), min_denom=_exchange.float_bits(-1.0), k_tokens=3_000_000)
+    headers = []
+    for rank in range(5):
+        values: dict[str, Any] = dict(base, k_tokens=3_000_000 + rank, q_tokens=rank + 1)
+        values["feature_map"] = torch.tensor(12.5, dtype=torch.float64)
+        headers.append(_exchange.make_header(values))
+    summed = sum(_exchange.header_moments(h, torch.float32, torch.device("cpu")) for h in headers)
+    assert isinstance(summed, torch.Tensor)
+    assert _exchange.check_moments(summed, headers[0], 5, 0) == 5 * 3_000_000 + 10
+    headers[3] = headers[3].clone()
+    headers[3][_exchange.FIELDS.index("eps")] = _exchange.float_bits(1e-6 * (1 + 2**-52))  # one bit apart
+    summed = sum(_exchange.header_moments(h, torch.float32, torch.device("cpu")) for h in headers)
+    with pytest.raises(linattn.LinearAttentionError, match="eps differs"):
+        _exchange.check_moments(summed, headers[0], 5, 0)

@@ -14,6 +14,10 @@ fixed-size summary per slice, so a call is:
 Backward runs through the same autograd graph; the only collective is a reduce-scatter of the gathered summaries'
 gradient, which delivers to rank j the sum of what every later (causal) or other (non-causal) rank's initial
 state sent back to its summary.
+
+Non-causal attention with an ordinary map (sums at scale 1, nothing to align) needs only the total: one
+all-reduce of the summaries replaces steps 2–3 (backward: one all-reduce of the gradient), and the queries read
+the whole sequence's state.
 """
 
 from __future__ import annotations
@@ -142,6 +146,7 @@ def context_parallel_attention(
 
     Communication per call: forward one all-gather of world × B·H·(F·Dv + F + 1) numbers in the state dtype (fp32
     for fp16/bf16/fp32 inputs, fp64 for fp64), independent of N; backward one reduce-scatter of the same size.
+    Non-causal with an ordinary (not log-space) map: one all-reduce of B·H·(F·Dv + F + 1) numbers each way.
     ``validate=True`` (default) adds a small all-gather of 19 int64 per rank before it, so that ranks whose shapes
     disagree raise a clear error everywhere instead of corrupting the collective; ``validate=False`` folds the
     header into the one all-gather (empty slices and disagreeing options still raise on every rank; shapes that
