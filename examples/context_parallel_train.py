@@ -87,12 +87,22 @@ def train_single(steps: int, dtype: torch.dtype = torch.float32) -> list[float]:
     return losses
 
 
-def train_context_parallel(rank: int, world: int, steps: int, dtype: torch.dtype = torch.float32) -> list[float]:
-    """This rank's part of context-parallel training (torch.distributed already initialised); the loss curve."""
+def train_context_parallel(
+    rank: int,
+    world: int,
+    steps: int,
+    dtype: torch.dtype = torch.float32,
+    groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+) -> list[float]:
+    """This rank's part of context-parallel training (torch.distributed already initialised); the loss curve.
+
+    ``groups``: (data-parallel group for DDP, context-parallel group for the attention), both of the ``world``
+    ranks that share the sequences; by default the whole world and a new group of the same ranks.
+    """
     # a group of its own for the attention collectives, so that they never interleave with DDP's gradient buckets
-    cp_group = dist.new_group(list(range(world)))
+    data_group, cp_group = groups if groups is not None else (None, dist.new_group(list(range(world))))
     torch.manual_seed(0)
-    model = DistributedDataParallel(TinyLM(cp_group, context_parallel=True).to(dtype))
+    model = DistributedDataParallel(TinyLM(cp_group, context_parallel=True).to(dtype), process_group=data_group)
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
     losses = []
     for step in range(steps):
@@ -106,9 +116,8 @@ def train_context_parallel(rank: int, world: int, steps: int, dtype: torch.dtype
         (local_sum / (BATCH * TOKENS) * world).backward()
         optimizer.step()
         total = local_sum.detach().clone()
-        dist.all_reduce(total)  # for the log only: the loss over whole sequences
+        dist.all_reduce(total, group=data_group)  # for the log only: the loss over whole sequences
         losses.append(total.item() / (BATCH * TOKENS))
-    dist.destroy_process_group(cp_group)
     return losses
 
 

@@ -15,6 +15,7 @@ import datetime
 import json
 import math
 import os
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,9 @@ from linattn.feature_maps import create
 from linattn.nn import LinearAttention
 
 TOL = 1e-10
+# the process group of the cases being run (set in each worker process): a pair of ranks, or the default group
+GROUP: Any = None
+EXAMPLE_GROUPS: Any = None
 # per world size: slice lengths of a sequence of 23 tokens, uneven on purpose (and one of length 1)
 SPLITS = {2: [9, 14], 4: [5, 1, 9, 8]}
 
@@ -62,8 +66,8 @@ def _compare(rank: int, world: int, *, causal: bool, feature_map: Any, split: li
     (ref * weight).sum().backward()
     parts = [x[..., start:end, :].clone().requires_grad_() for x in (q, k, v)]
     part_mask = mask[..., start:end] if mask is not None else None
-    out = context_parallel_attention(*parts, causal=causal, feature_map=feature_map, key_padding_mask=part_mask,
-                                     validate=validate, **options)
+    out = context_parallel_attention(*parts, group=GROUP, causal=causal, feature_map=feature_map,
+                                     key_padding_mask=part_mask, validate=validate, **options)
     (out * weight[..., start:end, :]).sum().backward()
     errors = {"out": (out - ref[..., start:end, :]).abs().max().item()}
     for name, part, leaf in zip("qkv", parts, leaves, strict=True):
@@ -73,7 +77,7 @@ def _compare(rank: int, world: int, *, causal: bool, feature_map: Any, split: li
         for (name, param), param_ref in zip(feature_map.named_parameters(), fmap_ref.parameters(), strict=True):
             assert param.grad is not None and param_ref.grad is not None
             total = param.grad.clone()
-            dist.all_reduce(total)  # each rank holds its share of the map's gradient
+            dist.all_reduce(total, group=GROUP)  # each rank holds its share of the map's gradient
             errors[f"d_map.{name}"] = (total - param_ref.grad).abs().max().item()
     return errors
 
@@ -101,7 +105,8 @@ def _reference_case(rank: int, world: int) -> dict[str, float]:
 
     q, k, v, _ = _inputs(7, kv_heads=2)
     start, end = _bounds(SPLITS[world], rank)
-    out = context_parallel_attention(q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], causal=True)
+    out = context_parallel_attention(q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], causal=True,
+                                     group=GROUP)
     full = reference_attention(q, k, v, elu_plus_one, causal=True)
     return {"out": (out - full[..., start:end, :]).abs().max().item()}
 
@@ -112,7 +117,8 @@ def _low_precision_case(rank: int, world: int, dtype: torch.dtype) -> dict[str, 
     start, end = _bounds(SPLITS[world], rank)
     exact = linattn.linear_attention(q.double(), k.double(), v.double(), causal=True)[..., start:end, :]
     single = linattn.linear_attention(q, k, v, causal=True)[..., start:end, :]
-    out = context_parallel_attention(q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], causal=True)
+    out = context_parallel_attention(q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], causal=True,
+                                     group=GROUP)
     assert out.dtype == dtype
     err, err_single = (out.double() - exact).abs().max().item(), (single.double() - exact).abs().max().item()
     return {"excess": max(0.0, err - 2 * err_single - torch.finfo(dtype).eps * exact.abs().max().item())}
@@ -122,7 +128,7 @@ def _layer_case(rank: int, world: int, causal: bool) -> dict[str, float]:
     """ContextParallel(LinearAttention) against the unwrapped layer on the whole sequence, with GQA."""
     torch.manual_seed(11)
     layer = LinearAttention(16, 4, num_kv_heads=2, causal=causal, dtype=torch.float64)
-    wrapped = ContextParallel(copy.deepcopy(layer))
+    wrapped = ContextParallel(copy.deepcopy(layer), GROUP)
     x = torch.randn(2, sum(SPLITS[world]), 16, dtype=torch.float64)
     start, end = _bounds(SPLITS[world], rank)
     ref = layer(x)
@@ -133,7 +139,7 @@ def _layer_case(rank: int, world: int, causal: bool) -> dict[str, float]:
     for (name, param), param_ref in zip(wrapped.layer.named_parameters(), layer.parameters(), strict=True):
         assert param.grad is not None and param_ref.grad is not None
         total = param.grad.clone()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=GROUP)
         errors[f"d_{name}"] = (total - param_ref.grad).abs().max().item()
     return errors
 
@@ -161,7 +167,7 @@ def _count_collectives(rank: int, world: int) -> dict[str, float]:
         for causal in (True, False):  # non-causal with elu: an all-reduce instead of the all-gather
             for validate in (False, True):
                 counts.clear()
-                out = context_parallel_attention(*parts, causal=causal, validate=validate)
+                out = context_parallel_attention(*parts, group=GROUP, causal=causal, validate=validate)
                 result[f"causal_{causal}_forward_validate_{validate}"] = float(sum(counts.values()))
                 counts.clear()
                 out.sum().backward()
@@ -192,7 +198,7 @@ def _raises(rank: int, world: int, kind: str) -> dict[str, float]:
     if kind == "eps_inline_noncausal":
         options["causal"] = False  # the all-reduce path: the header travels as summed pieces and squares
     validate = not kind.startswith("eps_inline")
-    context_parallel_attention(*part, validate=validate, **options)
+    context_parallel_attention(*part, group=GROUP, validate=validate, **options)
     raise AssertionError(f"{kind}: no error raised")
 
 
@@ -205,7 +211,7 @@ def _example_case(rank: int, world: int) -> dict[str, float]:
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    losses = example.train_context_parallel(rank, world, steps=4, dtype=torch.float64)
+    losses = example.train_context_parallel(rank, world, steps=4, dtype=torch.float64, groups=EXAMPLE_GROUPS)
     single = example.train_single(steps=4, dtype=torch.float64)
     return {"loss_curve": max(abs(a - b) for a, b in zip(losses, single, strict=True))}
 
@@ -247,33 +253,50 @@ def cases(world: int) -> dict[str, Callable[[int, int], dict[str, float]]]:
     return table
 
 
-def _worker(rank: int, world: int, directory: str) -> None:
+def _worker(rank: int, directory: str) -> None:
+    """All 4 processes run the 4-rank cases; ranks 0 and 1 first run the 2-rank cases in a group of their own."""
+    global GROUP, EXAMPLE_GROUPS
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=world,
-                           timeout=datetime.timedelta(seconds=30))  # a hung collective raises instead of blocking
-    results: dict[str, Any] = {}
+    # every collective raises after 60 s instead of blocking (ranks 2 and 3 wait for 0 and 1 in their first one)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    pairs = [dist.new_group([0, 1]) for _ in range(3)]  # collective: every rank creates them, in the same order
     try:
-        for name, case in cases(world).items():
-            try:
-                results[name] = {"errors": case(rank, world)}
-            except linattn.LinearAttentionError as error:
-                results[name] = {"raised": str(error)}
-            except Exception:  # recorded, so the test names the case (a failed collective also lands here)
-                results[name] = {"crashed": traceback.format_exc()}
+        for world in (2, 4):
+            if rank >= world:
+                continue
+            GROUP = pairs[0] if world == 2 else None
+            EXAMPLE_GROUPS = (pairs[1], pairs[2]) if world == 2 else None
+            results: dict[str, Any] = {}
+            for name, case in cases(world).items():
+                started = time.perf_counter()
+                try:
+                    results[name] = {"errors": case(rank, world)}
+                except linattn.LinearAttentionError as error:
+                    results[name] = {"raised": str(error)}
+                except Exception:  # recorded, so the test names the case (a failed collective also lands here)
+                    results[name] = {"crashed": traceback.format_exc()}
+                results[name]["seconds"] = time.perf_counter() - started
+            with open(os.path.join(directory, f"world{world}_rank{rank}.json"), "w") as handle:
+                json.dump(results, handle)
     finally:
-        with open(os.path.join(directory, f"rank{rank}.json"), "w") as handle:
-            json.dump(results, handle)
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def spawned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict]]:
+@pytest.fixture(scope="module")
+def spawned_once(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One spawn of 4 processes for both world sizes: process start-up is most of the time."""
+    directory = str(tmp_path_factory.mktemp("context_parallel"))
+    mp.spawn(_worker, args=(directory,), nprocs=4, join=True)
+    return directory
+
+
+@pytest.fixture(params=[2, 4], ids=lambda w: f"world{w}")
+def spawned(request: pytest.FixtureRequest, spawned_once: str) -> tuple[int, list[dict]]:
     world = request.param
-    directory = str(tmp_path_factory.mktemp(f"cp{world}"))
-    mp.spawn(_worker, args=(world, directory), nprocs=world, join=True)
     ranks = []
     for rank in range(world):
-        with open(os.path.join(directory, f"rank{rank}.json")) as handle:
+        with open(os.path.join(spawned_once, f"world{world}_rank{rank}.json")) as handle:
             ranks.append(json.load(handle))
     return world, ranks
 
