@@ -3,8 +3,9 @@
 For each world size W (processes started with torch.multiprocessing, gloo over loopback, one thread each) and
 total sequence length N, one causal call of ``context_parallel_attention`` on slices of N/W tokens, forward and
 backward, is timed; so are its collectives alone (the all-gather of the summaries, the reduce-scatter of their
-gradient), and, in the same run, single-process ``linear_attention`` on the whole sequence (1 thread, rank 0 while
-the others wait). Rounds alternate the three and the median is reported.
+gradient), one non-causal call (elu: the all-reduce path), and, in the same run, single-process
+``linear_attention`` on the whole sequence, causal and non-causal (1 thread, rank 0 while the others wait).
+Rounds alternate all five and the median is reported.
 
 Bytes are counted from the tensors handed to the collectives: the payload one rank contributes (state dtype, fp32
 here) and the all-gather's output (W payloads plus W headers). A ring all-gather moves (W−1) payloads into and out
@@ -61,20 +62,41 @@ def _measure(rank: int, world: int, n: int, rounds: int, gather: Any, sent: list
         if rank == 0:
             linattn.linear_attention(*full, causal=True).sum().backward()
 
+    def parallel_noncausal() -> None:  # elu: the all-reduce path
+        context_parallel_attention(*parts, causal=False, validate=False).sum().backward()
+
+    def single_noncausal() -> None:
+        if rank == 0:
+            linattn.linear_attention(*full, causal=False).sum().backward()
+
     def collectives() -> None:
         gather(gathered, torch.zeros(payload), None)
         _exchange._reduce_scatter(grad, gathered, None)
 
-    times: dict[str, list[float]] = {"parallel": [], "single": [], "collectives": []}
-    parallel(), single(), collectives()  # warm-up
+    calls = {"parallel": parallel, "single": single, "collectives": collectives,
+             "parallel_noncausal": parallel_noncausal, "single_noncausal": single_noncausal}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for fn in calls.values():  # warm-up
+        fn()
     for _ in range(rounds):
-        for name, fn in (("parallel", parallel), ("single", single), ("collectives", collectives)):
+        for name, fn in calls.items():
             times[name].append(_timed(fn))
     sent.clear()
     parallel()
+    gathered_bytes = sum(sent)
+    reduced: list[int] = []
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        reduced.append(tensor.numel() * tensor.element_size())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    parallel_noncausal()
+    dist.all_reduce = all_reduce
     return {
         "world": world, "n": n, **{f"{key}_ms": 1e3 * statistics.median(t) for key, t in times.items()},
-        "payload_bytes": payload * 4, "gathered_bytes": sum(sent),
+        "payload_bytes": payload * 4, "gathered_bytes": gathered_bytes, "all_reduce_bytes": reduced,
         "ring_allgather_bytes_per_rank": (world - 1) * payload * 4,
         "ring_kv_bytes_per_rank": (world - 1) * (n // world) * BATCH * HEADS * 2 * HEAD_DIM * 4,
     }
@@ -121,6 +143,17 @@ def main() -> None:
               f"{r['parallel_ms'] / r['single_ms']:.2f} | {r['collectives_ms']:.2f} | {_kib(r['payload_bytes'])} | "
               f"{_kib(r['gathered_bytes'])} | {_kib(r['ring_allgather_bytes_per_rank'])} | "
               f"{_kib(r['ring_kv_bytes_per_rank'])} |")
+    _noncausal_table(rows)
+
+
+def _noncausal_table(rows: list[dict[str, Any]]) -> None:
+    print("\nnon-causal (elu: one all-reduce of one state each way, no header: validate=False)")
+    print("| W | N | CP call ms | single-process ms | CP / single | all-reduce buffers forward, backward |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        sizes = ", ".join(_kib(b) for b in r["all_reduce_bytes"])
+        print(f"| {r['world']} | {r['n']} | {r['parallel_noncausal_ms']:.1f} | {r['single_noncausal_ms']:.1f} | "
+              f"{r['parallel_noncausal_ms'] / r['single_noncausal_ms']:.2f} | {sizes} |")
 
 
 def _kib(n: int) -> str:
