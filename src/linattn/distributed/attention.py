@@ -166,16 +166,18 @@ def context_parallel_attention(
             seen = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise LinearAttentionError(f"{name}: expected a torch.Tensor of shape (..., N, D), got {seen}")
     options: dict[str, Any] = {"normalize": normalize, "eps": eps, "min_denom": min_denom}
-    fmap = resolve_feature_map(feature_map, q.shape[-1], device=q.device)
+    fmap: Any = None
     state: LinearAttentionState | None = None
     error: LinearAttentionError | None = None
-    if q.shape[-2] > 0 and k.shape[-2] > 0:
-        # local checks run before any collective: a rank that raised alone would leave the others waiting
-        try:
+    # local checks run before any collective and are reported in the header: a rank that raised alone would leave
+    # the others waiting in the collective
+    try:
+        fmap = resolve_feature_map(feature_map, q.shape[-1], device=q.device)
+        if q.shape[-2] > 0 and k.shape[-2] > 0:
             _validate.check_options(chunk_size, eps, min_denom, "auto", FORMS)
             state = _slice_summary(q, k, v, fmap, key_padding_mask, options)
-        except LinearAttentionError as raised:
-            error = raised
+    except LinearAttentionError as raised:
+        error = raised
     batch = q.shape[:-2].numel()
     features = state.feature_dim if state is not None else -1
     header = _exchange.make_header(
@@ -198,7 +200,7 @@ def context_parallel_attention(
             "mask": int(key_padding_mask is not None),
             "log_space": int(bool(getattr(fmap, "log_space", False))),
             "decay": 0,
-            "feature_map": _exchange.fingerprint(fmap),
+            "feature_map": _exchange.fingerprint(fmap) if fmap is not None else 0,
         }
     )
     if validate:
