@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from .forms import (
     recurrent_attention,
 )
 from .forms._common import NEG_INF, empty_state, scale_between
+from .forms.decay import decayed_ref
 from .state import LinearAttentionState
 
 DEFAULT_CAUSAL_CHUNK = 64
@@ -133,6 +135,9 @@ def linear_attention(
     return_state: bool = False,
     form: str = "auto",
     check_finite: bool = False,
+    decay: Any = None,
+    log_gate: Any = None,
+    cu_seqlens: Any = None,
 ) -> Any:
     """Linear attention: out_t = φ(q_t)·Σ_j φ(k_j)v_jᵀ / (φ(q_t)·Σ_j φ(k_j) + eps), j ≤ t when causal.
 
@@ -156,6 +161,14 @@ def linear_attention(
         form: ``"auto"``, or force ``"parallel"`` (quadratic definition), ``"global"`` (non-causal, two GEMMs),
             ``"chunked"``, ``"recurrent"`` (causal, token by token).
         check_finite: raise on NaN/inf inputs instead of propagating them.
+        decay: causal only; a fixed rate γ ∈ (0, 1], a float or one per query head ``(H,)`` (RetNet, Lightning):
+            the state is multiplied by γ before each token, so key j weighs γ^(t−j) at query t.
+        log_gate: causal only; per-token log-decays g ``(..., N)`` ≤ 0 (Mamba-2 / simple GLA, e.g.
+            ``F.logsigmoid(x @ w)``): the state is multiplied by e^{g_t} before token t. Composes with ``decay``.
+            The decay applies at every position, masked ones included. See docs/decay.md.
+        cu_seqlens: packed variable-length input: int offsets ``[0, n_1, n_1+n_2, …, N]`` of sequences laid end to
+            end along the token dimension; no token attends across a boundary. ``initial_state`` then holds one
+            state per sequence (a leading dimension S on every tensor) and the returned state likewise.
 
     Half-precision inputs accumulate in fp32 (fp64 inputs in fp64) and return the input dtype.
 
@@ -167,10 +180,23 @@ def linear_attention(
     q, q_numpy = _to_torch(q, "q")
     k, _ = _to_torch(k, "k")
     v, _ = _to_torch(v, "v")
+    if cu_seqlens is not None:
+        from ._packed import packed_attention  # calls back into linear_attention once per sequence
+
+        packed = packed_attention(
+            linear_attention, q, k, v, cu_seqlens, initial_state=initial_state, return_state=return_state,
+            key_padding_mask=key_padding_mask, log_gate=log_gate, feature_map=feature_map, causal=causal,
+            chunk_size=chunk_size, normalize=normalize, eps=eps, min_denom=min_denom, form=form,
+            check_finite=check_finite, decay=decay,
+        )
+        if q_numpy:
+            return (packed[0].detach().numpy(), packed[1]) if return_state else packed.detach().numpy()
+        return packed
     group = _validate.check_qkv(q, k, v, causal)
     _validate.check_options(chunk_size, eps, min_denom, form, FORMS)
     if check_finite:
         _validate.check_finite(q, k, v)
+    log_decay = _validate.log_decay(decay, log_gate, q, k.shape[:-1], causal)
     fmap = resolve_feature_map(feature_map, q.shape[-1], numpy=q_numpy, device=q.device)
     map_name = type(fmap).__name__
     log_space = bool(getattr(fmap, "log_space", False))
@@ -222,6 +248,7 @@ def linear_attention(
         out, final = _run_form(
             fmap, q, k, v, keep=keep, state=state, form=form, causal=causal, chunk_size=chunk_size,
             log_space=log_space, map_name=map_name, return_state=return_state, options=options,
+            log_decay=log_decay,
         )
 
     out = out.to(out_dtype)
@@ -253,6 +280,7 @@ def _run_form(
     map_name: str,
     return_state: bool,
     options: dict[str, Any],
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState | None]:
     """Feature maps, stabilisation and the chosen form, on inputs already in the compute dtype."""
     final: LinearAttentionState | None
@@ -263,6 +291,9 @@ def _run_form(
         qf = _query_features(fmap, q, log_space)
         kf, ref = _key_features(fmap, k, keep, log_space, causal, state.shift if state is not None else None)
         _validate.check_state_features(state, kf.shape[-1], map_name)
+        stored_at = ref
+        if log_decay is not None:  # a decay is a change of log-scale: ref' = r − G (forms/decay.py)
+            ref = decayed_ref(ref, log_decay)
         if form == "parallel":
             out, final = parallel_attention(
                 qf, kf, v, causal=causal, ref=ref, state=state, want_state=return_state, **options
@@ -274,6 +305,10 @@ def _run_form(
         else:
             size = chunk_size or DEFAULT_CAUSAL_CHUNK
             out, final = causal_chunked_attention(qf, kf, v, ref=ref, state=state, chunk_size=size, **options)
+        if log_decay is not None and final is not None:
+            # sums stored at ref'_N = r_N − G_N are the decayed sums at scale r_N: the usual meaning of shift
+            shift = stored_at[..., -1] if stored_at is not None else torch.zeros_like(final.shift, dtype=q.dtype)
+            final = replace(final, shift=shift.to(q.dtype))
     return out, final
 
 
