@@ -27,8 +27,11 @@ def decayed_recurrence(
     min_denom: float | None = None,
     s0: torch.Tensor | None = None,
     z0: torch.Tensor | None = None,
+    feature_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out (..., N, Dv), S_N (..., F, Dv), z_N (..., F)); ``log_decay`` broadcasts to (..., N)."""
+    """(out (..., N, Dv), S_N (..., F, Dv), z_N (..., F)); ``log_decay`` broadcasts to (..., N).
+
+    ``feature_decay`` (..., N, F): per-feature log-gates (GLA), S_t = diag(exp(g_t))·S_{t−1} + …, on top."""
     q, k, v = q.double(), k.double(), v.double()
     if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # grouped-query attention: repeat k/v heads
         group = q.shape[-3] // k.shape[-3]
@@ -45,9 +48,11 @@ def decayed_recurrence(
     z = z0.double().clone() if z0 is not None else torch.zeros(*batch, features, dtype=torch.float64)
     outs = []
     for t in range(q.shape[-2]):
-        a = torch.exp(g[..., t])
-        s = a[..., None, None] * s + fk[..., t, :, None] * v[..., t, None, :]
-        z = a[..., None] * z + fk[..., t, :]
+        a = torch.exp(g[..., t]).unsqueeze(-1)  # (..., 1): the same for every feature
+        if feature_decay is not None:
+            a = a * torch.exp(feature_decay[..., t, :].double())  # (..., F)
+        s = a[..., None] * s + fk[..., t, :, None] * v[..., t, None, :]
+        z = a * z + fk[..., t, :]
         num = torch.einsum("...f,...fd->...d", fq[..., t, :], s)
         if normalize:
             den = (fq[..., t, :] * z).sum(-1) + eps

@@ -149,11 +149,12 @@ def check_state_features(state: LinearAttentionState | None, features: int, map_
 
 def log_decay(
     decay: object, log_gate: object, q: torch.Tensor, kv_batch: torch.Size, causal: bool
-) -> torch.Tensor | None:
-    """The per-token log-decay g (*q.shape[:-1]) in fp64 from ``decay`` γ (float or (H,)) and ``log_gate``
-    (..., N), summed when both are given; None when neither is."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(g, g_f): the per-token log-decay (*q.shape[:-1]) in fp64 from ``decay`` γ (float or (H,)) and a per-token
+    ``log_gate`` (..., N), summed when both are given; and a per-feature ``log_gate`` (..., N, F) in fp64
+    (F checked against the feature map later). None for what is not given."""
     if decay is None and log_gate is None:
-        return None
+        return None, None
     if not causal:
         raise LinearAttentionError(
             "decay/log_gate: a decay weighs keys by their distance back from the query, which needs an order; "
@@ -181,29 +182,38 @@ def log_decay(
             )
         per_head = torch.log(decay.to(device=q.device, dtype=torch.float64))
         total = per_head.unsqueeze(-1) if per_head.dim() == 1 else per_head  # (H, 1) broadcasts over (..., H, N)
-    if log_gate is not None:
+    per_feature = None
+    if isinstance(log_gate, torch.Tensor) and log_gate.dim() == q.dim():
+        per_feature = gate_tokens(log_gate, q, kv_batch, per_feature=True)
+        if decay is None:
+            return None, per_feature
+    elif log_gate is not None:
         total = total + gate_tokens(log_gate, q, kv_batch)
-    return torch.broadcast_to(total, batch)
+    return torch.broadcast_to(total, batch), per_feature
 
 
-def gate_tokens(log_gate: object, q: torch.Tensor, kv_batch: torch.Size) -> torch.Tensor:
-    """A per-token log-gate (..., N) ≤ 0 as fp64, broadcast to q's (..., N); k/v's head count is repeated (GQA)."""
+def gate_tokens(log_gate: object, q: torch.Tensor, kv_batch: torch.Size, per_feature: bool = False) -> torch.Tensor:
+    """A log-gate ≤ 0 as fp64: per token (..., N) broadcast to q's (..., N), or per feature (..., N, F) to
+    (..., N, F); a gate given per k/v head is repeated to the query heads (GQA)."""
     if not isinstance(log_gate, torch.Tensor) or not log_gate.is_floating_point():
         raise LinearAttentionError(
             f"log_gate: expected a floating tensor of shape (..., N), got {type(log_gate).__name__}"
         )
     if log_gate.device != q.device:
         raise LinearAttentionError(f"log_gate: on {log_gate.device}, q on {q.device}; move it to {q.device}")
-    target = q.shape[:-1]
-    if log_gate.dim() == q.dim() and log_gate.shape[-1] != 1:
-        raise LinearAttentionError(
-            f"log_gate: shape {tuple(log_gate.shape)} looks per-feature (..., N, F); only per-token gates "
-            f"(..., N) = {tuple(target)} are supported"
-        )
     gate = log_gate.to(torch.float64)
-    if gate.dim() >= 2 and tuple(gate.shape) == tuple(kv_batch) and tuple(kv_batch) != tuple(target):
-        gate = gate.repeat_interleave(target[-2] // kv_batch[-2], dim=-2)  # (..., Hkv, N) → (..., H, N)
-    if gate.shape[-1] != target[-1]:
+    target = q.shape[:-1]
+    if per_feature:  # the token dimension is -2, features last
+        target = torch.Size((*target, log_gate.shape[-1]))
+        kv_batch = torch.Size((*kv_batch, log_gate.shape[-1]))
+    at = -3 if per_feature else -2  # the head dimension of the gate
+    if gate.dim() >= -at and tuple(gate.shape) == tuple(kv_batch) and tuple(kv_batch) != tuple(target):
+        gate = gate.repeat_interleave(target[at] // kv_batch[at], dim=at)  # (..., Hkv, N[, F]) → (..., H, N[, F])
+    if per_feature and gate.shape[-2] != target[-2]:
+        raise LinearAttentionError(
+            f"log_gate: per-feature shape {tuple(log_gate.shape)}; expected (..., N, F) with N = {target[-2]}"
+        )
+    if not per_feature and gate.shape[-1] != target[-1]:
         raise LinearAttentionError(
             f"log_gate: last dimension {gate.shape[-1]}, expected one log-decay per token, N = {target[-1]}"
         )

@@ -24,10 +24,12 @@ from .forms import (
 )
 from .forms._common import NEG_INF, empty_state, scale_between
 from .forms.decay import decayed_ref
+from .forms.gated import gated_chunked_attention, gated_parallel_attention, gated_recurrent_attention
 from .state import LinearAttentionState
 
 DEFAULT_CAUSAL_CHUNK = 64
 DEFAULT_NONCAUSAL_CHUNK = 1024
+DEFAULT_GATED_CHUNK = 16  # per-feature gates: the C×C×F factors grow with C
 # "auto" runs non-causal attention chunked beyond this many keys: measured faster from 8192 keys on (features and
 # GEMM operands stay in cache), while the global form wins up to 4096 (docs/benchmarks.md, benchmarks/run.py)
 NONCAUSAL_CHUNKED_ABOVE = 4096
@@ -196,7 +198,7 @@ def linear_attention(
     _validate.check_options(chunk_size, eps, min_denom, form, FORMS)
     if check_finite:
         _validate.check_finite(q, k, v)
-    log_decay = _validate.log_decay(decay, log_gate, q, k.shape[:-1], causal)
+    log_decay, feature_gate = _validate.log_decay(decay, log_gate, q, k.shape[:-1], causal)
     fmap = resolve_feature_map(feature_map, q.shape[-1], numpy=q_numpy, device=q.device)
     map_name = type(fmap).__name__
     log_space = bool(getattr(fmap, "log_space", False))
@@ -248,7 +250,7 @@ def linear_attention(
         out, final = _run_form(
             fmap, q, k, v, keep=keep, state=state, form=form, causal=causal, chunk_size=chunk_size,
             log_space=log_space, map_name=map_name, return_state=return_state, options=options,
-            log_decay=log_decay,
+            log_decay=log_decay, feature_gate=feature_gate,
         )
 
     out = out.to(out_dtype)
@@ -281,6 +283,7 @@ def _run_form(
     return_state: bool,
     options: dict[str, Any],
     log_decay: torch.Tensor | None = None,
+    feature_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState | None]:
     """Feature maps, stabilisation and the chosen form, on inputs already in the compute dtype."""
     final: LinearAttentionState | None
@@ -294,7 +297,9 @@ def _run_form(
         stored_at = ref
         if log_decay is not None:  # a decay is a change of log-scale: ref' = r − G (forms/decay.py)
             ref = decayed_ref(ref, log_decay)
-        if form == "parallel":
+        if feature_gate is not None:  # per-feature scales R = ref' − G_f: their own forms (forms/gated.py)
+            out, final = _gated_form(qf, kf, v, ref, feature_gate, state, form, chunk_size, return_state, options)
+        elif form == "parallel":
             out, final = parallel_attention(
                 qf, kf, v, causal=causal, ref=ref, state=state, want_state=return_state, **options
             )
@@ -305,11 +310,40 @@ def _run_form(
         else:
             size = chunk_size or DEFAULT_CAUSAL_CHUNK
             out, final = causal_chunked_attention(qf, kf, v, ref=ref, state=state, chunk_size=size, **options)
-        if log_decay is not None and final is not None:
+        if (log_decay is not None or feature_gate is not None) and final is not None:
             # sums stored at ref'_N = r_N − G_N are the decayed sums at scale r_N: the usual meaning of shift
             shift = stored_at[..., -1] if stored_at is not None else torch.zeros_like(final.shift, dtype=q.dtype)
             final = replace(final, shift=shift.to(q.dtype))
     return out, final
+
+
+def _gated_form(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    ref: torch.Tensor | None,
+    feature_gate: torch.Tensor,
+    state: LinearAttentionState | None,
+    form: str,
+    chunk_size: int | None,
+    return_state: bool,
+    options: dict[str, Any],
+) -> tuple[torch.Tensor, LinearAttentionState | None]:
+    """Per-feature gates (GLA) in the chosen causal form; ``ref`` is the per-token scale already decayed."""
+    if feature_gate.shape[-1] != kf.shape[-1]:
+        raise LinearAttentionError(
+            f"log_gate: per-feature gate with {feature_gate.shape[-1]} features, but the feature map gives "
+            f"F={kf.shape[-1]}; pass (..., N, F) with F the feature dimension"
+        )
+    scales = decayed_ref(None, feature_gate.transpose(-1, -2)).transpose(-1, -2)  # −G_f (..., N, F) fp64
+    if ref is not None:
+        scales = scales + ref.to(torch.float64).unsqueeze(-1)
+    if form == "parallel":
+        return gated_parallel_attention(qf, kf, v, scales=scales, state=state, want_state=return_state, **options)
+    if form == "recurrent":
+        return gated_recurrent_attention(qf, kf, v, scales=scales, state=state, **options)
+    size = chunk_size or DEFAULT_GATED_CHUNK
+    return gated_chunked_attention(qf, kf, v, scales=scales, state=state, chunk_size=size, **options)
 
 
 def _noncausal_chunked(

@@ -1,0 +1,190 @@
+"""Per-feature gates (GLA): S_t = diag(a_t)·S_{t−1} + φ(k_t)v_tᵀ, z_t likewise, a_t = e^{g_t} ∈ (0, 1]^F.
+
+A per-feature decay cannot be pulled out of the dot product q·k, so it is no change of one scalar log-scale: each
+feature f has its own log-scale R_tf = r_t − G_tf (r: the log-space running maximum or 0; G = Σ_{i≤t} g_i, fp64),
+non-decreasing in t, and query t weighs key j ≤ t by Σ_f Q_tf K_jf e^{R_jf − R_tf}. Every factor is e^{(≤ 0)}.
+
+Three forms, each taking R (..., N, F) in fp64:
+- :func:`gated_parallel_attention`: the quadratic definition with an explicit (N, N, F) tensor (reference, tiny N);
+- :func:`gated_recurrent_attention`: token by token, the state rescaled per feature;
+- :func:`gated_chunked_attention`: blocks of chunks. Within a chunk the C×C×F factors e^{R_jf − R_tf} are explicit
+  (from scales re-based to the chunk's end in fp64, so only local differences reach fp32); the states entering the
+  chunks of a block come from one (b, b, F) matrix of per-feature decays; blocks run under activation checkpointing,
+  so training memory is the inputs, R (N·F fp64), the outputs and one block's work space: O(N·(F + Dv)) + O(L·C·F).
+
+The returned state follows :mod:`.decay`: sums stored at R_N,f = r_N − G_N,f are the decayed sums at scale r_N, so
+``shift`` is r_N, its usual meaning; an initial state at shift s_0 enters at scale s_0 in every feature.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..state import LinearAttentionState
+from ._common import NEG_INF, finalize, scale_between
+
+# tokens per checkpointed block: b = 256 / C chunks, so the (b, b, F) decay matrix stays small next to the updates
+GATED_BLOCK_TOKENS = 256
+
+
+def gated_parallel_attention(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scales: torch.Tensor,
+    state: LinearAttentionState | None,
+    normalize: bool,
+    eps: float,
+    min_denom: float | None,
+    want_state: bool,
+) -> tuple[torch.Tensor, LinearAttentionState | None]:
+    n = qf.shape[-2]
+    keep = torch.ones(n, n, dtype=torch.bool, device=qf.device).tril().unsqueeze(-1)  # (Nq, Nk, 1)
+    factor = scale_between(scales.unsqueeze(-3), scales.unsqueeze(-2), keep).to(qf.dtype)  # (..., Nq, Nk, F)
+    weights = (qf.unsqueeze(-2) * kf.unsqueeze(-3) * factor).sum(-1)  # (..., Nq, Nk)
+    num, den = weights @ v, weights.sum(-1)
+    if state is not None:
+        carry = scale_between(state.shift.to(scales.dtype)[..., None, None], scales).to(qf.dtype)  # (..., Nq, F)
+        num = num + (qf * carry) @ state.kv
+        den = den + ((qf * carry) * state.k_sum.unsqueeze(-2)).sum(-1)
+    out = finalize(num, den, normalize=normalize, eps=eps, min_denom=min_denom)
+    if not want_state:
+        return out, None
+    last = scales[..., -1, :]  # (..., F)
+    keys = kf * scale_between(scales, last.unsqueeze(-2)).to(kf.dtype)
+    kv, k_sum = keys.transpose(-1, -2) @ v, keys.sum(-2)
+    if state is not None:
+        carry_out = scale_between(state.shift.to(scales.dtype).unsqueeze(-1), last).to(kf.dtype)  # (..., F)
+        kv = kv + carry_out.unsqueeze(-1) * state.kv
+        k_sum = k_sum + carry_out * state.k_sum
+    seen = n + (state.num_tokens if state is not None else 0)
+    return out, LinearAttentionState(kv, k_sum, torch.zeros_like(kv[..., 0, 0]), seen)
+
+
+def gated_recurrent_attention(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scales: torch.Tensor,
+    state: LinearAttentionState | None,
+    normalize: bool,
+    eps: float,
+    min_denom: float | None,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    batch, features = qf.shape[:-2], kf.shape[-1]
+    if state is not None:
+        kv, k_sum, seen = state.kv, state.k_sum, state.num_tokens
+        current = state.shift.to(scales.dtype).unsqueeze(-1).expand(*batch, features)
+    else:
+        kv, k_sum, seen = qf.new_zeros(*batch, features, v.shape[-1]), qf.new_zeros(*batch, features), 0
+        current = scales.new_full((*batch, features), NEG_INF)
+    outs = []
+    for t in range(qf.shape[-2]):
+        carry = scale_between(current, scales[..., t, :]).to(kv.dtype)  # (..., F): a_t and the log-space rescale
+        current = scales[..., t, :]
+        kv = carry.unsqueeze(-1) * kv + kf[..., t, :, None] * v[..., t, None, :]
+        k_sum = carry * k_sum + kf[..., t, :]
+        q_t = qf[..., t, :]
+        num = (q_t.unsqueeze(-2) @ kv).squeeze(-2)  # (..., Dv)
+        outs.append(finalize(num, (q_t * k_sum).sum(-1), normalize=normalize, eps=eps, min_denom=min_denom))
+    out = torch.stack(outs, dim=-2)
+    return out, LinearAttentionState(kv, k_sum, torch.zeros_like(kv[..., 0, 0]), seen + qf.shape[-2])
+
+
+def _chunks(x: torch.Tensor, size: int) -> torch.Tensor:
+    """(..., L, D) → (..., L/C, C, D), zero-padding L to whole chunks."""
+    pad = -x.shape[-2] % size
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    return x.reshape(*x.shape[:-2], -1, size, x.shape[-1])
+
+
+def _block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scales: torch.Tensor,
+    kv_in: torch.Tensor,
+    z_in: torch.Tensor,
+    scale_in: torch.Tensor,
+    size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block (L tokens): num (..., L, Dv), den (..., L), and the state (kv, z) leaving it at scale
+    ``scales[..., -1, :]``. Plain differentiable torch code: checkpointed by the caller."""
+    length = q.shape[-2]
+    pad = -length % size
+    if pad:  # padded keys are zero; repeating the last scale keeps R non-decreasing
+        scales = torch.cat([scales, scales[..., -1:, :].expand(*scales.shape[:-2], pad, scales.shape[-1])], -2)
+    qc, kc, vc = _chunks(q, size), _chunks(k, size), _chunks(v, size)  # (..., b, C, F|Dv)
+    r = scales.reshape(*scales.shape[:-2], -1, size, scales.shape[-1])  # (..., b, C, F) fp64
+    chunks, dtype = qc.shape[-3], q.dtype
+    ends = r[..., -1, :]  # (..., b, F): the scale each chunk's update is stored at
+    entering = torch.cat([scale_in.unsqueeze(-2), ends[..., :-1, :]], dim=-2)  # (..., b, F)
+    base = torch.where(ends == NEG_INF, 0.0, ends)
+    local = (r - base.unsqueeze(-2)).to(dtype)  # (..., b, C, F) ≤ 0: only local differences reach fp32
+    entry = (entering - base).to(dtype).unsqueeze(-2)  # (..., b, 1, F)
+    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril().unsqueeze(-1)  # (C_t, C_j, 1)
+    factor = scale_between(local.unsqueeze(-3), local.unsqueeze(-2), causal)  # (..., b, C_t, C_j, F)
+    weights = ((qc.unsqueeze(-2) * factor) * kc.unsqueeze(-3)).sum(-1)  # (..., b, C, C)
+    keys = kc * torch.exp(local)  # (..., b, C, F) at the chunk's end scale
+    updates = keys.transpose(-1, -2) @ vc  # (..., b, F, Dv)
+    update_z = keys.sum(-2)  # (..., b, F)
+    earlier = torch.ones(chunks, chunks, dtype=torch.bool, device=q.device).tril(-1).unsqueeze(-1)  # (b, b, 1)
+    decay = scale_between(ends.unsqueeze(-3), entering.unsqueeze(-2), earlier).to(dtype)  # (..., b_c, b_c', F)
+    carry = scale_between(scale_in.unsqueeze(-2), entering).to(dtype)  # (..., b, F)
+    kv_enter = torch.einsum("...cpf,...pfd->...cfd", decay, updates) + carry.unsqueeze(-1) * kv_in.unsqueeze(-3)
+    z_enter = (decay * update_z.unsqueeze(-3)).sum(-2) + carry * z_in.unsqueeze(-2)  # (..., b, F)
+    reading = qc * scale_between(entry, local)  # (..., b, C, F): query t reads the entering state at R_t
+    num = weights @ vc + reading @ kv_enter  # (..., b, C, Dv)
+    den = weights.sum(-1) + (reading * z_enter.unsqueeze(-2)).sum(-1)  # (..., b, C)
+    last = ends[..., -1, :]  # (..., F)
+    out_decay = scale_between(ends, last.unsqueeze(-2)).to(dtype)  # (..., b, F)
+    out_carry = scale_between(scale_in, last).to(dtype)  # (..., F)
+    kv_out = (out_decay.unsqueeze(-1) * updates).sum(-3) + out_carry.unsqueeze(-1) * kv_in
+    z_out = (out_decay * update_z).sum(-2) + out_carry * z_in
+    num = num.reshape(*num.shape[:-3], -1, num.shape[-1])[..., :length, :]
+    den = den.reshape(*den.shape[:-2], -1)[..., :length]
+    return num, den, kv_out, z_out
+
+
+def gated_chunked_attention(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scales: torch.Tensor,
+    state: LinearAttentionState | None,
+    chunk_size: int,
+    normalize: bool,
+    eps: float,
+    min_denom: float | None,
+    block_tokens: int = GATED_BLOCK_TOKENS,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """``scales`` R (..., N, F) fp64; see the module docstring. ``chunk_size`` C (16 suits the C×C×F factors)."""
+    n, batch, features = qf.shape[-2], qf.shape[:-2], kf.shape[-1]
+    size = min(chunk_size, n)
+    block = max(size, block_tokens // size * size)
+    if state is not None:
+        kv, k_sum, seen = state.kv, state.k_sum, state.num_tokens
+        scale = state.shift.to(scales.dtype).unsqueeze(-1).expand(*batch, features)
+    else:
+        kv, k_sum, seen = qf.new_zeros(*batch, features, v.shape[-1]), qf.new_zeros(*batch, features), 0
+        scale = scales.new_full((*batch, features), NEG_INF)
+    track = torch.is_grad_enabled() and any(x.requires_grad for x in (qf, kf, v, scales, kv, k_sum))
+    pieces = []
+    for start in range(0, n, block):
+        end = min(start + block, n)
+        args = (qf[..., start:end, :], kf[..., start:end, :], v[..., start:end, :], scales[..., start:end, :])
+        if track:  # recompute the block's C×C×F work space in backward instead of keeping it for all blocks
+            result = checkpoint(_block, *args, kv, k_sum, scale, size, use_reentrant=False)
+        else:
+            result = _block(*args, kv, k_sum, scale, size)
+        num, den, kv, k_sum = result
+        scale = scales[..., end - 1, :]
+        pieces.append(finalize(num, den, normalize=normalize, eps=eps, min_denom=min_denom))
+    out = torch.cat(pieces, dim=-2)
+    return out, LinearAttentionState(kv, k_sum, torch.zeros_like(kv[..., 0, 0]), seen + n)
