@@ -29,7 +29,7 @@ from .state import LinearAttentionState
 
 DEFAULT_CAUSAL_CHUNK = 64
 DEFAULT_NONCAUSAL_CHUNK = 1024
-DEFAULT_GATED_CHUNK = 16  # per-feature gates: the C×C×F factors grow with C
+DEFAULT_GATED_CHUNK = 64  # per-feature gates: measured best of 16/32/64 (docs/decay.md)
 # "auto" runs non-causal attention chunked beyond this many keys: measured faster from 8192 keys on (features and
 # GEMM operands stay in cache), while the global form wins up to 4096 (docs/benchmarks.md, benchmarks/run.py)
 NONCAUSAL_CHUNKED_ABOVE = 4096
@@ -335,7 +335,7 @@ def _gated_form(
             f"log_gate: per-feature gate with {feature_gate.shape[-1]} features, but the feature map gives "
             f"F={kf.shape[-1]}; pass (..., N, F) with F the feature dimension"
         )
-    scales = decayed_ref(None, feature_gate.transpose(-1, -2)).transpose(-1, -2)  # −G_f (..., N, F) fp64
+    scales = torch.cumsum(feature_gate, dim=-2).neg_()  # −G_f (..., N, F), fp64 like the validated gate
     if ref is not None:
         scales = scales + ref.to(torch.float64).unsqueeze(-1)
     if form == "parallel":

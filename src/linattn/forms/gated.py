@@ -27,6 +27,8 @@ from ._common import NEG_INF, finalize, scale_between
 
 # tokens per checkpointed block: b = 256 / C chunks, so the (b, b, F) decay matrix stays small next to the updates
 GATED_BLOCK_TOKENS = 256
+# the largest per-feature log-decay within one chunk that the GEMM path of _intra_weights takes (e^{±30} factors)
+GEMM_SPAN = 60.0
 
 
 def gated_parallel_attention(
@@ -103,6 +105,27 @@ def _chunks(x: torch.Tensor, size: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-2], -1, size, x.shape[-1])
 
 
+def _intra_weights(qc: torch.Tensor, kc: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """W_tj = Σ_f Q_tf K_jf e^{L_jf − L_tf} for j ≤ t within each chunk (..., b, C, C); L = ``local`` ≤ 0, 0 at
+    the chunk's end.
+
+    When every chunk's per-feature span −L_0f is at most GEMM_SPAN, the factor splits at the span's midpoint M into
+    e^{M − L_t}·e^{L_j − M}, each within e^{±GEMM_SPAN/2}: one GEMM of rescaled queries and keys, no overflow and
+    no subnormal (fp32 keeps normal numbers down to e^−87). Otherwise (a gate of −30 within a chunk) the C×C×F
+    factors are formed explicitly, every one e^{(≤ 0)}.
+    """
+    size = qc.shape[-2]
+    causal = torch.ones(size, size, dtype=torch.bool, device=qc.device).tril()  # (C_t, C_j)
+    span = -local[..., 0, :]  # (..., b, F) ≥ 0; inf where the chunk starts at an empty (-inf) scale
+    if bool((span <= GEMM_SPAN).all()):
+        middle = local[..., :1, :] / 2  # (..., b, 1, F)
+        queries = qc * torch.exp(middle - local)
+        keys = kc * torch.exp(local - middle)
+        return (queries @ keys.transpose(-1, -2)).masked_fill(~causal, 0)
+    factor = scale_between(local.unsqueeze(-3), local.unsqueeze(-2), causal.unsqueeze(-1))  # (..., b, C, C, F)
+    return ((qc.unsqueeze(-2) * factor) * kc.unsqueeze(-3)).sum(-1)
+
+
 def _block(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -127,25 +150,24 @@ def _block(
     base = torch.where(ends == NEG_INF, 0.0, ends)
     local = (r - base.unsqueeze(-2)).to(dtype)  # (..., b, C, F) ≤ 0: only local differences reach fp32
     entry = (entering - base).to(dtype).unsqueeze(-2)  # (..., b, 1, F)
-    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril().unsqueeze(-1)  # (C_t, C_j, 1)
-    factor = scale_between(local.unsqueeze(-3), local.unsqueeze(-2), causal)  # (..., b, C_t, C_j, F)
-    weights = ((qc.unsqueeze(-2) * factor) * kc.unsqueeze(-3)).sum(-1)  # (..., b, C, C)
+    weights = _intra_weights(qc, kc, local)  # (..., b, C, C)
     keys = kc * torch.exp(local)  # (..., b, C, F) at the chunk's end scale
-    updates = keys.transpose(-1, -2) @ vc  # (..., b, F, Dv)
-    update_z = keys.sum(-2)  # (..., b, F)
-    earlier = torch.ones(chunks, chunks, dtype=torch.bool, device=q.device).tril(-1).unsqueeze(-1)  # (b, b, 1)
-    decay = scale_between(ends.unsqueeze(-3), entering.unsqueeze(-2), earlier).to(dtype)  # (..., b_c, b_c', F)
-    carry = scale_between(scale_in.unsqueeze(-2), entering).to(dtype)  # (..., b, F)
-    kv_enter = torch.einsum("...cpf,...pfd->...cfd", decay, updates) + carry.unsqueeze(-1) * kv_in.unsqueeze(-3)
-    z_enter = (decay * update_z.unsqueeze(-3)).sum(-2) + carry * z_in.unsqueeze(-2)  # (..., b, F)
+    values = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1)  # (..., b, C, Dv+1): a ones column for z
+    updates = keys.transpose(-1, -2) @ values  # (..., b, F, Dv+1): [Σ K vᵀ, Σ K]
+    # the states entering each chunk, by a scan over the block's b chunks: every factor e^{s_c − e_c} ≤ 1, so
+    # exact and overflow-free whatever the gates (b is small: the block is a few hundred tokens)
+    steps = scale_between(entering, ends).to(dtype).unsqueeze(-1)  # (..., b, F, 1): chunk c's own decay
+    state = torch.cat([kv_in, z_in.unsqueeze(-1)], dim=-1)  # (..., F, Dv+1)
+    enter = []
+    for c in range(chunks):
+        enter.append(state)
+        state = steps[..., c, :, :] * state + updates[..., c, :, :]
+    states = torch.stack(enter, dim=-3)  # (..., b, F, Dv+1)
     reading = qc * scale_between(entry, local)  # (..., b, C, F): query t reads the entering state at R_t
-    num = weights @ vc + reading @ kv_enter  # (..., b, C, Dv)
-    den = weights.sum(-1) + (reading * z_enter.unsqueeze(-2)).sum(-1)  # (..., b, C)
-    last = ends[..., -1, :]  # (..., F)
-    out_decay = scale_between(ends, last.unsqueeze(-2)).to(dtype)  # (..., b, F)
-    out_carry = scale_between(scale_in, last).to(dtype)  # (..., F)
-    kv_out = (out_decay.unsqueeze(-1) * updates).sum(-3) + out_carry.unsqueeze(-1) * kv_in
-    z_out = (out_decay * update_z).sum(-2) + out_carry * z_in
+    inter = reading @ states  # (..., b, C, Dv+1)
+    num = weights @ vc + inter[..., :-1]  # (..., b, C, Dv)
+    den = weights.sum(-1) + inter[..., -1]  # (..., b, C)
+    kv_out, z_out = state[..., :-1], state[..., -1]
     num = num.reshape(*num.shape[:-3], -1, num.shape[-1])[..., :length, :]
     den = den.reshape(*den.shape[:-2], -1)[..., :length]
     return num, den, kv_out, z_out
@@ -162,12 +184,12 @@ def gated_chunked_attention(
     normalize: bool,
     eps: float,
     min_denom: float | None,
-    block_tokens: int = GATED_BLOCK_TOKENS,
+    block_tokens: int | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """``scales`` R (..., N, F) fp64; see the module docstring. ``chunk_size`` C (16 suits the C×C×F factors)."""
     n, batch, features = qf.shape[-2], qf.shape[:-2], kf.shape[-1]
     size = min(chunk_size, n)
-    block = max(size, block_tokens // size * size)
+    block = max(size, (block_tokens or GATED_BLOCK_TOKENS) // size * size)
     if state is not None:
         kv, k_sum, seen = state.kv, state.k_sum, state.num_tokens
         scale = state.shift.to(scales.dtype).unsqueeze(-1).expand(*batch, features)
