@@ -118,3 +118,35 @@ def test_packed_initial_state_count_must_match():
     wrong = linattn.LinearAttentionState.zeros((2, 2), 6, 5, dtype=torch.float64)
     with pytest.raises(linattn.LinearAttentionError, match="one state per sequence"):
         linattn.linear_attention(q, k, v, causal=True, cu_seqlens=OFFSETS, initial_state=wrong)
+
+
+# one-call path: causal, ordinary maps, no states (a jump of the log-scale at each boundary, _packed.py)
+
+@pytest.mark.parametrize("form", ["parallel", "recurrent", "chunked"])
+@pytest.mark.parametrize("gating", ["none", "decay+gate", "per-feature"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_one_call_path_equals_separate(form, gating, dtype):
+    q, k, v, generator = make_inputs(4)
+    keep = torch.rand(2, N, generator=generator) > 0.2
+    g = torch.zeros((), dtype=torch.float64)
+    feature = None
+    kwargs: dict = {}
+    if gating == "decay+gate":
+        gate = -2 * torch.rand(2, N, generator=generator, dtype=torch.float64)
+        kwargs = {"decay": 0.9, "log_gate": gate.to(dtype)}
+        g = gate.to(dtype).double() + torch.tensor(0.9, dtype=torch.float64).log()
+    elif gating == "per-feature":
+        feature = -torch.rand(2, N, 6, generator=generator, dtype=torch.float64).to(dtype).double()
+        kwargs = {"log_gate": feature.to(dtype)}
+    out = linattn.linear_attention(
+        q.to(dtype), k.to(dtype), v.to(dtype), causal=True, form=form, chunk_size=4, cu_seqlens=OFFSETS,
+        key_padding_mask=keep, **kwargs,
+    )
+    tolerance = 1e-10 if dtype == torch.float64 else 1e-5
+    for index, (a, b) in enumerate(zip(OFFSETS[:-1], OFFSETS[1:], strict=True)):
+        expected, _, _ = decayed_recurrence(
+            q[..., a:b, :].to(dtype), k[..., a:b, :].to(dtype), v[..., a:b, :].to(dtype), elu_plus_one,
+            g[..., a:b] if g.dim() else g, keep=keep[..., a:b],
+            feature_decay=feature[..., a:b, :] if feature is not None else None,
+        )
+        assert rel_error(out[..., a:b, :], expected) <= tolerance, index

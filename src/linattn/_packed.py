@@ -1,8 +1,14 @@
 """Packed variable-length input (``cu_seqlens``): sequences laid end to end in one row, each attending to itself.
 
-This first version runs the core once per sequence and concatenates: exact by construction (each sequence is the
-very computation it would be alone), any form, option and feature map. Its cost is one core call per sequence
-(measured in docs/decay.md); a vectorised boundary reset is future work.
+Two paths, both exact:
+- **One call** (causal, ordinary feature maps, no initial or returned state: packed training): a boundary is a
+  decay to zero. Adding J·s to the log-scale of every token of sequence s (J = 128 for fp32, 1024 for fp64) makes
+  every factor e^{ref_j − ref_t} across a boundary e^{≤ −J}, which is exactly 0 in the compute dtype (fp32 and
+  fp64 exponentials underflow to 0 below −104 and −745), while differences within a sequence are unchanged. The
+  forms already form scale differences in fp64 (see :mod:`.forms.decay`), so J adds no rounding there.
+- **One core call per sequence** otherwise (non-causal forms, per-sequence initial or final states, log-space
+  maps, whose running maximum would have to restart at each boundary): each sequence is the very computation it
+  would be alone. Cost: one core call per sequence (measured in docs/decay.md).
 """
 
 from __future__ import annotations
@@ -15,6 +21,29 @@ import torch
 from . import _validate
 from .errors import LinearAttentionError
 from .state import LinearAttentionState
+
+
+def vectorised(
+    q: object, causal: bool, initial_state: object, return_state: bool, feature_map: object
+) -> bool:
+    """Whether the one-call path applies (see the module docstring)."""
+    if not causal or initial_state is not None or return_state or not isinstance(q, torch.Tensor) or q.dim() < 2:
+        return False
+    from .functional import resolve_feature_map  # the map is created once per name and cached
+
+    if not q.is_floating_point():
+        return False
+    fmap = resolve_feature_map(feature_map, q.shape[-1], device=q.device)  # type: ignore[arg-type]
+    return not getattr(fmap, "log_space", False)
+
+
+def segment_jumps(cu_seqlens: object, q: torch.Tensor) -> torch.Tensor:
+    """J·s for every token of sequence s: (N,) fp64, added to the tokens' log-scales."""
+    offsets = _validate.cu_seqlens(cu_seqlens, q.shape[-2])
+    jump = 1024.0 if q.dtype == torch.float64 else 128.0
+    starts = torch.zeros(q.shape[-2], dtype=torch.float64, device=q.device)
+    starts[torch.tensor(offsets[1:-1], dtype=torch.long, device=q.device)] = jump
+    return torch.cumsum(starts, dim=0)
 
 
 def _state_of(state: LinearAttentionState, index: int) -> LinearAttentionState:

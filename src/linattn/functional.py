@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import _validate
+from . import _packed, _validate
 from .errors import LinearAttentionError
 from .feature_maps import CallableFeatureMap, FeatureMap, create
 from .forms import (
@@ -182,10 +182,11 @@ def linear_attention(
     q, q_numpy = _to_torch(q, "q")
     k, _ = _to_torch(k, "k")
     v, _ = _to_torch(v, "v")
-    if cu_seqlens is not None:
-        from ._packed import packed_attention  # calls back into linear_attention once per sequence
-
-        packed = packed_attention(
+    segments = None
+    if cu_seqlens is not None and _packed.vectorised(q, causal, initial_state, return_state, feature_map):
+        segments = _packed.segment_jumps(cu_seqlens, q)  # one call: every weight across a boundary is 0
+    elif cu_seqlens is not None:
+        packed = _packed.packed_attention(
             linear_attention, q, k, v, cu_seqlens, initial_state=initial_state, return_state=return_state,
             key_padding_mask=key_padding_mask, log_gate=log_gate, feature_map=feature_map, causal=causal,
             chunk_size=chunk_size, normalize=normalize, eps=eps, min_denom=min_denom, form=form,
@@ -250,7 +251,7 @@ def linear_attention(
         out, final = _run_form(
             fmap, q, k, v, keep=keep, state=state, form=form, causal=causal, chunk_size=chunk_size,
             log_space=log_space, map_name=map_name, return_state=return_state, options=options,
-            log_decay=log_decay, feature_gate=feature_gate,
+            log_decay=log_decay, feature_gate=feature_gate, segments=segments,
         )
 
     out = out.to(out_dtype)
@@ -284,6 +285,7 @@ def _run_form(
     options: dict[str, Any],
     log_decay: torch.Tensor | None = None,
     feature_gate: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState | None]:
     """Feature maps, stabilisation and the chosen form, on inputs already in the compute dtype."""
     final: LinearAttentionState | None
@@ -297,6 +299,8 @@ def _run_form(
         stored_at = ref
         if log_decay is not None:  # a decay is a change of log-scale: ref' = r − G (forms/decay.py)
             ref = decayed_ref(ref, log_decay)
+        if segments is not None:  # packed sequences: a jump in log-scale at each start (_packed.py)
+            ref = segments.expand(qf.shape[:-1]) if ref is None else ref.to(torch.float64) + segments
         if feature_gate is not None:  # per-feature scales R = ref' − G_f: their own forms (forms/gated.py)
             out, final = _gated_form(qf, kf, v, ref, feature_gate, state, form, chunk_size, return_state, options)
         elif form == "parallel":
