@@ -198,15 +198,14 @@ def gated_chunked_attention(
         scale = scales.new_full((*batch, features), NEG_INF)
     track = torch.is_grad_enabled() and any(x.requires_grad for x in (qf, kf, v, scales, kv, k_sum))
     pieces = []
-    for start in range(0, n, block):
-        end = min(start + block, n)
-        args = (qf[..., start:end, :], kf[..., start:end, :], v[..., start:end, :], scales[..., start:end, :])
+    # split once: a slice per block would cost a whole-input zero gradient per block in backward, O(N²/L) work
+    for args in zip(*(x.split(block, dim=-2) for x in (qf, kf, v, scales)), strict=True):
         if track:  # recompute the block's C×C×F work space in backward instead of keeping it for all blocks
             result = checkpoint(_block, *args, kv, k_sum, scale, size, use_reentrant=False)
         else:
-            result = _block(*args, kv, k_sum, scale, size)
+            result = _block(args[0], args[1], args[2], args[3], kv, k_sum, scale, size)
         num, den, kv, k_sum = result
-        scale = scales[..., end - 1, :]
+        scale = args[3][..., -1, :]  # (..., F): the scale the state leaving the block is stored at
         pieces.append(finalize(num, den, normalize=normalize, eps=eps, min_denom=min_denom))
     out = torch.cat(pieces, dim=-2)
     return out, LinearAttentionState(kv, k_sum, torch.zeros_like(kv[..., 0, 0]), seen + n)
