@@ -37,10 +37,17 @@ def make_options(variant: str, heads: int, n: int, dim: int) -> dict[str, Any]:
     return {}
 
 
-def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict[str, Any], training: bool) -> None:
-    leaves = [t.clone().requires_grad_(training) for t in (q, k, v)]
+def leaves(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict[str, Any], training: bool
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """Fresh inputs; in training the decay rates and gates require grad too, as a model's would."""
+    qkv = [t.clone().requires_grad_(training) for t in (q, k, v)]
+    return qkv, {name: x.clone().requires_grad_(training) for name, x in options.items()}
+
+
+def run(qkv: list[torch.Tensor], options: dict[str, Any], training: bool) -> None:
     with torch.set_grad_enabled(training):
-        out = linattn.linear_attention(*leaves, causal=True, **options)
+        out = linattn.linear_attention(*qkv, causal=True, **options)
         if training:
             out.sum().backward()
 
@@ -55,8 +62,9 @@ def timing_table(sizes: list[int], heads: int, dim: int, rounds: int) -> None:
             times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
             for _ in range(rounds + 1):  # the first round warms up
                 for variant in VARIANTS:
+                    inputs = leaves(q, k, v, options[variant], training)
                     start = time.perf_counter()
-                    run(q, k, v, options[variant], training)
+                    run(*inputs, training)
                     times[variant].append(time.perf_counter() - start)
             ms = {variant: statistics.median(times[variant][1:]) * 1e3 for variant in VARIANTS}
             row = "".join(f"{ms[variant]:>11.1f}" for variant in VARIANTS)
@@ -67,10 +75,11 @@ def timing_table(sizes: list[int], heads: int, dim: int, rounds: int) -> None:
 def memory_table(n: int, heads: int, dim: int) -> None:
     q, k, v = torch.randn(3, 1, heads, n, dim).unbind(0)
     io_bytes = 4 * q.numel() * 4  # q, k, v and the output, fp32
-    print(f"\ntraining peak memory at N={n} (×bytes of q, k, v, o = {io_bytes / 2**20:.0f} MiB)")
+    print(f"\ntraining peak memory at N={n}, forward+backward, inputs made beforehand "
+          f"(×bytes of q, k, v, o = {io_bytes / 2**20:.0f} MiB; the gate's own gradient included)")
     for variant in VARIANTS:
-        options = make_options(variant, heads, n, dim)
-        peak = peak_memory(lambda options=options: run(q, k, v, options, True), q.device)
+        inputs = leaves(q, k, v, make_options(variant, heads, n, dim), True)
+        peak = peak_memory(lambda inputs=inputs: run(*inputs, True), q.device)
         print(f"  {variant:<6}{peak / io_bytes:>6.2f}×", flush=True)
 
 
@@ -81,6 +90,8 @@ def packed_table(count: int, length: int, heads: int, dim: int, rounds: int) -> 
     batched = [t.reshape(heads, count, length, dim).transpose(0, 1) for t in (q, k, v)]  # (S, H, L, D)
     calls: dict[str, Callable[[], Any]] = {
         "packed": lambda: linattn.linear_attention(q, k, v, causal=True, cu_seqlens=offsets),
+        # return_state=True takes the per-sequence path (one core call per sequence)
+        "packed, loop": lambda: linattn.linear_attention(q, k, v, causal=True, cu_seqlens=offsets, return_state=True),
         "padded batch": lambda: linattn.linear_attention(*batched, causal=True),
         "one sequence": lambda: linattn.linear_attention(q, k, v, causal=True),
     }
@@ -91,7 +102,8 @@ def packed_table(count: int, length: int, heads: int, dim: int, rounds: int) -> 
             call()
             times[name].append(time.perf_counter() - start)
     base = statistics.median(times["padded batch"][1:])
-    print(f"\npacked: {count} sequences of {length} tokens, H={heads} D={dim}, causal forward (ms, × padded batch)")
+    print(f"\npacked: {count} sequences of {length} tokens, H={heads} D={dim}, causal forward (ms, × padded batch); "
+          "'one sequence': the same tokens with no boundaries")
     for name in calls:
         ms = statistics.median(times[name][1:])
         print(f"  {name:<14}{ms * 1e3:>9.1f}{ms / base:>7.2f}×")
