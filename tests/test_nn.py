@@ -270,3 +270,27 @@ def test_decayed_layer_bad_options_raise():
         LinearAttention(16, 2, causal=True, gate="head")
     with pytest.raises(LinearAttentionError, match="layer_index"):
         LinearAttention(16, 2, causal=True, decay="lightning", layer_index=3, num_layers=2)
+
+
+def test_output_norm_is_a_per_head_standardisation():
+    torch.manual_seed(5)
+    layer = LinearAttention(16, 4, causal=True, **DECAY_CASES["unnormalised-retention"]).double()
+    assert layer.output_norm is not None
+    with torch.no_grad():
+        layer.output_norm.weight.normal_()
+        layer.output_norm.bias.normal_()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    captured = {}
+    first = layer.out_proj.register_forward_hook(lambda module, args, out: captured.update(x=args[0]))
+    layer(x)
+    first.remove()
+    layer.output_norm, norm = None, layer.output_norm
+    captured_plain = {}
+    hook = layer.out_proj.register_forward_hook(lambda module, args, out: captured_plain.update(x=args[0]))
+    layer(x)
+    hook.remove()
+    heads = captured_plain["x"].unflatten(-1, (4, 4))  # (B, N, H, D): each head standardised over its D outputs
+    mean = heads.mean(-1, keepdim=True)
+    var = heads.var(-1, unbiased=False, keepdim=True)
+    expected = ((heads - mean) / torch.sqrt(var + 1e-5)).flatten(-2) * norm.weight + norm.bias
+    assert rel_error(captured["x"], expected) < 1e-12

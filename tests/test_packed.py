@@ -125,7 +125,11 @@ def test_packed_initial_state_count_must_match():
 @pytest.mark.parametrize("form", ["parallel", "recurrent", "chunked"])
 @pytest.mark.parametrize("gating", ["none", "decay+gate", "per-feature"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-def test_one_call_path_equals_separate(form, gating, dtype):
+def test_one_call_path_equals_separate(form, gating, dtype, monkeypatch):
+    def no_loop(*args, **kwargs):
+        raise AssertionError("the per-sequence loop ran where the one-call path applies")
+
+    monkeypatch.setattr(linattn._packed, "packed_attention", no_loop)
     q, k, v, generator = make_inputs(4)
     keep = torch.rand(2, N, generator=generator) > 0.2
     g = torch.zeros((), dtype=torch.float64)
