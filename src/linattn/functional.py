@@ -166,8 +166,10 @@ def linear_attention(
         decay: causal only; a fixed rate γ ∈ (0, 1], a float or one per query head ``(H,)`` (RetNet, Lightning):
             the state is multiplied by γ before each token, so key j weighs γ^(t−j) at query t.
         log_gate: causal only; per-token log-decays g ``(..., N)`` ≤ 0 (Mamba-2 / simple GLA, e.g.
-            ``F.logsigmoid(x @ w)``): the state is multiplied by e^{g_t} before token t. Composes with ``decay``.
-            The decay applies at every position, masked ones included. See docs/decay.md.
+            ``F.logsigmoid(x @ w)``): the state is multiplied by e^{g_t} before token t. Shape ``(..., N, F)``
+            (F the feature map's width): a per-feature gate (GLA). Composes with ``decay``. The decay applies
+            at every position, masked ones included; the returned state's ``shift`` keeps its meaning (the true
+            decayed sums are ``kv·e^shift``). See docs/decay.md.
         cu_seqlens: packed variable-length input: int offsets ``[0, n_1, n_1+n_2, …, N]`` of sequences laid end to
             end along the token dimension; no token attends across a boundary. ``initial_state`` then holds one
             state per sequence (a leading dimension S on every tensor) and the returned state likewise.
