@@ -11,7 +11,7 @@ from linattn.forms import gated
 from maps_for_tests import DoubledElu, LogExp
 from reference import elu_plus_one, rel_error
 
-FORMS = ["parallel", "recurrent", "chunked", "chunked-many-blocks"]
+FORMS = ["parallel", "recurrent", "chunked", "chunked-many-blocks", "chunked-sub3"]
 BATCH, N, DK, DV = (2, 3), 37, 6, 5
 NO_DECAY = torch.zeros((), dtype=torch.float64)
 
@@ -49,8 +49,12 @@ def inputs(generator, batch=BATCH, n=N, dv=DV):
 
 
 def resolve(form: str, monkeypatch) -> str:
-    if form == "chunked-many-blocks":  # blocks of one chunk: states cross checkpointed blocks
+    if form == "chunked-many-blocks":  # blocks of one chunk: states cross checkpointed blocks; sub-chunks of 1
         monkeypatch.setattr(gated, "GATED_BLOCK_TOKENS", 1)
+        monkeypatch.setattr(gated, "SUB_CHUNK", 1)
+        return "chunked"
+    if form == "chunked-sub3":  # chunks of 4 split into sub-chunks of 3 and 1 where gates are strong
+        monkeypatch.setattr(gated, "SUB_CHUNK", 3)
         return "chunked"
     return form
 
@@ -156,3 +160,17 @@ def test_per_feature_gate_with_wrong_width_raises():
     q, k, v = inputs(torch.Generator().manual_seed(5))
     with pytest.raises(linattn.LinearAttentionError, match="F=6"):
         linattn.linear_attention(q, k, v, causal=True, log_gate=-torch.ones(*BATCH, N, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("form", ["chunked-many-blocks", "chunked-sub3"])
+def test_per_feature_gradcheck_strong_gates(form, monkeypatch):
+    """Gates down to −40 per token: chunk spans beyond GEMM_SPAN take the sub-chunk path; its gradients too."""
+    form = resolve(form, monkeypatch)
+    generator = torch.Generator().manual_seed(6)
+    q, k, v = (x.requires_grad_() for x in inputs(generator, (1, 1), 8, 2))
+    gate = (-0.05 - 40 * torch.rand(1, 1, 8, DK, generator=generator, dtype=torch.float64)).requires_grad_()
+
+    def run(q, k, v, gate):
+        return linattn.linear_attention(q, k, v, causal=True, form=form, chunk_size=4, log_gate=gate)
+
+    assert torch.autograd.gradcheck(run, (q, k, v, gate))

@@ -29,6 +29,8 @@ from ._common import NEG_INF, finalize, scale_between
 GATED_BLOCK_TOKENS = 256
 # the largest per-feature log-decay within one chunk that the GEMM path of _intra_weights takes (e^{±30} factors)
 GEMM_SPAN = 60.0
+# sub-chunk length of the path for larger spans: its explicit factors cost O(C·SUB_CHUNK·F) per chunk
+SUB_CHUNK = 8
 
 
 def gated_parallel_attention(
@@ -111,8 +113,7 @@ def _intra_weights(qc: torch.Tensor, kc: torch.Tensor, local: torch.Tensor) -> t
 
     When every chunk's per-feature span −L_0f is at most GEMM_SPAN, the factor splits at the span's midpoint M into
     e^{M − L_t}·e^{L_j − M}, each within e^{±GEMM_SPAN/2}: one GEMM of rescaled queries and keys, no overflow and
-    no subnormal (fp32 keeps normal numbers down to e^−87). Otherwise (a gate of −30 within a chunk) the C×C×F
-    factors are formed explicitly, every one e^{(≤ 0)}.
+    no subnormal (fp32 keeps normal numbers down to e^−87). Otherwise (gates near −30) :func:`_split_weights`.
     """
     size = qc.shape[-2]
     causal = torch.ones(size, size, dtype=torch.bool, device=qc.device).tril()  # (C_t, C_j)
@@ -122,8 +123,39 @@ def _intra_weights(qc: torch.Tensor, kc: torch.Tensor, local: torch.Tensor) -> t
         queries = qc * torch.exp(middle - local)
         keys = kc * torch.exp(local - middle)
         return (queries @ keys.transpose(-1, -2)).masked_fill(~causal, 0)
-    factor = scale_between(local.unsqueeze(-3), local.unsqueeze(-2), causal.unsqueeze(-1))  # (..., b, C, C, F)
+    return _split_weights(qc, kc, local)
+
+
+def _explicit_weights(qc: torch.Tensor, kc: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Causal W_tj with the c×c×F factors e^{L_jf − L_tf} formed one by one, every one e^{(≤ 0)}."""
+    size = qc.shape[-2]
+    causal = torch.ones(size, size, dtype=torch.bool, device=qc.device).tril().unsqueeze(-1)  # (c_t, c_j, 1)
+    factor = scale_between(local.unsqueeze(-3), local.unsqueeze(-2), causal)  # (..., c, c, F)
     return ((qc.unsqueeze(-2) * factor) * kc.unsqueeze(-3)).sum(-1)
+
+
+def _split_weights(qc: torch.Tensor, kc: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Causal W_tj for any gates: sub-chunks of SUB_CHUNK tokens. Queries of sub-chunk s meet the keys of the
+    earlier sub-chunks in one GEMM split at M_s = L at the first token of s: L_j ≤ M_s ≤ L_t, so both e^{M_s − L_t}
+    and e^{L_j − M_s} are ≤ 1 (overflow-free; a factor small enough to lose digits makes its term smaller still).
+    Within a sub-chunk the c×c×F factors are explicit."""
+    size = qc.shape[-2]
+    sub = min(SUB_CHUNK, size)
+    rows = []
+    for start in range(0, size, sub):
+        end = min(start + sub, size)
+        q_s, k_s, local_s = qc[..., start:end, :], kc[..., start:end, :], local[..., start:end, :]
+        pieces = []
+        if start > 0:
+            split = local[..., start : start + 1, :]  # (..., b, 1, F): M_s
+            queries = q_s * scale_between(split, local_s)
+            keys = kc[..., :start, :] * scale_between(local[..., :start, :], split)
+            pieces.append(queries @ keys.transpose(-1, -2))  # (..., b, c, start)
+        pieces.append(_explicit_weights(q_s, k_s, local_s))  # (..., b, c, c)
+        if end < size:
+            pieces.append(q_s.new_zeros(*q_s.shape[:-1], size - end))
+        rows.append(torch.cat(pieces, dim=-1))
+    return torch.cat(rows, dim=-2)  # (..., b, C, C)
 
 
 def _block(
