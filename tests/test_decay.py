@@ -231,6 +231,7 @@ def test_half_inputs_fp32_state(dtype):
         ({"log_gate": torch.ones(2, 3, N), "causal": True}, "must be ≤ 0"),
         ({"log_gate": torch.full((2, 3, N), float("nan")), "causal": True}, "must be ≤ 0"),
         ({"log_gate": -torch.ones(2, 3, N + 1), "causal": True}, "one log-decay per token"),
+        ({"log_gate": torch.full((2, 3, N), float("-inf")), "causal": True}, "-inf"),
         ({"log_gate": -torch.ones(2, 3, N, 4), "causal": True}, "per-feature"),
         ({"log_gate": [0.0], "causal": True}, "log_gate: expected a floating tensor"),
     ],

@@ -229,6 +229,11 @@ def gate_tokens(log_gate: object, q: torch.Tensor, kv_batch: torch.Size, per_fea
             f"log_gate: {bad} value(s) are > 0 or NaN; a log-decay must be ≤ 0 (e.g. F.logsigmoid(x)), since the "
             "state may only shrink"
         )
+    if not bool(torch.isfinite(gate).all()):
+        raise LinearAttentionError(
+            "log_gate: -inf (a decay to exactly 0) is not supported; pass a finite value (e^-100 is 0 in fp32 "
+            "already), or cu_seqlens to start new sequences"
+        )
     return gate
 
 
