@@ -174,3 +174,13 @@ def test_per_feature_gradcheck_strong_gates(form, monkeypatch):
         return linattn.linear_attention(q, k, v, causal=True, form=form, chunk_size=4, log_gate=gate)
 
     assert torch.autograd.gradcheck(run, (q, k, v, gate))
+
+
+def test_per_feature_gate_bf16_inputs_fp32_state():
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = (x.bfloat16() for x in inputs(generator))
+    gate = make_gate("mixed", (*BATCH, N, DK), generator).bfloat16()
+    out, state = linattn.linear_attention(q, k, v, causal=True, log_gate=gate, chunk_size=8, return_state=True)
+    assert out.dtype == torch.bfloat16 and state.kv.dtype == torch.float32
+    expected, _, _ = decayed_recurrence(q, k, v, elu_plus_one, NO_DECAY, feature_decay=gate)
+    assert rel_error(out, expected) <= 1e-2  # the output's own rounding to bf16's 8 bits
