@@ -151,7 +151,7 @@ def log_decay(
     decay: object, log_gate: object, q: torch.Tensor, kv_batch: torch.Size, causal: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(g, g_f): the per-token log-decay (*q.shape[:-1]) in fp64 from ``decay`` γ (float or (H,)) and a per-token
-    ``log_gate`` (..., N), summed when both are given; and a per-feature ``log_gate`` (..., N, F) in fp64
+    ``log_gate`` (..., N), summed when both are given; and a per-feature ``log_gate`` (..., N, F) in its own dtype
     (F checked against the feature map later). None for what is not given."""
     if decay is None and log_gate is None:
         return None, None
@@ -201,7 +201,9 @@ def gate_tokens(log_gate: object, q: torch.Tensor, kv_batch: torch.Size, per_fea
         )
     if log_gate.device != q.device:
         raise LinearAttentionError(f"log_gate: on {log_gate.device}, q on {q.device}; move it to {q.device}")
-    gate = log_gate.to(torch.float64)
+    # per-token gates are small (..., N): fp64 at once; per-feature gates stay in their dtype (the chunked form
+    # sums them in fp64 block by block, so no (N, F) fp64 copy is made)
+    gate = log_gate if per_feature else log_gate.to(torch.float64)
     target = q.shape[:-1]
     if per_feature:  # the token dimension is -2, features last
         target = torch.Size((*target, log_gate.shape[-1]))

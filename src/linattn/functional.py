@@ -341,15 +341,16 @@ def _gated_form(
             f"log_gate: per-feature gate with {feature_gate.shape[-1]} features, but the feature map gives "
             f"F={kf.shape[-1]}; pass (..., N, F) with F the feature dimension"
         )
-    scales = torch.cumsum(feature_gate, dim=-2).neg_()  # −G_f (..., N, F), fp64 like the validated gate
+    if form not in ("parallel", "recurrent"):  # the chunked form sums the gates block by block
+        size = chunk_size or DEFAULT_GATED_CHUNK
+        ref64 = ref.to(torch.float64) if ref is not None else None
+        return gated_chunked_attention(qf, kf, v, gate=feature_gate, ref=ref64, state=state, chunk_size=size, **options)
+    scales = torch.cumsum(feature_gate.to(torch.float64), dim=-2).neg_()  # −G_f (..., N, F)
     if ref is not None:
         scales = scales + ref.to(torch.float64).unsqueeze(-1)
     if form == "parallel":
         return gated_parallel_attention(qf, kf, v, scales=scales, state=state, want_state=return_state, **options)
-    if form == "recurrent":
-        return gated_recurrent_attention(qf, kf, v, scales=scales, state=state, **options)
-    size = chunk_size or DEFAULT_GATED_CHUNK
-    return gated_chunked_attention(qf, kf, v, scales=scales, state=state, chunk_size=size, **options)
+    return gated_recurrent_attention(qf, kf, v, scales=scales, state=state, **options)
 
 
 def _noncausal_chunked(

@@ -4,13 +4,15 @@ A per-feature decay cannot be pulled out of the dot product q·k, so it is no ch
 feature f has its own log-scale R_tf = r_t − G_tf (r: the log-space running maximum or 0; G = Σ_{i≤t} g_i, fp64),
 non-decreasing in t, and query t weighs key j ≤ t by Σ_f Q_tf K_jf e^{R_jf − R_tf}. Every factor is e^{(≤ 0)}.
 
-Three forms, each taking R (..., N, F) in fp64:
+Three forms:
 - :func:`gated_parallel_attention`: the quadratic definition with an explicit (N, N, F) tensor (reference, tiny N);
 - :func:`gated_recurrent_attention`: token by token, the state rescaled per feature;
-- :func:`gated_chunked_attention`: blocks of chunks. Within a chunk the C×C×F factors e^{R_jf − R_tf} are explicit
-  (from scales re-based to the chunk's end in fp64, so only local differences reach fp32); the states entering the
-  chunks of a block come from one (b, b, F) matrix of per-feature decays; blocks run under activation checkpointing,
-  so training memory is the inputs, R (N·F fp64), the outputs and one block's work space: O(N·(F + Dv)) + O(L·C·F).
+- :func:`gated_chunked_attention`: blocks of chunks under activation checkpointing. Each block forms its own R in
+  fp64 from its gates and the sum of the gates before it, re-based to each chunk's end before the cast to fp32
+  (only local differences reach fp32). Within a chunk the weights are one GEMM when the gate span allows, else
+  sub-chunks (:func:`_intra_weights`); the states entering the chunks come from a scan, every step a factor ≤ 1.
+  Training memory: the inputs, the gate's gradient, the outputs and one block's work space, O(N·(F + Dv)) +
+  O(L·C·F); no (N, F) fp64 tensor.
 
 The returned state follows :mod:`.decay`: sums stored at R_N,f = r_N − G_N,f are the decayed sums at scale r_N, so
 ``shift`` is r_N, its usual meaning; an initial state at shift s_0 enters at scale s_0 in every feature.
@@ -25,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from ..state import LinearAttentionState
 from ._common import NEG_INF, finalize, scale_between
 
-# tokens per checkpointed block: b = 256 / C chunks, so the (b, b, F) decay matrix stays small next to the updates
+# tokens per checkpointed block: the scan over its chunks is short, its work space small
 GATED_BLOCK_TOKENS = 256
 # the largest per-feature log-decay within one chunk that the GEMM path of _intra_weights takes (e^{±30} factors)
 GEMM_SPAN = 60.0
@@ -162,14 +164,21 @@ def _block(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    scales: torch.Tensor,
+    gate: torch.Tensor,
+    ref: torch.Tensor | None,
+    offset: torch.Tensor,
     kv_in: torch.Tensor,
     z_in: torch.Tensor,
     scale_in: torch.Tensor,
     size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block (L tokens): num (..., L, Dv), den (..., L), and the state (kv, z) leaving it at scale
-    ``scales[..., -1, :]``. Plain differentiable torch code: checkpointed by the caller."""
+    """One block (L tokens): num (..., L, Dv), den (..., L), and the state (kv, z) leaving it at the block's last
+    scale. The block's scales R = ref − (offset + Σ gate) are formed here in fp64 from its own gates and the gates'
+    sum before it (``offset`` (..., F)), so no (N, F) fp64 tensor lives beyond one block. Plain differentiable
+    torch code: checkpointed by the caller."""
+    scales = -(offset.unsqueeze(-2) + torch.cumsum(gate.to(torch.float64), dim=-2))  # (..., L, F)
+    if ref is not None:
+        scales = scales + ref.unsqueeze(-1)
     length = q.shape[-2]
     pad = -length % size
     if pad:  # padded keys are zero; repeating the last scale keeps R non-decreasing
@@ -210,7 +219,8 @@ def gated_chunked_attention(
     kf: torch.Tensor,
     v: torch.Tensor,
     *,
-    scales: torch.Tensor,
+    gate: torch.Tensor,
+    ref: torch.Tensor | None,
     state: LinearAttentionState | None,
     chunk_size: int,
     normalize: bool,
@@ -218,26 +228,33 @@ def gated_chunked_attention(
     min_denom: float | None,
     block_tokens: int | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
-    """``scales`` R (..., N, F) fp64; see the module docstring. ``chunk_size`` C (16 suits the C×C×F factors)."""
+    """``gate`` g (..., N, F) ≤ 0 in any float dtype, ``ref`` the per-token scale r − G (..., N) fp64 or None: the
+    scales are R = ref − cumsum(g), formed block by block (see the module docstring)."""
     n, batch, features = qf.shape[-2], qf.shape[:-2], kf.shape[-1]
     size = min(chunk_size, n)
     block = max(size, (block_tokens or GATED_BLOCK_TOKENS) // size * size)
     if state is not None:
         kv, k_sum, seen = state.kv, state.k_sum, state.num_tokens
-        scale = state.shift.to(scales.dtype).unsqueeze(-1).expand(*batch, features)
+        scale = state.shift.to(torch.float64).unsqueeze(-1).expand(*batch, features)
     else:
         kv, k_sum, seen = qf.new_zeros(*batch, features, v.shape[-1]), qf.new_zeros(*batch, features), 0
-        scale = scales.new_full((*batch, features), NEG_INF)
-    track = torch.is_grad_enabled() and any(x.requires_grad for x in (qf, kf, v, scales, kv, k_sum))
+        scale = torch.full((*batch, features), NEG_INF, dtype=torch.float64, device=qf.device)
+    offset = torch.zeros((*batch, features), dtype=torch.float64, device=qf.device)  # Σ of the earlier gates
+    tensors = [qf, kf, v, gate, ref] if ref is not None else [qf, kf, v, gate]
+    track = torch.is_grad_enabled() and any(x.requires_grad for x in (*tensors, kv, k_sum))
     pieces = []
     # split once: a slice per block would cost a whole-input zero gradient per block in backward, O(N²/L) work
-    for args in zip(*(x.split(block, dim=-2) for x in (qf, kf, v, scales)), strict=True):
+    splits = [x.split(block, dim=-2 if x.dim() == qf.dim() else -1) for x in tensors]
+    for index in range(len(splits[0])):
+        q_b, k_b, v_b, g_b = (part[index] for part in splits[:4])
+        r_b = splits[4][index] if ref is not None else None
         if track:  # recompute the block's C×C×F work space in backward instead of keeping it for all blocks
-            result = checkpoint(_block, *args, kv, k_sum, scale, size, use_reentrant=False)
+            result = checkpoint(_block, q_b, k_b, v_b, g_b, r_b, offset, kv, k_sum, scale, size, use_reentrant=False)
         else:
-            result = _block(args[0], args[1], args[2], args[3], kv, k_sum, scale, size)
+            result = _block(q_b, k_b, v_b, g_b, r_b, offset, kv, k_sum, scale, size)
         num, den, kv, k_sum = result
-        scale = args[3][..., -1, :]  # (..., F): the scale the state leaving the block is stored at
+        offset = offset + g_b.to(torch.float64).sum(-2)
+        scale = -offset if r_b is None else r_b[..., -1:] - offset  # (..., F): where the leaving state is stored
         pieces.append(finalize(num, den, normalize=normalize, eps=eps, min_denom=min_denom))
     out = torch.cat(pieces, dim=-2)
     return out, LinearAttentionState(kv, k_sum, torch.zeros_like(kv[..., 0, 0]), seen + n)
