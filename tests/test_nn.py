@@ -179,3 +179,118 @@ def test_bad_calls_raise():
         decoder(torch.randn(2, 1, 8), state=state)  # batch 2, state for batch 1
     with pytest.raises(LinearAttentionError, match="key_padding_mask"):
         encoder(torch.randn(1, 3, 8), key_padding_mask=torch.ones(1, 3))  # not bool
+
+
+# --- decays and gates (issue 13) ---
+
+DECAY_CASES = {
+    "retnet": {"decay": "retnet"},
+    "lightning": {"decay": "lightning", "layer_index": 1, "num_layers": 4},
+    "float": {"decay": 0.9},
+    "token-gate": {"gate": "token"},
+    "feature-gate+retnet": {"gate": "feature", "decay": "retnet"},
+    "unnormalised-retention": {"decay": "retnet", "normalize": False, "feature_map": "identity", "output_norm": True},
+}
+
+
+def _randomise_gates(layer: LinearAttention) -> None:
+    # the gate starts at a constant; give it data dependence so that the test exercises it
+    if layer.gate_up is not None:
+        with torch.no_grad():
+            layer.gate_up.weight.normal_(std=2.0)
+            layer.gate_up.bias.fill_(0.0)
+
+
+@pytest.mark.parametrize("case", list(DECAY_CASES))
+def test_decayed_layer_decodes_token_by_token(case):
+    torch.manual_seed(3)
+    layer = LinearAttention(16, 4, num_kv_heads=2, causal=True, **DECAY_CASES[case]).double()
+    _randomise_gates(layer)
+    x = torch.randn(2, 19, 16, dtype=torch.float64)
+    full = layer(x)
+    out, state = layer(x[:, :6], return_state=True)
+    outs = [out]
+    for t in range(6, 19):
+        step, state = layer(x[:, t : t + 1], state=state, return_state=True)
+        outs.append(step)
+    assert rel_error(torch.cat(outs, dim=1), full) < 1e-12
+
+
+@pytest.mark.parametrize("case", ["retnet", "token-gate", "feature-gate+retnet"])
+def test_decayed_layer_matches_float64_recurrence(case):
+    from decay_reference import decayed_recurrence
+
+    torch.manual_seed(4)
+    layer = LinearAttention(16, 4, causal=True, **DECAY_CASES[case]).double()
+    _randomise_gates(layer)
+    x = torch.randn(2, 15, 16, dtype=torch.float64)
+
+    def project(linear: torch.nn.Linear, width: int) -> torch.Tensor:  # (B, N, H·width) → (B, H, N, width)
+        return (x @ linear.weight.T + linear.bias).unflatten(-1, (4, width)).transpose(1, 2)
+
+    q, k, v = project(layer.q_proj, 4), project(layer.k_proj, 4), project(layer.v_proj, 4)
+    g = torch.zeros(4, 1, dtype=torch.float64)
+    if "retnet" in case:
+        g = g + torch.log(1 - 2.0 ** (-5.0 - torch.arange(4, dtype=torch.float64)))[:, None]
+    feature = None
+    if layer.gate_down is not None:
+        hidden = x @ layer.gate_down.weight.T
+        width = 1 if case == "token-gate" else 4
+        gate = torch.nn.functional.logsigmoid(hidden @ layer.gate_up.weight.T + layer.gate_up.bias) / 16
+        gate = gate.unflatten(-1, (4, width)).transpose(1, 2)  # (B, H, N, width)
+        if width == 1:
+            g = g + gate.squeeze(-1)
+        else:
+            feature = gate
+    out, _, _ = decayed_recurrence(q, k, v, elu_plus_one, g, feature_decay=feature)
+    expected = out.transpose(1, 2).flatten(-2) @ layer.out_proj.weight.T + layer.out_proj.bias
+    assert rel_error(layer(x), expected) < 1e-12
+
+
+def test_gates_start_near_one_and_rates_follow_the_papers():
+    layer = LinearAttention(32, 4, causal=True, gate="feature", decay="retnet")
+    g = layer._log_gate(torch.randn(2, 7, 32))
+    assert g is not None and g.shape == (2, 4, 7, 8)
+    assert float(g.detach().exp().min()) > 0.998  # logsigmoid(4)/16: a long memory at initialisation
+    assert layer.decay_rates == (1 - 2**-5, 1 - 2**-6, 1 - 2**-7, 1 - 2**-8)  # RetNet, γ_h = 1 − 2^(−5−h)
+    lightning = LinearAttention(32, 4, causal=True, decay="lightning", layer_index=0, num_layers=2)
+    assert lightning.decay_rates is not None
+    torch.testing.assert_close(
+        torch.tensor(lightning.decay_rates),
+        torch.exp(-(2.0 ** (-8.0 * torch.arange(1, 5) / 4)) * (1 + 1e-5)),
+    )
+
+
+def test_decayed_layer_bad_options_raise():
+    with pytest.raises(LinearAttentionError, match="causal=True"):
+        LinearAttention(16, 2, decay="retnet")
+    with pytest.raises(LinearAttentionError, match="decay: expected"):
+        LinearAttention(16, 2, causal=True, decay="alibi")
+    with pytest.raises(LinearAttentionError, match="gate: expected"):
+        LinearAttention(16, 2, causal=True, gate="head")
+    with pytest.raises(LinearAttentionError, match="layer_index"):
+        LinearAttention(16, 2, causal=True, decay="lightning", layer_index=3, num_layers=2)
+
+
+def test_output_norm_is_a_per_head_standardisation():
+    torch.manual_seed(5)
+    layer = LinearAttention(16, 4, causal=True, **DECAY_CASES["unnormalised-retention"]).double()
+    assert layer.output_norm is not None
+    with torch.no_grad():
+        layer.output_norm.weight.normal_()
+        layer.output_norm.bias.normal_()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    captured = {}
+    first = layer.out_proj.register_forward_hook(lambda module, args, out: captured.update(x=args[0]))
+    layer(x)
+    first.remove()
+    layer.output_norm, norm = None, layer.output_norm
+    captured_plain = {}
+    hook = layer.out_proj.register_forward_hook(lambda module, args, out: captured_plain.update(x=args[0]))
+    layer(x)
+    hook.remove()
+    heads = captured_plain["x"].unflatten(-1, (4, 4))  # (B, N, H, D): each head standardised over its D outputs
+    mean = heads.mean(-1, keepdim=True)
+    var = heads.var(-1, unbiased=False, keepdim=True)
+    expected = ((heads - mean) / torch.sqrt(var + 1e-5)).flatten(-2) * norm.weight + norm.bias
+    assert rel_error(captured["x"], expected) < 1e-12

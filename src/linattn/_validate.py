@@ -145,3 +145,122 @@ def check_state_features(state: LinearAttentionState | None, features: int, map_
             f"initial_state: feature dimension {state.feature_dim}, but feature map {map_name} gives F={features}; "
             "pass a state made with the same feature map"
         )
+
+
+def log_decay(
+    decay: object, log_gate: object, q: torch.Tensor, kv_batch: torch.Size, causal: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(g, g_f): the per-token log-decay (*q.shape[:-1]) in fp64 from ``decay`` γ (float or (H,)) and a per-token
+    ``log_gate`` (..., N), summed when both are given; and a per-feature ``log_gate`` (..., N, F) in its own dtype
+    (F checked against the feature map later). None for what is not given."""
+    if decay is None and log_gate is None:
+        return None, None
+    if not causal:
+        raise LinearAttentionError(
+            "decay/log_gate: a decay weighs keys by their distance back from the query, which needs an order; "
+            "pass causal=True (non-causal attention has no decayed form)"
+        )
+    batch = q.shape[:-1]  # (..., N)
+    total = torch.zeros((), dtype=torch.float64, device=q.device)
+    if decay is not None:
+        if isinstance(decay, (int, float)) and not isinstance(decay, bool):
+            decay = torch.tensor(float(decay), dtype=torch.float64, device=q.device)
+        if not isinstance(decay, torch.Tensor) or not decay.is_floating_point():
+            raise LinearAttentionError(
+                f"decay: expected a float or a floating tensor of shape (H,), got {type(decay).__name__}"
+            )
+        if decay.dim() > 1 or (decay.dim() == 1 and (q.dim() < 3 or decay.shape[0] not in (1, q.shape[-3]))):
+            heads = q.shape[-3] if q.dim() >= 3 else "none"
+            raise LinearAttentionError(
+                f"decay: shape {tuple(decay.shape)}; expected a scalar or one rate per query head (H,) with "
+                f"H = q.shape[-3] = {heads}"
+            )
+        if not bool(((decay > 0) & (decay <= 1)).all()):
+            raise LinearAttentionError(
+                f"decay: rates must lie in (0, 1], got values from {float(decay.min())} to {float(decay.max())}; "
+                "γ multiplies the state once per token (RetNet: γ_h = 1 − 2^(−5−h))"
+            )
+        per_head = torch.log(decay.to(device=q.device, dtype=torch.float64))
+        total = per_head.unsqueeze(-1) if per_head.dim() == 1 else per_head  # (H, 1) broadcasts over (..., H, N)
+    per_feature = None
+    if isinstance(log_gate, torch.Tensor) and log_gate.dim() == q.dim():
+        per_feature = gate_tokens(log_gate, q, kv_batch, per_feature=True)
+        if decay is None:
+            return None, per_feature
+    elif log_gate is not None:
+        total = total + gate_tokens(log_gate, q, kv_batch)
+    return torch.broadcast_to(total, batch), per_feature
+
+
+def gate_tokens(log_gate: object, q: torch.Tensor, kv_batch: torch.Size, per_feature: bool = False) -> torch.Tensor:
+    """A log-gate ≤ 0 as fp64: per token (..., N) broadcast to q's (..., N), or per feature (..., N, F) to
+    (..., N, F); a gate given per k/v head is repeated to the query heads (GQA)."""
+    if not isinstance(log_gate, torch.Tensor) or not log_gate.is_floating_point():
+        raise LinearAttentionError(
+            f"log_gate: expected a floating tensor of shape (..., N), got {type(log_gate).__name__}"
+        )
+    if log_gate.device != q.device:
+        raise LinearAttentionError(f"log_gate: on {log_gate.device}, q on {q.device}; move it to {q.device}")
+    # per-token gates are small (..., N): fp64 at once; per-feature gates stay in their dtype (the chunked form
+    # sums them in fp64 block by block, so no (N, F) fp64 copy is made)
+    gate = log_gate if per_feature else log_gate.to(torch.float64)
+    target = q.shape[:-1]
+    if per_feature:  # the token dimension is -2, features last
+        target = torch.Size((*target, log_gate.shape[-1]))
+        kv_batch = torch.Size((*kv_batch, log_gate.shape[-1]))
+    at = -3 if per_feature else -2  # the head dimension of the gate
+    if gate.dim() >= -at and tuple(gate.shape) == tuple(kv_batch) and tuple(kv_batch) != tuple(target):
+        gate = gate.repeat_interleave(target[at] // kv_batch[at], dim=at)  # (..., Hkv, N[, F]) → (..., H, N[, F])
+    if per_feature and gate.shape[-2] != target[-2]:
+        raise LinearAttentionError(
+            f"log_gate: per-feature shape {tuple(log_gate.shape)}; expected (..., N, F) with N = {target[-2]}"
+        )
+    if not per_feature and gate.shape[-1] != target[-1]:
+        raise LinearAttentionError(
+            f"log_gate: last dimension {gate.shape[-1]}, expected one log-decay per token, N = {target[-1]}"
+        )
+    try:
+        gate = torch.broadcast_to(gate, target)
+    except RuntimeError:
+        raise LinearAttentionError(
+            f"log_gate: shape {tuple(log_gate.shape)} does not broadcast to q's (..., N) = {tuple(target)}"
+        ) from None
+    if not bool((gate <= 0).all()):
+        bad = int((~(gate <= 0)).sum())
+        raise LinearAttentionError(
+            f"log_gate: {bad} value(s) are > 0 or NaN; a log-decay must be ≤ 0 (e.g. F.logsigmoid(x)), since the "
+            "state may only shrink"
+        )
+    if not bool(torch.isfinite(gate).all()):
+        raise LinearAttentionError(
+            "log_gate: -inf (a decay to exactly 0) is not supported; pass a finite value (e^-100 is 0 in fp32 "
+            "already), or cu_seqlens to start new sequences"
+        )
+    return gate
+
+
+def cu_seqlens(offsets: object, num_tokens: int) -> list[int]:
+    """Packed-sequence offsets [0, n_1, n_1 + n_2, …, N] as a list of ints."""
+    if isinstance(offsets, torch.Tensor):
+        if offsets.is_floating_point() or offsets.dtype == torch.bool or offsets.dim() != 1:
+            raise LinearAttentionError(
+                f"cu_seqlens: expected a 1-D integer tensor of offsets, got dtype {offsets.dtype} and shape "
+                f"{tuple(offsets.shape)}"
+            )
+        values = [int(x) for x in offsets.tolist()]
+    elif isinstance(offsets, (list, tuple)) and all(isinstance(x, int) for x in offsets):
+        values = list(offsets)
+    else:
+        raise LinearAttentionError(
+            f"cu_seqlens: expected a 1-D integer tensor or a list of ints, got {type(offsets).__name__}"
+        )
+    if len(values) < 2 or values[0] != 0 or values[-1] != num_tokens:
+        raise LinearAttentionError(
+            f"cu_seqlens: offsets must start at 0 and end at the packed length {num_tokens}, got "
+            f"{values[:3]}…{values[-2:]} ({len(values)} values)"
+        )
+    if any(b <= a for a, b in zip(values, values[1:], strict=False)):
+        raise LinearAttentionError(
+            "cu_seqlens: offsets must be strictly increasing (every packed sequence has at least one token)"
+        )
+    return values

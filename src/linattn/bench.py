@@ -57,6 +57,8 @@ class BenchConfig:
     dtype: str = "float32"
     device: str = "cpu"
     peak_size: int = 2048  # side of the square matmul that measures the GEMM peak
+    # causal decays timed beside the plain path: "decay" (RetNet rates), "gate" (per token), "gla" (per feature)
+    decays: list[str] = field(default_factory=list)
     out: Path = Path("out/bench")
 
 
@@ -136,6 +138,9 @@ def _impls(config: BenchConfig, causal: bool) -> list[_Impl]:
                 return linear_attention(q, k, v, feature_map=fmap, causal=causal, form=form)
 
             impls.append(_Impl(f"linattn {form} {map_name}", run, "linear", features))
+            for decay in config.decays if causal else []:
+                label = f"linattn {form} {map_name} +{decay}"
+                impls.append(_Impl(label, _decayed(decay, form, fmap), "linear", features))
     if config.sdpa:
 
         def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -145,6 +150,24 @@ def _impls(config: BenchConfig, causal: bool) -> list[_Impl]:
     if config.peers:
         impls.extend(_peers(config, causal))
     return impls
+
+
+def _decayed(decay: str, form: str, fmap: Any) -> Attention:
+    """Causal attention with a decay; gates come from the queries (cheap, and differentiable like a model's)."""
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        options: dict[str, Any] = {}
+        if decay == "decay":
+            options["decay"] = 1 - 2.0 ** (-5.0 - torch.arange(q.shape[-3], device=q.device))
+        elif decay == "gate":
+            options["log_gate"] = F.logsigmoid(q[..., 0] + 3)  # (..., N)
+        elif decay == "gla":
+            options["log_gate"] = F.logsigmoid(q + 3) / 16  # (..., N, D): needs F = D (elu, relu, ...)
+        else:
+            raise ValueError(f"--decays: unknown {decay!r}; choose from decay, gate, gla")
+        return linear_attention(q, k, v, feature_map=fmap, causal=True, form=form, **options)
+
+    return run
 
 
 def run(config: BenchConfig) -> tuple[list[Result], list[DecodeResult]]:
@@ -346,7 +369,7 @@ def cli(args: Any) -> int:
         causal=causal, backward=not args.no_backward, sdpa=not args.no_sdpa, peers=not args.no_peers,
         memory=not args.no_memory, repeats=args.repeats, max_seconds=args.max_seconds,
         decode_contexts=[] if args.no_decode else args.decode_contexts, dtype=args.dtype, device=args.device,
-        out=Path(args.out),
+        out=Path(args.out), decays=getattr(args, "decays", []),
     )
     meta = metadata(config)
     print(f"linattn {meta['linattn']}, torch {meta['torch']}, {meta['threads']} threads, "

@@ -78,6 +78,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--device", default="cpu")
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     bench.add_argument("--out", default="out/bench", help="folder for bench.csv, bench.json, bench.png")
+    bench.add_argument("--decays", nargs="*", default=[], choices=["decay", "gate", "gla"],
+                       help="also time causal attention with a RetNet decay, a per-token or a per-feature gate")
     for flag in ("backward", "sdpa", "peers", "memory", "decode", "plot"):
         bench.add_argument(f"--no-{flag}", action="store_true")
     bench.set_defaults(run=_bench)

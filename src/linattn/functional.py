@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from . import _validate
+from . import _packed, _validate
 from .errors import LinearAttentionError
 from .feature_maps import CallableFeatureMap, FeatureMap, create
 from .forms import (
@@ -22,10 +23,13 @@ from .forms import (
     recurrent_attention,
 )
 from .forms._common import NEG_INF, empty_state, scale_between
+from .forms.decay import decayed_ref
+from .forms.gated import gated_chunked_attention, gated_parallel_attention, gated_recurrent_attention
 from .state import LinearAttentionState
 
 DEFAULT_CAUSAL_CHUNK = 64
 DEFAULT_NONCAUSAL_CHUNK = 1024
+DEFAULT_GATED_CHUNK = 64  # per-feature gates: measured best of 16/32/64 (docs/decay.md)
 # "auto" runs non-causal attention chunked beyond this many keys: measured faster from 8192 keys on (features and
 # GEMM operands stay in cache), while the global form wins up to 4096 (docs/benchmarks.md, benchmarks/run.py)
 NONCAUSAL_CHUNKED_ABOVE = 4096
@@ -162,6 +166,9 @@ def linear_attention(
     return_state: bool = False,
     form: str = "auto",
     check_finite: bool = False,
+    decay: Any = None,
+    log_gate: Any = None,
+    cu_seqlens: Any = None,
 ) -> Any:
     """Linear attention: out_t = φ(q_t)·Σ_j φ(k_j)v_jᵀ / (φ(q_t)·Σ_j φ(k_j) + eps), j ≤ t when causal.
 
@@ -185,6 +192,16 @@ def linear_attention(
         form: ``"auto"``, or force ``"parallel"`` (quadratic definition), ``"global"`` (non-causal, two GEMMs),
             ``"chunked"``, ``"recurrent"`` (causal, token by token).
         check_finite: raise on NaN/inf inputs instead of propagating them.
+        decay: causal only; a fixed rate γ ∈ (0, 1], a float or one per query head ``(H,)`` (RetNet, Lightning):
+            the state is multiplied by γ before each token, so key j weighs γ^(t−j) at query t.
+        log_gate: causal only; per-token log-decays g ``(..., N)`` ≤ 0 (Mamba-2 / simple GLA, e.g.
+            ``F.logsigmoid(x @ w)``): the state is multiplied by e^{g_t} before token t. Shape ``(..., N, F)``
+            (F the feature map's width): a per-feature gate (GLA). Composes with ``decay``. The decay applies
+            at every position, masked ones included; the returned state's ``shift`` keeps its meaning (the true
+            decayed sums are ``kv·e^shift``). See docs/decay.md.
+        cu_seqlens: packed variable-length input: int offsets ``[0, n_1, n_1+n_2, …, N]`` of sequences laid end to
+            end along the token dimension; no token attends across a boundary. ``initial_state`` then holds one
+            state per sequence (a leading dimension S on every tensor) and the returned state likewise.
 
     Half-precision inputs accumulate in fp32 (fp64 inputs in fp64) and return the input dtype.
 
@@ -196,10 +213,24 @@ def linear_attention(
     q, q_numpy = _to_torch(q, "q")
     k, _ = _to_torch(k, "k")
     v, _ = _to_torch(v, "v")
+    segments = None
+    if cu_seqlens is not None and _packed.vectorised(q, causal, initial_state, return_state, feature_map):
+        segments = _packed.segment_jumps(cu_seqlens, q)  # one call: every weight across a boundary is 0
+    elif cu_seqlens is not None:
+        packed = _packed.packed_attention(
+            linear_attention, q, k, v, cu_seqlens, initial_state=initial_state, return_state=return_state,
+            key_padding_mask=key_padding_mask, log_gate=log_gate, feature_map=feature_map, causal=causal,
+            chunk_size=chunk_size, normalize=normalize, eps=eps, min_denom=min_denom, form=form,
+            check_finite=check_finite, decay=decay,
+        )
+        if q_numpy:
+            return (packed[0].detach().numpy(), packed[1]) if return_state else packed.detach().numpy()
+        return packed
     group = _validate.check_qkv(q, k, v, causal)
     _validate.check_options(chunk_size, eps, min_denom, form, FORMS)
     if check_finite:
         _validate.check_finite(q, k, v)
+    log_decay, feature_gate = _validate.log_decay(decay, log_gate, q, k.shape[:-1], causal)
     fmap = resolve_feature_map(feature_map, q.shape[-1], numpy=q_numpy, device=q.device)
     map_name = type(fmap).__name__
     log_space = bool(getattr(fmap, "log_space", False))
@@ -251,6 +282,7 @@ def linear_attention(
         out, final = _run_form(
             fmap, q, k, v, keep=keep, state=state, form=form, causal=causal, chunk_size=chunk_size,
             log_space=log_space, map_name=map_name, return_state=return_state, options=options,
+            log_decay=log_decay, feature_gate=feature_gate, segments=segments,
         )
 
     out = out.to(out_dtype)
@@ -282,6 +314,9 @@ def _run_form(
     map_name: str,
     return_state: bool,
     options: dict[str, Any],
+    log_decay: torch.Tensor | None = None,
+    feature_gate: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearAttentionState | None]:
     """Feature maps, stabilisation and the chosen form, on inputs already in the compute dtype."""
     final: LinearAttentionState | None
@@ -293,7 +328,14 @@ def _run_form(
         kf, ref = _key_features(fmap, k, keep, log_space, causal, state.shift if state is not None else None)
         _check_feature_dims(qf.shape[-1], kf.shape[-1], fmap)
         _validate.check_state_features(state, kf.shape[-1], map_name)
-        if form == "parallel":
+        stored_at = ref
+        if log_decay is not None:  # a decay is a change of log-scale: ref' = r − G (forms/decay.py)
+            ref = decayed_ref(ref, log_decay)
+        if segments is not None:  # packed sequences: a jump in log-scale at each start (_packed.py)
+            ref = segments.expand(qf.shape[:-1]) if ref is None else ref.to(torch.float64) + segments
+        if feature_gate is not None:  # per-feature scales R = ref' − G_f: their own forms (forms/gated.py)
+            out, final = _gated_form(qf, kf, v, ref, feature_gate, state, form, chunk_size, return_state, options)
+        elif form == "parallel":
             out, final = parallel_attention(
                 qf, kf, v, causal=causal, ref=ref, state=state, want_state=return_state, **options
             )
@@ -304,7 +346,41 @@ def _run_form(
         else:
             size = chunk_size or DEFAULT_CAUSAL_CHUNK
             out, final = causal_chunked_attention(qf, kf, v, ref=ref, state=state, chunk_size=size, **options)
+        if (log_decay is not None or feature_gate is not None) and final is not None:
+            # sums stored at ref'_N = r_N − G_N are the decayed sums at scale r_N: the usual meaning of shift
+            shift = stored_at[..., -1] if stored_at is not None else torch.zeros_like(final.shift, dtype=q.dtype)
+            final = replace(final, shift=shift.to(q.dtype))
     return out, final
+
+
+def _gated_form(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    ref: torch.Tensor | None,
+    feature_gate: torch.Tensor,
+    state: LinearAttentionState | None,
+    form: str,
+    chunk_size: int | None,
+    return_state: bool,
+    options: dict[str, Any],
+) -> tuple[torch.Tensor, LinearAttentionState | None]:
+    """Per-feature gates (GLA) in the chosen causal form; ``ref`` is the per-token scale already decayed."""
+    if feature_gate.shape[-1] != kf.shape[-1]:
+        raise LinearAttentionError(
+            f"log_gate: per-feature gate with {feature_gate.shape[-1]} features, but the feature map gives "
+            f"F={kf.shape[-1]}; pass (..., N, F) with F the feature dimension"
+        )
+    if form not in ("parallel", "recurrent"):  # the chunked form sums the gates block by block
+        size = chunk_size or DEFAULT_GATED_CHUNK
+        ref64 = ref.to(torch.float64) if ref is not None else None
+        return gated_chunked_attention(qf, kf, v, gate=feature_gate, ref=ref64, state=state, chunk_size=size, **options)
+    scales = torch.cumsum(feature_gate.to(torch.float64), dim=-2).neg_()  # −G_f (..., N, F)
+    if ref is not None:
+        scales = scales + ref.to(torch.float64).unsqueeze(-1)
+    if form == "parallel":
+        return gated_parallel_attention(qf, kf, v, scales=scales, state=state, want_state=return_state, **options)
+    return gated_recurrent_attention(qf, kf, v, scales=scales, state=state, **options)
 
 
 def _noncausal_chunked(

@@ -15,11 +15,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .errors import LinearAttentionError
+from .feature_maps import FeatureMap
 from .functional import FeatureMapLike, linear_attention, resolve_feature_map
 from .state import LinearAttentionState
+
+# the data-dependent gate, as GLA: logsigmoid of a rank-16 projection, divided by a temperature of 16
+GATE_RANK = 16
+GATE_TEMPERATURE = 16.0
+GATE_BIAS = 4.0  # logsigmoid(4)/16 ≈ −0.0011: every gate starts near 1 (a long memory), as GLA's initialisation
 
 
 class LinearAttention(nn.Module):
@@ -43,6 +50,15 @@ class LinearAttention(nn.Module):
         causal: token t attends to tokens ≤ t (decoders); False for encoders.
         bias: biases on the four projections.
         chunk_size, normalize, eps, min_denom: passed to :func:`linattn.linear_attention`.
+        decay: a fixed per-head decay of the state (causal layers): ``"retnet"`` (γ_h = 1 − 2^(−5−h)),
+            ``"lightning"`` (Lightning Attention / MiniMax-01: γ_h = exp(−2^(−8(h+1)/H)·(1 − l/(L−1) + 1e-5)) for
+            layer l of L, from ``layer_index`` and ``num_layers``), a float γ for every head, or None.
+        gate: a data-dependent decay computed from x (causal layers): ``"token"`` one per token and head (Mamba-2 /
+            simple GLA), ``"feature"`` one per token, head and feature (GLA), or None. g = logsigmoid(x W_1 W_2 + b)
+            / 16 with a rank-16 W_1 W_2; W_2 starts at 0 and b at 4, so every gate starts at e^{−0.0011} ≈ 0.999.
+            Composes with ``decay``. See docs/decay.md.
+        output_norm: normalise each head's output (RetNet's group norm, with a learned scale and bias) before
+            the output projection: what keeps unnormalised (``normalize=False``) retention in range.
 
     The softmax scale 1/√Dk has no counterpart here: the projections are learned with the feature map in place,
     so any scale is absorbed into W_q and W_k (contrast :mod:`linattn.hf`, where pretrained weights expect it).
@@ -66,6 +82,11 @@ class LinearAttention(nn.Module):
         normalize: bool = True,
         eps: float = 1e-6,
         min_denom: float | None = None,
+        decay: str | float | None = None,
+        gate: str | None = None,
+        output_norm: bool = False,
+        layer_index: int = 0,
+        num_layers: int = 1,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -102,6 +123,71 @@ class LinearAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias, **factory)
         self.feature_map = resolve_feature_map(feature_map, head_dim)
+        self._decay_options(decay, gate, output_norm, layer_index, num_layers, factory)
+
+    def _decay_options(
+        self, decay: object, gate: object, output_norm: bool, layer_index: int, num_layers: int, factory: Any
+    ) -> None:
+        heads = self.num_heads
+        if (decay is not None or gate is not None) and not self.causal:
+            raise LinearAttentionError("decay/gate: a decay needs an order of tokens; build the layer with causal=True")
+        rates: torch.Tensor | None = None
+        if decay == "retnet":
+            rates = 1 - 2.0 ** (-5.0 - torch.arange(heads, dtype=torch.float64))
+        elif decay == "lightning":
+            if not 0 <= layer_index < num_layers:
+                raise LinearAttentionError(
+                    f"layer_index: {layer_index} is not in [0, num_layers={num_layers}); the Lightning schedule "
+                    "decays less in deeper layers"
+                )
+            slopes = 2.0 ** (-8.0 * (torch.arange(heads, dtype=torch.float64) + 1) / heads)  # ALiBi's slopes
+            depth = 1 - layer_index / (num_layers - 1) if num_layers > 1 else 1.0
+            rates = torch.exp(-slopes * (depth + 1e-5))
+        elif isinstance(decay, (int, float)) and not isinstance(decay, bool):
+            if not 0 < decay <= 1:
+                raise LinearAttentionError(f"decay: a rate γ must lie in (0, 1], got {decay}")
+            rates = torch.full((heads,), float(decay), dtype=torch.float64)
+        elif decay is not None:
+            raise LinearAttentionError(
+                f"decay: expected 'retnet', 'lightning', a float in (0, 1] or None, got {decay!r}"
+            )
+        # plain floats, not a buffer: module.half() would round RetNet's 1 − 2^−12 to 1; they follow from the options
+        self.decay_rates: tuple[float, ...] | None = tuple(rates.tolist()) if rates is not None else None
+        self.gate_kind = gate
+        self.gate_down: nn.Linear | None = None
+        self.gate_up: nn.Linear | None = None
+        if gate is not None:
+            if gate == "token":
+                width = 1
+            elif gate == "feature":
+                if not isinstance(self.feature_map, FeatureMap):
+                    raise LinearAttentionError(
+                        "gate='feature' needs the feature dimension F: pass a registered map name or a FeatureMap"
+                    )
+                width = self.feature_map.output_dim(self.head_dim)
+            else:
+                raise LinearAttentionError(f"gate: expected 'token', 'feature' or None, got {gate!r}")
+            self.gate_down = nn.Linear(self.embed_dim, GATE_RANK, bias=False, **factory)
+            self.gate_up = nn.Linear(GATE_RANK, heads * width, **factory)
+            nn.init.zeros_(self.gate_up.weight)
+            nn.init.constant_(self.gate_up.bias, GATE_BIAS)
+            self.gate_width = width
+        self.output_norm = (
+            nn.GroupNorm(heads, heads * self.head_dim, eps=1e-5, **factory) if output_norm else None
+        )
+
+    def _rates(self, device: torch.device) -> torch.Tensor | None:
+        if self.decay_rates is None:
+            return None
+        return torch.tensor(self.decay_rates, dtype=torch.float64, device=device)  # (H,)
+
+    def _log_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """(B, H, N) or (B, H, N, F) log-decays from x (B, N, E)."""
+        if self.gate_down is None or self.gate_up is None:
+            return None
+        g = F.logsigmoid(self.gate_up(self.gate_down(x))) / GATE_TEMPERATURE  # (B, N, H·width)
+        g = g.unflatten(-1, (self.num_heads, self.gate_width)).transpose(1, 2)  # (B, H, N, width)
+        return g.squeeze(-1) if self.gate_kind == "token" else g
 
     def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         # (B, N, heads·D) → (B, heads, N, D)
@@ -154,10 +240,15 @@ class LinearAttention(nn.Module):
                 initial_state=state,
                 return_state=return_state,
                 form=form,
+                decay=self._rates(x.device),
+                log_gate=self._log_gate(x),
                 **self.options,
             )
         out, new_state = result if return_state else (result, None)
-        out = self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, H, N, D) → (B, N, H·D) → (B, N, E)
+        out = out.transpose(1, 2).flatten(-2)  # (B, H, N, D) → (B, N, H·D)
+        if self.output_norm is not None:  # per head: GroupNorm's groups are the heads
+            out = self.output_norm(out.flatten(0, 1)).view_as(out)
+        out = self.out_proj(out)  # (B, N, E)
         if unbatched:
             out = out.squeeze(0)
         return (out, new_state) if return_state else out
@@ -165,5 +256,6 @@ class LinearAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, causal={self.causal}"
+            f"head_dim={self.head_dim}, causal={self.causal}, gate={self.gate_kind}, "
+            f"decay={'per head' if self.decay_rates is not None else None}"
         )

@@ -5,6 +5,7 @@ Notation used by every form (leading dims ``...`` are batch and heads):
     kf  (..., Nk, F)  key features; for log-space maps stored at log-scale ``ref`` (true φ(k_j) = kf_j·e^ref_j)
     v   (..., Nk, Dv) values (zero at masked keys)
     ref None for ordinary maps; (..., Nk) non-decreasing for causal forms; (..., 1) for non-causal ones.
+        With a decay (causal only) ref is r − G in fp64, G the cumulative log-decay: see :mod:`.decay`.
 Outputs are num / (den + eps) in the stabilised scale: eps guards the division, it is not a regulariser.
 """
 
@@ -68,12 +69,12 @@ def accumulate_state(
             k_sum = k_sum + state.k_sum
         return LinearAttentionState(kv, k_sum, shift, num_tokens)
     last = ref[..., -1]  # (...)
-    weights = scale_between(ref, last.unsqueeze(-1)).unsqueeze(-1)  # (..., Nk, 1)
+    weights = scale_between(ref, last.unsqueeze(-1)).to(kf.dtype).unsqueeze(-1)  # (..., Nk, 1)
     kf = kf * weights
     kv = kf.transpose(-1, -2) @ v
     k_sum = kf.sum(-2)
     if state is not None:
-        carry = scale_between(state.shift, last)
+        carry = scale_between(state.shift.to(last.dtype), last).to(kf.dtype)
         kv = kv + state.kv * carry[..., None, None]
         k_sum = k_sum + state.k_sum * carry[..., None]
     return LinearAttentionState(kv, k_sum, last, num_tokens)
@@ -86,7 +87,7 @@ def state_contribution(
     num = qf @ state.kv  # (..., Nq, Dv)
     den = (qf @ state.k_sum.unsqueeze(-1)).squeeze(-1)  # (..., Nq)
     if ref is not None:
-        carry = scale_between(state.shift.unsqueeze(-1), ref)  # (..., Nq) or (..., 1)
+        carry = scale_between(state.shift.to(ref.dtype).unsqueeze(-1), ref).to(qf.dtype)  # (..., Nq) or (..., 1)
         num = num * carry.unsqueeze(-1)
         den = den * carry
     return num, den

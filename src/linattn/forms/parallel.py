@@ -26,8 +26,9 @@ def parallel_attention(
     if causal:
         keep = torch.ones(nq, nk, dtype=torch.bool, device=qf.device).tril()
         if ref is not None:
-            # key j is stored at scale ref_j, query t reads at scale ref_t ≥ ref_j
-            weights = weights * scale_between(ref.unsqueeze(-2), ref.unsqueeze(-1), keep)
+            # key j is stored at scale ref_j, query t reads at scale ref_t ≥ ref_j (a decay's e^{G_t − G_j} is in
+            # ref; the differences are formed in ref's dtype, fp64 with a decay, before the cast)
+            weights = weights * scale_between(ref.unsqueeze(-2), ref.unsqueeze(-1), keep).to(weights.dtype)
         else:
             weights = weights.masked_fill(~keep, 0)
     num = weights @ v  # (..., Nq, Dv)

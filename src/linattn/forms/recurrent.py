@@ -1,4 +1,7 @@
-"""Causal linear attention token by token: S_t = S_{t−1} + φ(k_t)v_tᵀ. Decoding, and a second reference."""
+"""Causal linear attention token by token: S_t = a_t S_{t−1} + φ(k_t)v_tᵀ. Decoding, and a second reference.
+
+A decay a_t = e^{g_t} arrives inside ``ref`` (ref = r − G, see :mod:`.decay`): moving the state from scale ref_{t−1}
+to ref_t multiplies it by e^{r_{t−1} − r_t}·a_t, so one factor does both the log-space rescale and the decay."""
 
 from __future__ import annotations
 
@@ -28,11 +31,13 @@ def recurrent_attention(
         k_sum = qf.new_zeros(*batch, features)
         shift = qf.new_full(batch, NEG_INF) if ref is not None else qf.new_zeros(batch)
         seen = 0
+    if ref is not None:  # the running scale in ref's dtype (fp64 with a decay): it can grow large
+        shift = shift.to(ref.dtype)
     outs = []
     for t in range(qf.shape[-2]):
         k_t, v_t = kf[..., t, :], v[..., t, :]  # (..., F), (..., Dv)
         if ref is not None:
-            carry = scale_between(shift, ref[..., t])  # (...)
+            carry = scale_between(shift, ref[..., t]).to(kv.dtype)  # (...)
             kv = kv * carry[..., None, None]
             k_sum = k_sum * carry[..., None]
             shift = ref[..., t]
