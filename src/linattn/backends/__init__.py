@@ -77,7 +77,7 @@ def _triton_run(dtype: torch.dtype, *, forced: bool, torch_run: RunForm) -> RunF
         extra = {name: value for name, value in rest.items() if name not in known}
         qf = _query_features(fmap, q, False)
         kf, _ = _key_features(fmap, k, keep, False, True, None)  # ordinary map: masked keys are zeroed
-        found = triton_backend.shape_reasons(kf.shape[-1], v.shape[-1], extra)
+        found = triton_backend.shape_reasons(kf.shape[-1], v.shape[-1], dtype, extra)
         if found:
             if forced:
                 raise _refuse(found)

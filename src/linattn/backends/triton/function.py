@@ -19,43 +19,45 @@ from . import kernels
 CHUNK = kernels.CHUNK
 
 
-def padded(size: int) -> int:
-    """The power-of-two tile covering ``size`` features or values (tl.dot needs ≥ 16)."""
-    return max(16, triton.next_power_of_2(size))
+SIZES = (64, 128, 256)  # tile classes: F and Dv are padded together to the smallest that holds both
 
 
 @dataclass(frozen=True)
 class Tiles:
-    """Tile sizes and warps of the five kernels for one (F, Dv); ``configs()`` lists every one shipped."""
+    """Tile sizes and warps of the kernels for one size class; :func:`configs` lists every one shipped."""
 
-    features: int  # BF: all features, padded
-    values: int  # BVF: all values, padded
+    size: int  # BF = BVF: all features / all values, padded
     value_block: int  # BV: values per program of the forward, dV and decoding kernels
     feature_block: int  # BK: features per program of the dQ and dK kernels
     warps: int
 
     @staticmethod
+    def for_size(size: int) -> Tiles:
+        # state slices of at most 128×64 fp32 per program (32 KiB of registers over 4–8 warps)
+        block = 64 if size <= 128 else 32
+        return Tiles(size, block, block, 4 if size <= 64 else 8)
+
+    @staticmethod
     def for_shape(features: int, values: int) -> Tiles:
-        bf, bvf = padded(features), padded(values)
-        # state slices of at most 128×64 fp32 per program (32 KiB of registers over the warps)
-        value_block = min(bvf, 64 if bf <= 128 else 32)
-        feature_block = min(bf, 64 if bvf <= 128 else 32)
-        warps = 4 if max(bf, bvf) <= 64 else 8
-        return Tiles(bf, bvf, value_block, feature_block, warps)
+        size = max(SIZES[0], triton.next_power_of_2(max(features, values)))
+        return Tiles.for_size(size)
 
 
-def configs() -> list[Tiles]:
-    """Every tile configuration the backend can launch (F, Dv ≤ 256)."""
-    sizes = (16, 32, 64, 128, 256)
-    return sorted({Tiles.for_shape(f, v) for f in sizes for v in sizes}, key=lambda c: (c.features, c.values))
+DECODE_VALUE_BLOCK = 32  # decoding at B=1, H=32, Dv=128: 128 programs, each a (size × 32) fp32 state slice
+
+
+def configs(dtype: torch.dtype) -> list[Tiles]:
+    """Every tile configuration the backend launches for ``dtype`` (F, Dv ≤ 256; fp32: ≤ 64)."""
+    return [Tiles.for_size(size) for size in SIZES if dtype != torch.float32 or size <= 64]
 
 
 def precisions(dtype: torch.dtype) -> tuple[str, str]:
-    """input_precision of the input products and of the state products. fp32 follows torch's TF32 switch, as
-    torch.matmul would on the same GPU; fp16/bf16 inputs multiply the state in TF32 (fp32 range, 10-bit mantissa)."""
-    fp32 = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    """input_precision of the input products and of the state products. fp32 inputs: three TF32 products per
+    product ("tf32x3", close to fp32; an IEEE fp32 dot runs on scalar FMAs and needs more shared memory than a GPU
+    has at these tiles). fp16/bf16 inputs: the plain 16-bit tensor-core product, and the state (fp32, whose sums
+    outgrow fp16's range) in TF32."""
     if dtype == torch.float32:
-        return fp32, fp32
+        return "tf32x3", "tf32x3"
     return "ieee", "tf32"  # "ieee" on a 16-bit dot means: the plain 16-bit tensor-core product
 
 
@@ -109,7 +111,7 @@ class TritonCausalFunction(torch.autograd.Function):
         grid = (rows, triton.cdiv(values, tiles.value_block))
         kernels.chunk_forward_kernel[grid](
             qr, kr, vr, kv0r, z0r, out, den, kv_n, z_n, n, features, values, eps, min_denom or 0.0,
-            C=CHUNK, BF=tiles.features, BV=tiles.value_block, num_warps=tiles.warps,
+            C=CHUNK, BF=tiles.size, BV=tiles.value_block, num_warps=tiles.warps,
             **_options(dtype, normalize, min_denom),
         )
         ctx.save_for_backward(qr, kr, vr, kv0r, z0r, out, den)
@@ -146,7 +148,7 @@ class TritonCausalFunction(torch.autograd.Function):
         options = _options(dtype, normalize, min_denom)
         del options["HAS_MIN"]
         feature_grid = (rows, triton.cdiv(features, tiles.feature_block))
-        common = {"C": CHUNK, "BK": tiles.feature_block, "BVF": tiles.values, "num_warps": tiles.warps, **options}
+        common = {"C": CHUNK, "BK": tiles.feature_block, "BVF": tiles.size, "num_warps": tiles.warps, **options}
         kernels.chunk_dq_kernel[feature_grid](
             grad_num, grad_den, kr, vr, kv0r, z0r, grad_q, n, features, values, **common
         )
@@ -156,7 +158,7 @@ class TritonCausalFunction(torch.autograd.Function):
         del options["NORMALIZE"]
         kernels.chunk_dv_kernel[(rows, triton.cdiv(values, tiles.value_block))](
             grad_num, qr, kr, grad_kv_n, grad_v, n, features, values,
-            C=CHUNK, BF=tiles.features, BV=tiles.value_block, num_warps=tiles.warps, **options,
+            C=CHUNK, BF=tiles.size, BV=tiles.value_block, num_warps=tiles.warps, **options,
         )
         return (
             grad_q.reshape(*batch, n, features).to(feature_dtype),
@@ -185,12 +187,49 @@ def recurrent_step(
     rows = qr.shape[0]
     kv0r = kv0.reshape(rows, features, values).float().contiguous()  # (R, F, Dv)
     z0r = k_sum0.reshape(rows, features).float().contiguous()  # (R, F)
-    bf, bvf = padded(features), padded(values)
-    value_block = min(bvf, 32)  # B=1, H=32, Dv=128: 128 programs, a 128×32 fp32 state slice each
+    tiles = Tiles.for_shape(features, values)
     out = torch.empty(rows, n, values, dtype=dtype, device=q.device)
     kv_n, z_n = torch.empty_like(kv0r), torch.empty_like(z0r)
-    kernels.recurrent_kernel[(rows, triton.cdiv(values, value_block))](
+    kernels.recurrent_kernel[(rows, triton.cdiv(values, DECODE_VALUE_BLOCK))](
         qr, kr, vr, kv0r, z0r, out, kv_n, z_n, n, features, values, eps, min_denom or 0.0,
-        BF=bf, BV=value_block, NORMALIZE=normalize, HAS_MIN=min_denom is not None, num_warps=4 if bf <= 128 else 8,
+        BF=tiles.size, BV=DECODE_VALUE_BLOCK, NORMALIZE=normalize, HAS_MIN=min_denom is not None,
+        num_warps=tiles.warps,
     )
     return out.reshape(*batch, n, values), kv_n.reshape(*batch, features, values), z_n.reshape(*batch, features)
+
+
+_KERNELS = {
+    "forward": kernels.chunk_forward_kernel,
+    "dq": kernels.chunk_dq_kernel,
+    "dk": kernels.chunk_dk_kernel,
+    "dv": kernels.chunk_dv_kernel,
+    "decode": kernels.recurrent_kernel,
+}
+_INPUT_POINTERS = {"Q", "K", "V", "O", "DO"}  # in the kernel dtype; every other pointer is fp32
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def compile_specs(dtype: torch.dtype, tiles: Tiles) -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
+    """(name, kernel, signature, constexprs, warps) of each kernel as the launches above specialise it for
+    ``dtype`` and ``tiles`` (normalised, with min_denom: the variant with the most code), for ``triton.compile``."""
+    precision, state_precision = precisions(dtype)
+    values = {
+        "C": CHUNK, "BF": tiles.size, "BVF": tiles.size, "BK": tiles.feature_block, "NORMALIZE": True,
+        "HAS_MIN": True, "PRECISION": precision, "STATE_PRECISION": state_precision,
+    }
+    specs = []
+    for name, kernel in _KERNELS.items():
+        signature, constexprs = {}, {}
+        for arg in kernel.arg_names:
+            if arg in ("N", "F", "DV"):
+                signature[arg] = "i32"
+            elif arg in ("eps", "min_denom"):
+                signature[arg] = "fp32"
+            elif arg.isupper() and arg not in values and arg != "BV":
+                signature[arg] = "*" + (_TRITON_TYPES[dtype] if arg in _INPUT_POINTERS else "fp32")
+            else:
+                signature[arg] = "constexpr"
+                block = DECODE_VALUE_BLOCK if name == "decode" else tiles.value_block
+                constexprs[arg] = block if arg == "BV" else values[arg]
+        specs.append((name, kernel, signature, constexprs, tiles.warps))
+    return specs

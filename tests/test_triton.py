@@ -1,0 +1,89 @@
+"""The backend= dispatch, the capability check, and the Triton kernels in the interpreter (in a child process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import linattn
+from linattn import LinearAttentionError
+from linattn.backends import triton as triton_backend
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _qkv(n: int = 20, d: int = 8) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, n, d, generator=generator) for _ in range(3)]
+
+
+def test_torch_and_auto_agree_on_cpu() -> None:
+    """On CPU tensors "auto" is the torch path: the same call, bit for bit."""
+    q, k, v = _qkv()
+    expected = linattn.linear_attention(q, k, v, causal=True, backend="torch")
+    assert torch.equal(linattn.linear_attention(q, k, v, causal=True), expected)
+
+
+def test_unknown_backend_is_refused() -> None:
+    q, k, v = _qkv()
+    with pytest.raises(LinearAttentionError, match="backend: unknown backend 'cuda'"):
+        linattn.linear_attention(q, k, v, causal=True, backend="cuda")
+
+
+def test_forced_triton_lists_every_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """xformers-style: each reason a call is not covered, one per line."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = (x.double() for x in _qkv())
+    with pytest.raises(LinearAttentionError) as caught:
+        linattn.linear_attention(q, k, v, feature_map="favor+", chunk_size=32, backend="triton")
+    message = str(caught.value)
+    for reason in ("causal=False", "form='global'", "log-space feature map", "chunk_size=32", "torch.float64",
+                   "device cpu"):
+        assert reason in message, (reason, message)
+
+
+def test_missing_triton_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the extra, forcing the backend says how to install it."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    q, k, v = _qkv()
+    with pytest.raises(LinearAttentionError, match=r"triton is not importable.*pip install 'linattn\[triton\]'"):
+        linattn.linear_attention(q, k, v, causal=True, backend="triton")
+
+
+def test_cpu_runs_never_import_triton() -> None:
+    """A CPU-only install: importing linattn and running "auto" does not import triton."""
+    code = (
+        "import sys, torch, linattn\n"
+        "q = torch.randn(1, 2, 30, 8)\n"
+        "linattn.linear_attention(q, q, q, causal=True, backend='auto')\n"
+        "linattn.linear_attention(q, q, q, causal=True, backend='torch')\n"
+        "assert 'triton' not in sys.modules, 'triton was imported'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_interpreter_flag_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_backend.interpreting()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not triton_backend.interpreting()
+
+
+def test_kernels_in_the_interpreter() -> None:
+    """tests/triton_interpreted.py in its own pytest process with TRITON_INTERPRET=1 (kernels on CPU tensors
+    against the float64 reference; see that file)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+               os.path.join(HERE, "triton_interpreted.py")]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    print(result.stdout[-3000:])
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout
