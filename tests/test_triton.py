@@ -40,9 +40,9 @@ def test_forced_triton_lists_every_reason(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k, v = (x.double() for x in _qkv())
     with pytest.raises(LinearAttentionError) as caught:
-        linattn.linear_attention(q, k, v, feature_map="favor+", chunk_size=32, backend="triton")
+        linattn.linear_attention(q, k, v, feature_map="favor+", chunk_size=32, form="parallel", backend="triton")
     message = str(caught.value)
-    for reason in ("causal=False", "form='global'", "log-space feature map", "chunk_size=32", "torch.float64",
+    for reason in ("causal=False", "form='parallel'", "log-space feature map", "chunk_size=32", "torch.float64",
                    "device cpu"):
         assert reason in message, (reason, message)
 
@@ -81,7 +81,7 @@ def test_kernels_in_the_interpreter() -> None:
     against the float64 reference; see that file)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+    command = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-rs",
                os.path.join(HERE, "triton_interpreted.py")]
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     print(result.stdout[-3000:])
