@@ -141,8 +141,9 @@ def test_decoding_steps(dtype: torch.dtype) -> None:
     assert rel_error(torch.cat(pieces, dim=-2), expected) < TOL[dtype]
 
 
-def test_padding_mask_and_grouped_heads() -> None:
-    """Masked keys (zeroed by the dispatch before the kernels) and grouped-query heads (repeated before)."""
+def test_padding_mask_grouped_heads_and_2d_inputs() -> None:
+    """Masked keys (zeroed by the dispatch before the kernels), grouped-query heads (repeated before), and plain
+    (N, D) inputs (one row, a scalar state shift)."""
     generator = torch.Generator().manual_seed(7)
     q = torch.randn(2, 4, 80, 16, generator=generator)
     k, v = torch.randn(2, 2, 80, 16, generator=generator), torch.randn(2, 2, 80, 16, generator=generator)
@@ -150,6 +151,9 @@ def test_padding_mask_and_grouped_heads() -> None:
     out = linattn.linear_attention(q, k, v, causal=True, key_padding_mask=keep, backend="triton")
     expected = reference_attention(q, k, v, elu_plus_one, causal=True, keep=keep[:, None, :])  # (B, 1, Nk)
     assert rel_error(out, expected) < TOL[torch.float32]
+    out, state = linattn.linear_attention(q[0, 0], k[0, 0], v[0, 0], causal=True, backend="triton", return_state=True)
+    assert state.kv.shape == (16, 16) and state.shift.shape == ()
+    assert rel_error(out, reference_attention(q[0, 0], k[0, 0], v[0, 0], elu_plus_one, causal=True)) < 2e-5
 
 
 def test_forcing_triton_on_wide_features_lists_the_reason() -> None:

@@ -105,8 +105,8 @@ def causal_attention(
     host = triton_backend.load()
     batch, n = qf.shape[:-2], qf.shape[-2]
     if state is None:
-        kv0 = qf.new_zeros(*batch, kf.shape[-1], v.shape[-1])  # (..., F, Dv)
-        k_sum0 = qf.new_zeros(*batch, kf.shape[-1])  # (..., F)
+        kv0 = torch.zeros(*batch, kf.shape[-1], v.shape[-1], device=qf.device)  # (..., F, Dv), fp32 sums
+        k_sum0 = torch.zeros(*batch, kf.shape[-1], device=qf.device)  # (..., F)
         seen = 0
     else:
         kv0, k_sum0, seen = state.kv, state.k_sum, state.num_tokens

@@ -209,9 +209,12 @@ _INPUT_POINTERS = {"Q", "K", "V", "O", "DO"}  # in the kernel dtype; every other
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def compile_specs(dtype: torch.dtype, tiles: Tiles) -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
-    """(name, kernel, signature, constexprs, warps) of each kernel as the launches above specialise it for
-    ``dtype`` and ``tiles`` (normalised, with min_denom: the variant with the most code), for ``triton.compile``."""
+def compile_specs(
+    dtype: torch.dtype, tiles: Tiles, aligned: bool
+) -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[tuple[int, ...], Any], int]]:
+    """(name, kernel, signature, constexprs, attrs, warps) of each kernel as the launches above specialise it for
+    ``dtype`` and ``tiles`` (normalised, with min_denom: the variant with the most code), for ``triton.compile``.
+    ``aligned``: as Triton specialises a launch whose pointers and N, F, Dv are multiples of 16 (vector loads)."""
     precision, state_precision = precisions(dtype)
     values = {
         "C": CHUNK, "BF": tiles.size, "BVF": tiles.size, "BK": tiles.feature_block, "NORMALIZE": True,
@@ -231,5 +234,10 @@ def compile_specs(dtype: torch.dtype, tiles: Tiles) -> list[tuple[str, Any, dict
                 signature[arg] = "constexpr"
                 block = DECODE_VALUE_BLOCK if name == "decode" else tiles.value_block
                 constexprs[arg] = block if arg == "BV" else values[arg]
-        specs.append((name, kernel, signature, constexprs, tiles.warps))
+        attrs = {
+            (index,): [["tt.divisibility", 16]]
+            for index, kind in enumerate(signature.values())
+            if aligned and kind != "constexpr" and kind != "fp32"
+        }
+        specs.append((name, kernel, signature, constexprs, attrs, tiles.warps))
     return specs
