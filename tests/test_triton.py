@@ -87,3 +87,28 @@ def test_kernels_in_the_interpreter() -> None:
     print(result.stdout[-3000:])
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+def test_launch_retries_without_pipelining_when_shared_memory_runs_out() -> None:
+    """A GPU with less shared memory than the pipelined kernel asks for gets the unpipelined build."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
+    from linattn.backends.triton.function import launch
+
+    calls: list[dict[str, object]] = []
+
+    class Kernel:
+        def __getitem__(self, grid: tuple[int, ...]) -> object:
+            def run(*args: object, **options: object) -> None:
+                calls.append({"grid": grid, "args": args, **options})
+                if "num_stages" not in options:
+                    raise OutOfResources(262144, 232448, "shared memory")
+
+            return run
+
+    launch(Kernel(), (4, 2), 1, 2, num_warps=8)
+    assert calls == [
+        {"grid": (4, 2), "args": (1, 2), "num_warps": 8},
+        {"grid": (4, 2), "args": (1, 2), "num_warps": 8, "num_stages": 1},
+    ]

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from . import kernels
 
@@ -59,6 +60,15 @@ def precisions(dtype: torch.dtype) -> tuple[str, str]:
     if dtype == torch.float32:
         return "tf32x3", "tf32x3"
     return "ieee", "tf32"  # "ieee" on a 16-bit dot means: the plain 16-bit tensor-core product
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
+    """Launch; if the GPU lacks the shared memory the software pipeline asks for (its use differs between GPUs and
+    Triton versions: tests/test_triton_compile.py checks sm_80/sm_90 with one version), relaunch unpipelined."""
+    try:
+        kernel[grid](*args, **options)
+    except OutOfResources:
+        kernel[grid](*args, num_stages=1, **options)
 
 
 def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -109,7 +119,8 @@ class TritonCausalFunction(torch.autograd.Function):
         den = torch.empty(rows, n if normalize else 1, dtype=torch.float32, device=q.device)  # den + eps
         kv_n, z_n = torch.empty_like(kv0r), torch.empty_like(z0r)
         grid = (rows, triton.cdiv(values, tiles.value_block))
-        kernels.chunk_forward_kernel[grid](
+        launch(
+            kernels.chunk_forward_kernel, grid,
             qr, kr, vr, kv0r, z0r, out, den, kv_n, z_n, n, features, values, eps, min_denom or 0.0,
             C=CHUNK, BF=tiles.size, BV=tiles.value_block, num_warps=tiles.warps,
             **_options(dtype, normalize, min_denom),
@@ -149,14 +160,17 @@ class TritonCausalFunction(torch.autograd.Function):
         del options["HAS_MIN"]
         feature_grid = (rows, triton.cdiv(features, tiles.feature_block))
         common = {"C": CHUNK, "BK": tiles.feature_block, "BVF": tiles.size, "num_warps": tiles.warps, **options}
-        kernels.chunk_dq_kernel[feature_grid](
+        launch(
+            kernels.chunk_dq_kernel, feature_grid,
             grad_num, grad_den, kr, vr, kv0r, z0r, grad_q, n, features, values, **common
         )
-        kernels.chunk_dk_kernel[feature_grid](
+        launch(
+            kernels.chunk_dk_kernel, feature_grid,
             grad_num, grad_den, qr, vr, grad_kv_n, grad_z_n, grad_k, grad_kv0, grad_z0, n, features, values, **common
         )
         del options["NORMALIZE"]
-        kernels.chunk_dv_kernel[(rows, triton.cdiv(values, tiles.value_block))](
+        launch(
+            kernels.chunk_dv_kernel, (rows, triton.cdiv(values, tiles.value_block)),
             grad_num, qr, kr, grad_kv_n, grad_v, n, features, values,
             C=CHUNK, BF=tiles.size, BV=tiles.value_block, num_warps=tiles.warps, **options,
         )
@@ -190,7 +204,8 @@ def recurrent_step(
     tiles = Tiles.for_shape(features, values)
     out = torch.empty(rows, n, values, dtype=dtype, device=q.device)
     kv_n, z_n = torch.empty_like(kv0r), torch.empty_like(z0r)
-    kernels.recurrent_kernel[(rows, triton.cdiv(values, DECODE_VALUE_BLOCK))](
+    launch(
+        kernels.recurrent_kernel, (rows, triton.cdiv(values, DECODE_VALUE_BLOCK)),
         qr, kr, vr, kv0r, z0r, out, kv_n, z_n, n, features, values, eps, min_denom or 0.0,
         BF=tiles.size, BV=DECODE_VALUE_BLOCK, NORMALIZE=normalize, HAS_MIN=min_denom is not None,
         num_warps=tiles.warps,
@@ -222,7 +237,8 @@ def compile_specs(
     }
     specs = []
     for name, kernel in _KERNELS.items():
-        signature, constexprs = {}, {}
+        signature: dict[str, str] = {}
+        constexprs: dict[str, Any] = {}
         for arg in kernel.arg_names:
             if arg in ("N", "F", "DV"):
                 signature[arg] = "i32"
@@ -234,7 +250,7 @@ def compile_specs(
                 signature[arg] = "constexpr"
                 block = DECODE_VALUE_BLOCK if name == "decode" else tiles.value_block
                 constexprs[arg] = block if arg == "BV" else values[arg]
-        attrs = {
+        attrs: dict[tuple[int, ...], Any] = {
             (index,): [["tt.divisibility", 16]]
             for index, kind in enumerate(signature.values())
             if aligned and kind != "constexpr" and kind != "fp32"
