@@ -112,3 +112,28 @@ def test_launch_retries_without_pipelining_when_shared_memory_runs_out() -> None
         {"grid": (4, 2), "args": (1, 2), "num_warps": 8},
         {"grid": (4, 2), "args": (1, 2), "num_warps": 8, "num_stages": 1},
     ]
+
+
+def test_options_added_later_make_a_call_uncovered() -> None:
+    """An argument or option the kernels do not know (say a decay a later core adds) is a reason, not ignored:
+    forced triton raises naming it, auto hands the call to torch unchanged. No kernel runs here."""
+    from linattn.backends import _triton_run
+    from linattn.feature_maps import create
+
+    q, k, v = _qkv()
+    handed: list[dict[str, object]] = []
+
+    def torch_run(*args: object, **kwargs: object) -> tuple[torch.Tensor, None]:
+        handed.append(kwargs)
+        return q, None
+
+    call = {
+        "keep": None, "state": None, "return_state": False, "form": "chunked", "causal": True, "chunk_size": None,
+        "log_space": False, "map_name": "ELU",
+        "options": {"normalize": True, "eps": 1e-6, "min_denom": None, "window": 8}, "decay": 0.9,
+    }
+    fmap = create("elu", head_dim=8)
+    with pytest.raises(LinearAttentionError, match=r"option decay=0.9[\s\S]*option window=8"):
+        _triton_run(torch.float32, forced=True, torch_run=torch_run)(fmap, q, k, v, **call)
+    _triton_run(torch.float32, forced=False, torch_run=torch_run)(fmap, q, k, v, **call)
+    assert handed and handed[0]["decay"] == 0.9 and handed[0]["options"] == call["options"]

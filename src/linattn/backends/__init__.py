@@ -73,8 +73,11 @@ def _triton_run(dtype: torch.dtype, *, forced: bool, torch_run: RunForm) -> RunF
         from .. import _validate
         from ..functional import _key_features, _query_features
 
+        # arguments and options the kernels do not know (added to the core later) make a call uncovered unless None
         known = {"form", "causal", "chunk_size", "log_space", "map_name"}
         extra = {name: value for name, value in rest.items() if name not in known}
+        kernel_options = {name: options[name] for name in ("normalize", "eps", "min_denom")}
+        extra.update({name: value for name, value in options.items() if name not in kernel_options})
         qf = _query_features(fmap, q, False)
         kf, _ = _key_features(fmap, k, keep, False, True, None)  # ordinary map: masked keys are zeroed
         found = triton_backend.shape_reasons(kf.shape[-1], v.shape[-1], dtype, extra)
@@ -85,7 +88,7 @@ def _triton_run(dtype: torch.dtype, *, forced: bool, torch_run: RunForm) -> RunF
                 fmap, q, k, v, keep=keep, state=state, return_state=return_state, options=options, **rest
             )
         _validate.check_state_features(state, kf.shape[-1], rest["map_name"])
-        return causal_attention(qf, kf, v, state=state, dtype=dtype, **options)
+        return causal_attention(qf, kf, v, state=state, dtype=dtype, **kernel_options)
 
     return run
 
