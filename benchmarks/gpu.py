@@ -14,6 +14,9 @@ warm-up call), so that clocks and neighbours affect all alike. Candidates:
 Also the decoding step (B=1, H=32, D=128: one token against the carried state) through linear_attention and
 through the fused kernel alone. Prints a table, writes CSV (--csv). No network, no install: run from the repo with
 ``PYTHONPATH=src python3 benchmarks/gpu.py`` (scripts/gpu_check.sh does, with the CUDA checks first).
+
+``--smoke`` runs the same code on CPU tensors at toy sizes under TRITON_INTERPRET=1 (SDPA's default backend,
+wall-clock timing): tests/test_triton.py uses it so that the script works when a GPU is there for it.
 """
 
 from __future__ import annotations
@@ -35,8 +38,14 @@ from linattn.backends import causal_attention
 Call = Callable[[], Any]
 
 
+DEVICE = "cuda"
+
+
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if q.device.type != "cuda":  # --smoke: no flash kernel on CPU
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -81,7 +90,17 @@ def candidates(n: int, args: argparse.Namespace) -> dict[str, Callable[..., torc
 FEATURE_INPUTS = ("linattn_kernels", "fla_chunk")  # these take elu+1 features, made once outside the timing
 
 
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def _timed(call: Call) -> float:
+    """Milliseconds of one call: CUDA events on the GPU, the wall clock in --smoke."""
+    if DEVICE != "cuda":
+        began = time.perf_counter()
+        call()
+        return (time.perf_counter() - began) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     call()
@@ -93,9 +112,9 @@ def _timed(call: Call) -> float:
 def time_length(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Median forward and forward+backward ms of every candidate at N = n, alternating rounds."""
     shape = (args.batch, args.heads, n, args.dim)
-    raw = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    raw = [torch.randn(shape, device=DEVICE, dtype=args.dtype) for _ in range(3)]
     feats = [_features(raw[0]), _features(raw[1]), raw[2]]
-    grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(shape, device=DEVICE, dtype=args.dtype)
     runs = candidates(n, args)
     calls: dict[tuple[str, str], Call] = {}
     for name, fn in runs.items():
@@ -118,14 +137,16 @@ def time_length(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     failed: dict[tuple[str, str], str] = {}
     for key, call in calls.items():  # warm-up (compiles the kernels) and peak memory
         try:
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
+            if DEVICE == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
             call()
-            torch.cuda.synchronize()
-            peak[key] = torch.cuda.max_memory_allocated() - before
+            _sync()
+            peak[key] = torch.cuda.max_memory_allocated() - before if DEVICE == "cuda" else 0
         except Exception as error:  # e.g. out of memory: reported in the table, the others go on
-            failed[key] = type(error).__name__
-            torch.cuda.empty_cache()
+            failed[key] = f"{type(error).__name__}: {str(error)[:80]}"
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
     for _ in range(args.rounds):
         for key, call in calls.items():
             if key not in failed:
@@ -136,7 +157,7 @@ def time_length(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
         if (name, mode) in failed:
             row.update(ms=float("nan"), spread="", peak_GiB=float("nan"), note=failed[(name, mode)])
         else:
-            quarters = statistics.quantiles(samples, n=4) if len(samples) > 1 else samples * 3
+            quarters = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else samples * 3
             row.update(ms=statistics.median(samples), spread=f"{quarters[0]:.3f}-{quarters[2]:.3f}",
                        peak_GiB=peak[(name, mode)] / 2**30, note="")
         rows.append(row)
@@ -147,10 +168,11 @@ def time_length(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def time_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """µs per decoding step (one token, B=1, H=32, D=128, 4k tokens already in the state)."""
+    """µs per decoding step (one token, B=1, H=32, D=128, 4k tokens already in the state), wall clock over
+    --steps calls (what a decoder waits for, launch overhead included)."""
     shape = (1, args.heads, 1, args.dim)
-    prompt = [torch.randn(1, args.heads, 4096, args.dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    step = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    prompt = [torch.randn(1, args.heads, args.prompt, args.dim, device=DEVICE, dtype=args.dtype) for _ in range(3)]
+    step = [torch.randn(shape, device=DEVICE, dtype=args.dtype) for _ in range(3)]
     rows = []
     with torch.no_grad():
         _, state = linattn.linear_attention(*prompt, causal=True, backend="triton", return_state=True)
@@ -164,20 +186,20 @@ def time_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
                 *step, causal=True, backend="torch", initial_state=state, return_state=True
             ),
             "kernel_step": lambda: host.recurrent_step(
-                *feats, state.kv, state.k_sum, torch.bfloat16, True, 1e-6, None
+                *feats, state.kv, state.k_sum, args.dtype, True, 1e-6, None
             ),
         }
         for name, call in calls.items():
-            for _ in range(10):
+            for _ in range(args.steps // 10):
                 call()
-            torch.cuda.synchronize()
+            _sync()
             samples = []
             for _ in range(args.rounds):
                 start = time.perf_counter()
-                for _ in range(100):
+                for _ in range(args.steps):
                     call()
-                torch.cuda.synchronize()
-                samples.append((time.perf_counter() - start) / 100 * 1e6)
+                _sync()
+                samples.append((time.perf_counter() - start) / args.steps * 1e6)
             rows.append({"N": 1, "candidate": name, "mode": "decode", "ms": statistics.median(samples) / 1e3,
                          "spread": f"{min(samples):.1f}-{max(samples):.1f} us", "peak_GiB": 0.0, "note": "",
                          "flash/this": float("nan")})
@@ -192,15 +214,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--torch-max", type=int, default=16384, help="longest N for the pure-PyTorch column")
+    parser.add_argument("--prompt", type=int, default=4096, help="tokens in the state before the decoding steps")
+    parser.add_argument("--steps", type=int, default=100, help="decoding steps per timed round")
     parser.add_argument("--csv", default="gpu_benchmark.csv")
+    parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes, under TRITON_INTERPRET=1")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    args.dtype = torch.bfloat16
+    global DEVICE
+    if args.smoke:
+        DEVICE, args.dtype = "cpu", torch.float16  # the interpreter has no bf16
+        args.lengths, args.batch, args.heads, args.dim, args.rounds = [80], 1, 2, 16, 2
+        args.prompt, args.steps, args.torch_max = 70, 2, 80
+    elif not torch.cuda.is_available():
         print("no CUDA device")
         return 1
     import triton
 
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
-          f"B={args.batch} H={args.heads} D={args.dim} bf16 causal, median of {args.rounds} alternating rounds")
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (smoke, interpreter)"
+    print(f"{name}  torch {torch.__version__}  triton {triton.__version__}  B={args.batch} H={args.heads} "
+          f"D={args.dim} {str(args.dtype)[6:]} causal, median of {args.rounds} alternating rounds")
     rows = []
     for n in args.lengths:
         started = time.perf_counter()
@@ -211,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"[{row['spread']}]  flash/this {row['flash/this']:6.2f}  peak {row['peak_GiB']:6.2f} GiB "
                   f"{row['note']}", flush=True)
         print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     for row in time_decode(args):
         rows.append(row)
         print(f"decode {row['candidate']:>20} {row['ms'] * 1e3:8.1f} us per step [{row['spread']}]", flush=True)
@@ -220,7 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         writer.writeheader()
         writer.writerows(rows)
     print(f"wrote {args.csv}")
-    return 0
+    broken = [f"{row['candidate']} {row['mode']}: {row['note']}" for row in rows if row["note"]]
+    if broken:
+        print("failed:\n  " + "\n  ".join(broken))
+    return 1 if broken and args.smoke else 0
 
 
 if __name__ == "__main__":

@@ -137,3 +137,21 @@ def test_options_added_later_make_a_call_uncovered() -> None:
         _triton_run(torch.float32, forced=True, torch_run=torch_run)(fmap, q, k, v, **call)
     _triton_run(torch.float32, forced=False, torch_run=torch_run)(fmap, q, k, v, **call)
     assert handed and handed[0]["decay"] == 0.9 and handed[0]["options"] == call["options"]
+
+
+def test_gpu_benchmark_script_runs(tmp_path: object) -> None:
+    """benchmarks/gpu.py --smoke: the GPU timing script's code on CPU tensors in the interpreter, every candidate
+    and the decoding step, so that it works the first time a GPU runs it (its timings mean nothing here)."""
+    pytest.importorskip("triton")
+    csv_path = os.path.join(str(tmp_path), "gpu.csv")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.join(ROOT, "src"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--smoke", "--csv", csv_path]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(csv_path) as handle:
+        lines = handle.read().splitlines()
+    modes = {tuple(line.split(",")[1:3]) for line in lines[1:]}
+    for candidate in ("sdpa_flash", "linattn", "linattn_kernels", "linattn_torch"):
+        assert {(candidate, "fwd"), (candidate, "fwd+bwd")} <= modes, candidate
+    assert ("kernel_step", "decode") in modes
