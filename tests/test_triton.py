@@ -155,3 +155,11 @@ def test_gpu_benchmark_script_runs(tmp_path: object) -> None:
     for candidate in ("sdpa_flash", "linattn", "linattn_kernels", "linattn_torch"):
         assert {(candidate, "fwd"), (candidate, "fwd+bwd")} <= modes, candidate
     assert ("kernel_step", "decode") in modes
+
+
+def test_features_of_different_widths_are_refused_before_any_kernel() -> None:
+    from linattn.backends import causal_attention
+
+    q, k, v = _qkv()
+    with pytest.raises(LinearAttentionError, match=r"query features \(1, 2, 20, 8\), key features \(1, 2, 20, 6\)"):
+        causal_attention(q, k[..., :6], v, state=None, dtype=torch.float32, normalize=True, eps=1e-6, min_denom=None)

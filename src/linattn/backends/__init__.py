@@ -105,6 +105,11 @@ def causal_attention(
     min_denom: float | None,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """Causal linear attention on ordinary features with the triton kernels; the state as the torch forms give it."""
+    if qf.shape != kf.shape or v.shape[:-1] != kf.shape[:-1]:  # the kernels index all three with one (R, N)
+        raise LinearAttentionError(
+            f"query features {tuple(qf.shape)}, key features {tuple(kf.shape)} and values {tuple(v.shape)}: the "
+            "feature map must give queries and keys the same F, and every key a value"
+        )
     host = triton_backend.load()
     batch, n = qf.shape[:-2], qf.shape[-2]
     if state is None:
