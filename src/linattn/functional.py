@@ -169,6 +169,7 @@ def linear_attention(
     decay: Any = None,
     log_gate: Any = None,
     cu_seqlens: Any = None,
+    backend: str = "auto",
 ) -> Any:
     """Linear attention: out_t = φ(q_t)·Σ_j φ(k_j)v_jᵀ / (φ(q_t)·Σ_j φ(k_j) + eps), j ≤ t when causal.
 
@@ -202,6 +203,8 @@ def linear_attention(
         cu_seqlens: packed variable-length input: int offsets ``[0, n_1, n_1+n_2, …, N]`` of sequences laid end to
             end along the token dimension; no token attends across a boundary. ``initial_state`` then holds one
             state per sequence (a leading dimension S on every tensor) and the returned state likewise.
+        backend: ``"auto"`` (Triton kernels for covered causal calls on CUDA tensors when triton is importable,
+            else torch), ``"torch"``, or ``"triton"`` (raises, listing why, when a call is not covered).
 
     Half-precision inputs accumulate in fp32 (fp64 inputs in fp64) and return the input dtype.
 
@@ -278,8 +281,16 @@ def linear_attention(
 
     # under torch.autocast the GEMMs below would run in bf16/fp16 again: the fp32 accumulation is the point
     guard = torch.autocast(q.device.type, enabled=False) if _autocast_on(q.device.type) else nullcontext()
+    run = _run_form
+    if backend != "torch":  # imported here: the triton backend is optional
+        from .backends import select_backend
+
+        run = select_backend(
+            backend, q, causal=causal, form=form, log_space=log_space, chunk_size=chunk_size, dtype=out_dtype,
+            torch_run=_run_form,
+        )
     with guard:
-        out, final = _run_form(
+        out, final = run(
             fmap, q, k, v, keep=keep, state=state, form=form, causal=causal, chunk_size=chunk_size,
             log_space=log_space, map_name=map_name, return_state=return_state, options=options,
             log_decay=log_decay, feature_gate=feature_gate, segments=segments,

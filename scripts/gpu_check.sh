@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One command on a GPU machine: the CUDA checks of the Triton backend, then the timing table (benchmarks/gpu.py).
+# Needs only python3 with torch (CUDA) and triton; nothing is installed: the repository runs from src/.
+#   bash scripts/gpu_check.sh            # results in $OUT if set (the device tool's folder), else benchmarks/results
+#   LENGTHS="2048 8192" bash scripts/gpu_check.sh   # fewer lengths
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="src:tests${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_DEFAULT_FP_FUSION=1  # silences a deprecation notice of newer triton; the default of 3.6
+results="${OUT:-benchmarks/results}"
+mkdir -p "$results"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$results/gpu.txt"
+python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$results/gpu.txt"
+
+# 1. correctness on the device (plain runner: the image may have no pytest); ~1 minute with compilation
+timeout 150 python3 tests/gpu_checks.py 2>&1 | tee "$results/gpu_checks.txt"
+checks=${PIPESTATUS[0]}
+
+# 2. timing: B=4, H=32, D=128, bf16, N = 2k … 64k, and the decoding step; table on stdout, CSV beside it
+# shellcheck disable=SC2086
+timeout 240 python3 benchmarks/gpu.py --csv "$results/gpu_benchmark.csv" ${LENGTHS:+--lengths $LENGTHS} 2>&1 \
+    | tee "$results/gpu_benchmark.txt"
+bench=${PIPESTATUS[0]}
+echo "checks exit $checks, benchmark exit $bench; results in $results"
+exit $(( checks != 0 || bench != 0 ))

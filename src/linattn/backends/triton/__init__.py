@@ -1,0 +1,85 @@
+"""The Triton backend: chunked causal linear attention and a fused decoding step on CUDA tensors.
+
+Importing this package does not import triton; :func:`load` does, on first use. What it covers (v1): causal
+attention with ordinary (non-log-space) feature maps, fp32/fp16/bf16 inputs, F and Dv up to 256, any N, chunk 64,
+an optional initial state, the normaliser (eps, min_denom) or none. :func:`reasons` says why a case is not covered.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Any
+
+import torch
+
+MAX_DIM = 256
+# fp32 operands take twice the shared memory: TF32×3 tiles of 128 overflow an H100's 227 KiB (measured by
+# tests/test_triton_compile.py), so fp32 is covered up to the 64 size class
+MAX_DIM_FP32 = 64
+CHUNK = 64
+_TRUE = ("1", "true", "on", "yes")
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET is on: the kernels run in Triton's interpreter, on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+
+
+def import_error() -> str | None:
+    """None when triton imports, else why not."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:  # the extra is not installed
+        return f"triton is not importable ({error}); install the extra: pip install 'linattn[triton]'"
+    return None
+
+
+def load() -> ModuleType:
+    """The kernels' host module (imports triton)."""
+    from . import function
+
+    return function
+
+
+def reasons(
+    q: torch.Tensor,
+    *,
+    causal: bool,
+    form: str,
+    log_space: bool,
+    chunk_size: int | None,
+    dtype: torch.dtype,
+    check_import: bool = True,
+) -> list[str]:
+    """Why the kernels do not cover this call, from what is known before the feature map runs; [] when covered."""
+    found = []
+    if not causal:
+        found.append("causal=False: the kernels compute causal attention (non-causal is two GEMMs in torch)")
+    if form not in ("chunked", "recurrent"):
+        found.append(f"form={form!r}: the kernels compute the chunked and recurrent forms")
+    if log_space:
+        found.append("log-space feature map: v1 kernels take ordinary maps (no log-scale ref)")
+    if chunk_size not in (None, CHUNK):
+        found.append(f"chunk_size={chunk_size}: the kernels use chunks of {CHUNK}")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        found.append(f"dtype {dtype}: the kernels take fp32, fp16 and bf16")
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreting()):
+        found.append(f"device {q.device}: the kernels run on CUDA tensors (on CPU only under TRITON_INTERPRET=1)")
+    if check_import:
+        error = import_error()
+        if error is not None:
+            found.append(error)
+    return found
+
+
+def shape_reasons(features: int, values: int, dtype: torch.dtype, extra: dict[str, Any]) -> list[str]:
+    """Why the kernels do not cover the feature and value sizes, or options added to the core later."""
+    found = []
+    limit, what = (MAX_DIM_FP32, " for fp32 inputs (use bf16/fp16)") if dtype == torch.float32 else (MAX_DIM, "")
+    if features > limit:
+        found.append(f"feature dimension F={features} > {limit}{what}")
+    if values > limit:
+        found.append(f"value dimension Dv={values} > {limit}{what}")
+    found += [f"option {name}={value!r}: not in the kernels" for name, value in extra.items() if value is not None]
+    return found

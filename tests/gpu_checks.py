@@ -1,0 +1,138 @@
+"""Checks of the Triton backend on a CUDA device, against the float64 reference and the torch backend.
+
+Plain functions with a small runner, so that the GPU image (python3, torch, triton; maybe no pytest) runs them as
+``PYTHONPATH=src:tests python3 tests/gpu_checks.py``; tests/test_triton_gpu.py runs the same under pytest (skipped
+without CUDA). Tolerances: bf16 rounds the features and values to 8 bits (2^-9 relative) before the products,
+fp16 to 11 bits, fp32 multiplies in TF32×3 (about fp32).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+import linattn
+from linattn.backends import RECURRENT_MAX_TOKENS, select_backend
+from reference import elu_plus_one, reference_attention, rel_error
+
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-5}
+GRAD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3, torch.float32: 3e-5}
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _inputs(shape: tuple[int, ...], values: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(*shape, generator=generator, device="cuda")
+    k = torch.randn(*shape, generator=generator, device="cuda")
+    v = torch.randn(*shape[:-1], values, generator=generator, device="cuda")
+    return [x.to(dtype).requires_grad_() for x in (q, k, v)]
+
+
+def _check(inputs: list[torch.Tensor], dtype: torch.dtype, label: str) -> None:
+    out = linattn.linear_attention(*inputs, causal=True, backend="triton")
+    upstream = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, upstream)
+    doubles = [x.detach().double().requires_grad_() for x in inputs]
+    expected = reference_attention(*doubles, elu_plus_one, causal=True)
+    expected_grads = torch.autograd.grad(expected, doubles, upstream.double())
+    assert out.dtype == dtype
+    error = rel_error(out, expected)
+    assert error < TOL[dtype], f"{label}: output rel. error {error:.2e}"
+    for name, grad, reference in zip("qkv", grads, expected_grads, strict=True):
+        if out.shape[-2] == 1 and name != "v":
+            continue  # one token: out = v·w/(w + eps), the gradient of q and k is O(eps), rounding noise
+        error = rel_error(grad, reference)
+        assert error < GRAD_TOL[dtype], f"{label}: ∂L/∂{name} rel. error {error:.2e}"
+
+
+# (dtype, N, F, Dv): every size class (64, 128, 256), N = 1, unaligned N and F/Dv (65, 700, 40, 96) and aligned
+# ones (1024, 128) — Triton compiles one specialisation per dtype, class and alignment, so the list stays short
+CASES = [
+    (torch.bfloat16, 1, 16, 40),
+    (torch.bfloat16, 65, 16, 40),
+    (torch.bfloat16, 65, 128, 128),
+    (torch.bfloat16, 1024, 128, 128),
+    (torch.bfloat16, 700, 256, 96),
+    (torch.float16, 700, 128, 128),
+    (torch.float16, 65, 256, 96),
+    (torch.float32, 65, 16, 40),
+    (torch.float32, 1024, 64, 64),
+]
+
+
+def check_shapes_and_dtypes() -> None:
+    """N around and beyond the chunk, F ≠ Dv, every size class, three dtypes (fp32 is covered up to 64)."""
+    for dtype, n, features, values in CASES:
+        _check(_inputs((2, 3, n, features), values, dtype, seed=n), dtype, f"{dtype} N={n} F={features} Dv={values}")
+
+
+def check_initial_state_and_decoding() -> None:
+    """A prompt through the chunk kernels, then decoding steps through the fused kernel, against the reference."""
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = (x.detach() for x in _inputs((1, 4, 300, 64), 64, dtype, seed=9))
+        pieces, state = [], None
+        with torch.no_grad():
+            for start, end in ((0, 250), (250, 251), (251, 252), (252, 260), (260, 300)):
+                out, state = linattn.linear_attention(
+                    q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], causal=True,
+                    backend="triton", initial_state=state, return_state=True,
+                )
+                pieces.append(out)
+        assert 8 <= RECURRENT_MAX_TOKENS
+        expected = reference_attention(q, k, v, elu_plus_one, causal=True)
+        error = rel_error(torch.cat(pieces, dim=-2), expected)
+        assert error < TOL[dtype], f"{dtype}: chained rel. error {error:.2e}"
+
+
+def check_long_sequence_against_torch() -> None:
+    """16k tokens at the benchmark's head size: the triton and torch backends agree (bf16 inputs; the torch
+    backend computes in fp32, so the difference is the kernels' bf16 operands)."""
+    q, k, v = (x.detach() for x in _inputs((1, 4, 16384, 128), 128, torch.bfloat16, seed=11))
+    fast = linattn.linear_attention(q, k, v, causal=True, backend="triton")
+    slow = linattn.linear_attention(q, k, v, causal=True, backend="torch")
+    error = rel_error(fast, slow)
+    assert error < TOL[torch.bfloat16], f"16k tokens: rel. difference {error:.2e}"
+
+
+def check_auto_picks_triton() -> None:
+    q = torch.randn(1, 2, 10, 16, device="cuda")
+    run = select_backend(
+        "auto", q, causal=True, form="chunked", log_space=False, chunk_size=None, dtype=torch.bfloat16,
+        torch_run=lambda *args, **kwargs: None,  # type: ignore[arg-type,return-value]
+    )
+    assert run.__name__ == "run", "auto did not pick triton for a covered CUDA call"
+    out = linattn.linear_attention(q, q, q, causal=True, feature_map="favor+")  # log-space: auto falls back
+    assert out.shape == q.shape and bool(torch.isfinite(out).all())
+
+
+CHECKS: list[Callable[[], None]] = [
+    check_auto_picks_triton,
+    check_shapes_and_dtypes,
+    check_initial_state_and_decoding,
+    check_long_sequence_against_torch,
+]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing checked")
+        return 1
+    failed = 0
+    for check in CHECKS:
+        start = time.perf_counter()
+        try:
+            check()
+            print(f"PASS {check.__name__} ({time.perf_counter() - start:.1f} s)", flush=True)
+        except Exception:  # report every check, then fail
+            failed += 1
+            print(f"FAIL {check.__name__}\n{traceback.format_exc()}", flush=True)
+    print(f"{len(CHECKS) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The backend= dispatch, the capability check, and the Triton kernels in the interpreter (in a child process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import linattn
+from linattn import LinearAttentionError
+from linattn.backends import triton as triton_backend
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _qkv(n: int = 20, d: int = 8) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, n, d, generator=generator) for _ in range(3)]
+
+
+def test_torch_and_auto_agree_on_cpu() -> None:
+    """On CPU tensors "auto" is the torch path: the same call, bit for bit."""
+    q, k, v = _qkv()
+    expected = linattn.linear_attention(q, k, v, causal=True, backend="torch")
+    assert torch.equal(linattn.linear_attention(q, k, v, causal=True), expected)
+
+
+def test_unknown_backend_is_refused() -> None:
+    q, k, v = _qkv()
+    with pytest.raises(LinearAttentionError, match="backend: unknown backend 'cuda'"):
+        linattn.linear_attention(q, k, v, causal=True, backend="cuda")
+
+
+def test_forced_triton_lists_every_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """xformers-style: each reason a call is not covered, one per line."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = (x.double() for x in _qkv())
+    with pytest.raises(LinearAttentionError) as caught:
+        linattn.linear_attention(q, k, v, feature_map="favor+", chunk_size=32, form="parallel", backend="triton")
+    message = str(caught.value)
+    for reason in ("causal=False", "form='parallel'", "log-space feature map", "chunk_size=32", "torch.float64",
+                   "device cpu"):
+        assert reason in message, (reason, message)
+
+
+def test_missing_triton_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the extra, forcing the backend says how to install it."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    q, k, v = _qkv()
+    with pytest.raises(LinearAttentionError, match=r"triton is not importable.*pip install 'linattn\[triton\]'"):
+        linattn.linear_attention(q, k, v, causal=True, backend="triton")
+
+
+def test_cpu_runs_never_import_triton() -> None:
+    """A CPU-only install: importing linattn and running "auto" does not import triton."""
+    code = (
+        "import sys, torch, linattn\n"
+        "q = torch.randn(1, 2, 30, 8)\n"
+        "linattn.linear_attention(q, q, q, causal=True, backend='auto')\n"
+        "linattn.linear_attention(q, q, q, causal=True, backend='torch')\n"
+        "assert 'triton' not in sys.modules, 'triton was imported'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_interpreter_flag_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_backend.interpreting()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not triton_backend.interpreting()
+
+
+def test_kernels_in_the_interpreter() -> None:
+    """tests/triton_interpreted.py in its own pytest process with TRITON_INTERPRET=1 (kernels on CPU tensors
+    against the float64 reference; see that file)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    command = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-rs",
+               os.path.join(HERE, "triton_interpreted.py")]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    print(result.stdout[-3000:])
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+def test_launch_retries_without_pipelining_when_shared_memory_runs_out() -> None:
+    """A GPU with less shared memory than the pipelined kernel asks for gets the unpipelined build."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
+    from linattn.backends.triton.function import launch
+
+    calls: list[dict[str, object]] = []
+
+    class Kernel:
+        def __getitem__(self, grid: tuple[int, ...]) -> object:
+            def run(*args: object, **options: object) -> None:
+                calls.append({"grid": grid, "args": args, **options})
+                if "num_stages" not in options:
+                    raise OutOfResources(262144, 232448, "shared memory")
+
+            return run
+
+    launch(Kernel(), (4, 2), 1, 2, num_warps=8)
+    assert calls == [
+        {"grid": (4, 2), "args": (1, 2), "num_warps": 8},
+        {"grid": (4, 2), "args": (1, 2), "num_warps": 8, "num_stages": 1},
+    ]
+
+
+def test_options_added_later_make_a_call_uncovered() -> None:
+    """An argument or option the kernels do not know (say a decay a later core adds) is a reason, not ignored:
+    forced triton raises naming it, auto hands the call to torch unchanged. No kernel runs here."""
+    from linattn.backends import _triton_run
+    from linattn.feature_maps import create
+
+    q, k, v = _qkv()
+    handed: list[dict[str, object]] = []
+
+    def torch_run(*args: object, **kwargs: object) -> tuple[torch.Tensor, None]:
+        handed.append(kwargs)
+        return q, None
+
+    call = {
+        "keep": None, "state": None, "return_state": False, "form": "chunked", "causal": True, "chunk_size": None,
+        "log_space": False, "map_name": "ELU",
+        "options": {"normalize": True, "eps": 1e-6, "min_denom": None, "window": 8}, "decay": 0.9,
+    }
+    fmap = create("elu", head_dim=8)
+    with pytest.raises(LinearAttentionError, match=r"option decay=0.9[\s\S]*option window=8"):
+        _triton_run(torch.float32, forced=True, torch_run=torch_run)(fmap, q, k, v, **call)
+    _triton_run(torch.float32, forced=False, torch_run=torch_run)(fmap, q, k, v, **call)
+    assert handed and handed[0]["decay"] == 0.9 and handed[0]["options"] == call["options"]
+
+
+def test_gpu_benchmark_script_runs(tmp_path: object) -> None:
+    """benchmarks/gpu.py --smoke: the GPU timing script's code on CPU tensors in the interpreter, every candidate
+    and the decoding step, so that it works the first time a GPU runs it (its timings mean nothing here)."""
+    pytest.importorskip("triton")
+    csv_path = os.path.join(str(tmp_path), "gpu.csv")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.join(ROOT, "src"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--smoke", "--csv", csv_path]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(csv_path) as handle:
+        lines = handle.read().splitlines()
+    modes = {tuple(line.split(",")[1:3]) for line in lines[1:]}
+    for candidate in ("sdpa_flash", "linattn", "linattn_kernels", "linattn_torch"):
+        assert {(candidate, "fwd"), (candidate, "fwd+bwd")} <= modes, candidate
+    assert ("kernel_step", "decode") in modes
+
+
+def test_features_of_different_widths_are_refused_before_any_kernel() -> None:
+    from linattn.backends import causal_attention
+
+    q, k, v = _qkv()
+    with pytest.raises(LinearAttentionError, match=r"query features \(1, 2, 20, 8\), key features \(1, 2, 20, 6\)"):
+        causal_attention(q, k[..., :6], v, state=None, dtype=torch.float32, normalize=True, eps=1e-6, min_denom=None)
