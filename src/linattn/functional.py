@@ -22,6 +22,7 @@ from .forms import (
     recurrent_attention,
 )
 from .forms._common import NEG_INF, empty_state, scale_between
+from .forms.hybrid import run_window
 from .state import LinearAttentionState
 
 DEFAULT_CAUSAL_CHUNK = 64
@@ -133,6 +134,10 @@ def linear_attention(
     return_state: bool = False,
     form: str = "auto",
     check_finite: bool = False,
+    window: int | None = None,
+    sinks: int = 0,
+    window_factor: Any = None,
+    softmax_scale: float | None = None,
 ) -> Any:
     """Linear attention: out_t = φ(q_t)·Σ_j φ(k_j)v_jᵀ / (φ(q_t)·Σ_j φ(k_j) + eps), j ≤ t when causal.
 
@@ -156,6 +161,12 @@ def linear_attention(
         form: ``"auto"``, or force ``"parallel"`` (quadratic definition), ``"global"`` (non-causal, two GEMMs),
             ``"chunked"``, ``"recurrent"`` (causal, token by token).
         check_finite: raise on NaN/inf inputs instead of propagating them.
+        window: the sliding-window hybrid (docs/window.md): exact softmax weights e^{softmax_scale·q·k} over the
+            W most recent keys (causal; non-causal: |t − j| < W) and the first ``sinks`` tokens, linear weights for
+            the other keys, one normaliser. ``window_factor=None`` keeps the window's softmax shape with the mass
+            φ(q)·Σ_window φ(k) (parameter-free); a float or per-head tensor γ weights e^{s − rowmax} instead.
+            ``softmax_scale`` defaults to 1/√Dk; the map sees q and k unscaled. States are
+            :class:`WindowAttentionState`.
 
     Half-precision inputs accumulate in fp32 (fp64 inputs in fp64) and return the input dtype.
 
@@ -169,6 +180,9 @@ def linear_attention(
     v, _ = _to_torch(v, "v")
     group = _validate.check_qkv(q, k, v, causal)
     _validate.check_options(chunk_size, eps, min_denom, form, FORMS)
+    _validate.check_window_options(
+        window, sinks, window_factor, softmax_scale, normalize, form, causal, q.shape[-2], k.shape[-2]
+    )
     if check_finite:
         _validate.check_finite(q, k, v)
     fmap = resolve_feature_map(feature_map, q.shape[-1], numpy=q_numpy, device=q.device)
@@ -198,6 +212,14 @@ def linear_attention(
         mask, _ = _to_torch(key_padding_mask, "key_padding_mask")
         keep = _validate.key_padding_mask(mask, k)
         v = v.masked_fill(~keep.unsqueeze(-1), 0)
+    if window is not None:  # the sliding-window hybrid: forms/hybrid.py
+        out, hybrid_state = run_window(
+            lambda x, is_query: map_features(fmap, x, is_query=is_query), q, k, v, keep, initial_state,
+            causal=causal, window=window, sinks=sinks, factor=window_factor, softmax_scale=softmax_scale, form=form,
+            chunk_size=chunk_size, eps=eps, min_denom=min_denom, log_space=log_space, return_state=return_state,
+        )
+        hybrid_out: Any = out.to(out_dtype).detach().numpy() if q_numpy else out.to(out_dtype)
+        return (hybrid_out, hybrid_state) if return_state else hybrid_out
     state = None
     if initial_state is not None:
         state = _validate.check_state(initial_state, batch, v.shape[-1], compute, q.device)
