@@ -252,3 +252,54 @@ def test_bad_options_raise():
         linear_attention(q, k, v, causal=True, window=3, sinks=1, initial_state=state.linear)
     with pytest.raises(LinearAttentionError, match="float32"):
         linear_attention(q.float(), k.float(), v.float(), causal=True, window=3, sinks=1, initial_state=state)
+
+
+@pytest.mark.parametrize("gamma", [False, True], ids=["mass", "gamma"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_fit_with_window_loss_is_the_hybrid_row(causal, gamma, tmp_path):
+    # the fitting loss must be the cross-entropy of softmax against the very rows linear_attention(window=) gives
+    from linattn.distill import FittedFeatureMaps, _batch, _hybrid_loss, _prepare, _window_masks, load_feature_maps
+
+    q, k, _ = inputs(3, 24, 8, dtype=torch.float32, seed=12)
+    fmap = linattn_fit(q, k, causal=causal, gamma=gamma)
+    assert fmap.window == 5 and fmap.sinks == 2 and (fmap.window_factor is not None) == gamma
+    item = _prepare(q, k, None, None, causal)[0]
+    rows = torch.arange(24)
+    batch = _batch(item, rows, None, 0.0, torch.Generator())
+    batch.update(_window_masks(rows, rows, 5, 2, causal))
+    log_gamma = fmap.window_factor.log() if gamma else None
+    with torch.no_grad():
+        loss = _hybrid_loss(fmap, batch, 0.0, log_gamma)  # (H, R)
+        eye = torch.eye(24).expand(3, 24, 24)
+        rows_hybrid = linear_attention(item["q"], item["k"], eye, feature_map=fmap, causal=causal, window=5, sinks=2,
+                                       window_factor=fmap.window_factor, eps=0.0)
+    cross = -torch.special.xlogy(item["weights"], rows_hybrid).sum(-1)
+    torch.testing.assert_close(loss, cross, rtol=2e-4, atol=2e-4)  # fp32 weights, logs of small weights
+    # saved and loaded, the window options travel with the maps (format version 3)
+    factors = [fmap.window_factor] if gamma else None
+    saved = FittedFeatureMaps("test", "hedgehog", 1, 3, 8, {"num_features": fmap.num_features, "tied": fmap.tied},
+                              [fmap], window=5, sinks=2, window_factors=factors)
+    saved.save(str(tmp_path / "maps.safetensors"))
+    loaded = load_feature_maps(str(tmp_path / "maps.safetensors"))
+    options = loaded.window_options(0)
+    assert options["window"] == 5 and options["sinks"] == 2
+    if gamma:
+        torch.testing.assert_close(options["window_factor"], fmap.window_factor)
+    else:
+        assert options["window_factor"] is None
+
+
+def linattn_fit(q, k, *, causal, gamma):
+    from linattn.distill import fit_feature_map
+
+    return fit_feature_map(q, k, causal=causal, steps=20, eval_every=5, window=5, sinks=2, window_factor=gamma)
+
+
+def test_fitting_with_the_window_lowers_the_hybrid_loss():
+    # the fit must improve the hybrid row over the initial map (held-out loss history goes down)
+    from linattn.distill import fit_feature_map
+
+    q, k, _ = inputs(2, 48, 8, dtype=torch.float32, seed=13)
+    fmap = fit_feature_map(q * 2, k * 2, causal=True, steps=60, eval_every=10, window=4, sinks=1, noise=0.0)
+    history = fmap.fit_history
+    assert min(h[2] for h in history[1:]) < history[0][2] - 1e-3

@@ -39,6 +39,7 @@ from ._common import NEG_INF, finalize, scale_between
 
 Features = Callable[[torch.Tensor, bool], torch.Tensor]  # (x, is_query) → φ(x), or log φ(x) for log-space maps
 MIN_BAND_BLOCK = 16
+BAND_BLOCKS = (32, 64)  # query block sizes the band may use (besides B itself)
 
 
 class Hybrid:
@@ -147,33 +148,42 @@ class Hybrid:
 
 
 class Band:
-    """Keys for the banded exact part: query i sees key y of a padded key sequence for i ≤ y ≤ i + B.
+    """Keys for the banded exact part: query i sees row y of a key sequence for i ≤ y ≤ i + B (rows y < ``front``
+    and past the end are empty; ``keep`` (..., Ny) marks padding, None when there is none).
 
-    Queries go in blocks of C ≥ B; block b's keys lie in key blocks b and b+1, so each query block is scored
-    against 2C keys (O(N·C) work and memory) with one (C, 2C) band mask.
+    Queries go in blocks of C; block b's keys lie in the m = ⌈(C + B)/C⌉ key blocks b … b+m−1, so each query block
+    is scored against m·C keys (O(N·(C + B)) work and memory) with one band mask. C is chosen among a few sizes
+    to keep m·C small: for B = 63 (W = 64), C = 32 scores 96 keys per query where C = 64 would score 128.
     """
 
     def __init__(
-        self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, features: torch.Tensor | None,
-        scales: torch.Tensor | None, width: int, num_queries: int,
+        self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor | None, front: int,
+        features: torch.Tensor | None, scales: torch.Tensor | None, width: int, num_queries: int,
     ) -> None:
-        self.size = size = max(width, MIN_BAND_BLOCK)
+        candidates = {max(MIN_BAND_BLOCK, width), *BAND_BLOCKS}
+        self.size = size = min(candidates, key=lambda c: (-(-(c + width) // c) * c, -c))
+        self.spans = spans = -(-(size + width) // size)
         self.blocks = blocks = -(-num_queries // size)
-        pad = (blocks + 1) * size - keys.shape[-2]
+        rows = keys.shape[-2]
+        pad = (blocks + spans - 1) * size - rows
         assert pad >= 0
 
-        def pairs(x: torch.Tensor, value: float | bool = 0.0) -> torch.Tensor:
-            # (..., Ny, D) → (..., b, 2C, D): key blocks b and b+1 side by side
-            x = torch.nn.functional.pad(x, (0, 0, 0, pad), value=value).unflatten(-2, (blocks + 1, size))
-            return torch.cat([x[..., :-1, :, :], x[..., 1:, :, :]], dim=-2)
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            # (..., Ny, D) → (..., b, m·C, D): key blocks b … b+m−1 side by side
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad)).unflatten(-2, (blocks + spans - 1, size))
+            return torch.cat([x[..., i : i + blocks, :, :] for i in range(spans)], dim=-2)
 
-        self.keys, self.values = pairs(keys), pairs(values)
-        self.features = pairs(features) if features is not None else None
-        self.scales = pairs(scales.unsqueeze(-1)).squeeze(-1) if scales is not None else None  # (..., b, 2C)
-        local = torch.arange(2 * size, device=keys.device) - torch.arange(size, device=keys.device).unsqueeze(-1)
-        in_band = (local >= 0) & (local <= width)  # (C, 2C)
-        kept = pairs(keep.unsqueeze(-1).to(torch.uint8)).squeeze(-1).bool()  # (..., b, 2C)
-        self.mask = in_band & kept.unsqueeze(-2)  # (..., b, C, 2C)
+        self.keys, self.values = gather(keys), gather(values)
+        self.features = gather(features) if features is not None else None
+        self.scales = gather(scales.unsqueeze(-1)).squeeze(-1) if scales is not None else None  # (..., b, m·C)
+        device = keys.device
+        local = torch.arange(spans * size, device=device) - torch.arange(size, device=device).unsqueeze(-1)
+        in_band = (local >= 0) & (local <= width)  # (C, m·C)
+        row = torch.arange(blocks, device=device).unsqueeze(-1) * size + torch.arange(spans * size, device=device)
+        self.mask = in_band & ((row >= front) & (row < rows)).unsqueeze(-2)  # (b, C, m·C)
+        if keep is not None:
+            kept = gather(keep.unsqueeze(-1).to(torch.uint8)).squeeze(-1).bool()  # (..., b, m·C)
+            self.mask = self.mask & kept.unsqueeze(-2)  # (..., b, C, m·C)
 
 
 class Sinks:
@@ -240,10 +250,13 @@ def next_state(
     prev: WindowAttentionState, linear: LinearAttentionState, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor
 ) -> WindowAttentionState:
     """The buffers after this call's keys: the last min(W, seen) keys, and the first min(S, seen)."""
-    total = prev.num_tokens + k.shape[-2]
+    n = k.shape[-2]
+    total = prev.num_tokens + n
     window = min(prev.window, total)
-    ring = [torch.cat([old, new], dim=-2)[..., -window:, :] for old, new in ((prev.keys, k), (prev.values, v))]
-    ring_keep = torch.cat([prev.keep, keep], dim=-1)[..., -window:]  # window ≥ 1: this call has a key
+    # window ≥ 1 (this call has a key); slice before joining: never copy the whole call
+    ring = [torch.cat([old[..., max(0, old.shape[-2] + new.shape[-2] - window) :, :], new[..., -window:, :]], -2)
+            for old, new in ((prev.keys, k), (prev.values, v))]
+    ring_keep = torch.cat([prev.keep[..., max(0, prev.keep.shape[-1] + n - window) :], keep[..., -window:]], -1)
     new_sinks = min(k.shape[-2], max(0, prev.sinks - prev.num_tokens))
     sink_keys = torch.cat([prev.sink_keys, k[..., :new_sinks, :]], dim=-2)
     sink_values = torch.cat([prev.sink_values, v[..., :new_sinks, :]], dim=-2)
@@ -260,6 +273,7 @@ def causal_window_chunked(
 ) -> tuple[torch.Tensor, WindowAttentionState]:
     """The causal hybrid: linear part through the chunked Function, exact part banded. keep (..., N) bool."""
     window, sinks, n = hybrid.window, hybrid.sinks, q.shape[-2]
+    padded = not bool(keep.all()) or (state is not None and not bool(state.keep.all()))
     qf, c = hybrid.query_features(q)
     prev_keys = [state.sink_keys, state.keys] if state is not None else []
     prev_keep = [state.sink_keep, state.keep] if state is not None else []
@@ -294,7 +308,9 @@ def causal_window_chunked(
     ring_from = ring_len - before
     band_keys = torch.cat([_fill(k, front, 0.0), state.keys[..., ring_from:, :], k], dim=-2)
     band_values = torch.cat([_fill(v, front, 0.0), state.values[..., ring_from:, :], v], dim=-2)
-    band_keep = torch.cat([keep.new_zeros(*keep.shape[:-1], front), state.keep[..., ring_from:], keep], dim=-1)
+    band_keep = None
+    if padded:
+        band_keep = torch.cat([keep.new_zeros(*keep.shape[:-1], front), state.keep[..., ring_from:], keep], dim=-1)
     band_features = band_scales = None
     if hybrid.factor is None:
         ring_at = start.unsqueeze(-1).expand(*start.shape, front + before) if start is not None else None
@@ -302,7 +318,7 @@ def causal_window_chunked(
         band_features = torch.cat([old, hybrid.stored(logs, r)], dim=-2)
         if r is not None and ring_at is not None:
             band_scales = torch.cat([ring_at, r], dim=-1)
-    band = Band(band_keys, band_values, band_keep, band_features, band_scales, width - 1, n)
+    band = Band(band_keys, band_values, band_keep, front, band_features, band_scales, width - 1, n)
 
     sink = None
     fresh = min(n, max(0, sinks - n0))  # sink tokens in this call
@@ -331,6 +347,7 @@ def noncausal_window_chunked(
     """The non-causal hybrid (Nq = Nk): band |i − j| < W and sinks exact; the rest through two shifted causal
     passes, keys j ≤ i − W and (on the reversed sequence) j ≥ i + W. All keys at one log-scale (the maximum)."""
     window, sinks, n = hybrid.window, hybrid.sinks, q.shape[-2]
+    padded = not bool(keep.all())
     qf, c = hybrid.query_features(q)
     logs = hybrid.key_logs(k, keep)
     r = None
@@ -355,7 +372,7 @@ def noncausal_window_chunked(
     front = width - 1
     band = Band(
         torch.cat([_fill(k, front, 0.0), k], dim=-2), torch.cat([_fill(v, front, 0.0), v], dim=-2),
-        torch.cat([keep.new_zeros(*keep.shape[:-1], front), keep], dim=-1),
+        torch.cat([keep.new_zeros(*keep.shape[:-1], front), keep], dim=-1) if padded else None, front,
         torch.cat([_fill(features, front, 0.0), features], dim=-2), None, 2 * front, n,
     )
     sink = None
