@@ -18,6 +18,7 @@ import time
 import torch
 
 from linattn import linear_attention
+from linattn.measure import peak_memory
 
 
 def timed(fn) -> float:
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=None, help="γ form with this factor (default: mass form)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--memory-n", type=int, default=4096, help="N of the peak-memory row (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     form = "mass-preserving" if args.factor is None else f"γ={args.factor}"
@@ -48,11 +50,11 @@ def main() -> None:
         grad = torch.randn_like(q)
         hybrid = {"window": args.window, "sinks": args.sinks, "window_factor": args.factor}
 
-        def forward(options: dict) -> None:
+        def forward(options: dict, q=q, k=k, v=v) -> None:
             with torch.no_grad():
                 linear_attention(q, k, v, causal=True, form="chunked", **options)
 
-        def training(options: dict) -> None:
+        def training(options: dict, leaves=leaves, grad=grad) -> None:
             for leaf in leaves:
                 leaf.grad = None
             linear_attention(*leaves, causal=True, form="chunked", **options).backward(grad)
@@ -63,13 +65,27 @@ def main() -> None:
             plain_times, ratios = [], []
             for _ in range(args.rounds):
                 plain = timed(lambda fn=fn: fn({}))
-                mixed = timed(lambda fn=fn: fn(hybrid))
+                mixed = timed(lambda fn=fn, hybrid=hybrid: fn(hybrid))
                 plain_times.append(plain)
                 ratios.append(mixed / plain)
             rows[name] = (statistics.median(plain_times) * 1e3, statistics.median(ratios), min(ratios), max(ratios))
         fwd, both = rows["fwd"], rows["f+b"]
         print(f"{n:>6} {fwd[0]:>13.1f} {fwd[1]:>8.2f} ({fwd[2]:.2f}–{fwd[3]:.2f}) {both[0]:>13.1f} "
               f"{both[1]:>8.2f} ({both[2]:.2f}–{both[3]:.2f})", flush=True)
+
+
+    if args.memory_n:
+        n = args.memory_n
+        leaves = [torch.randn(1, args.heads, n, args.dim, requires_grad=True) for _ in range(3)]
+        hybrid = {"window": args.window, "sinks": args.sinks, "window_factor": args.factor}
+        peaks = []
+        for options in ({}, hybrid):
+            def step(options: dict = options) -> None:
+                linear_attention(*leaves, causal=True, form="chunked", **options).sum().backward()
+            peaks.append(peak_memory(step, torch.device("cpu")))
+        inputs = 3 * leaves[0].numel() * 4 / 2**20
+        print(f"peak memory of forward+backward at N={n}: plain {peaks[0] / 2**20:.1f} MiB, hybrid "
+              f"{peaks[1] / 2**20:.1f} MiB ({peaks[1] / peaks[0]:.2f}×); inputs {inputs:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,7 @@ from . import causal_fn
 from ._common import NEG_INF, finalize, scale_between
 
 Features = Callable[[torch.Tensor, bool], torch.Tensor]  # (x, is_query) → φ(x), or log φ(x) for log-space maps
-MIN_BAND_BLOCK = 16
-BAND_BLOCKS = (32, 64)  # query block sizes the band may use (besides B itself)
+MIN_BAND_BLOCK = 16  # the band's query blocks: B rounded up to a multiple of this
 
 
 class Hybrid:
@@ -107,35 +106,40 @@ class Hybrid:
         n = q.shape[-2]
         size, blocks = band.size, band.blocks
         pad = blocks * size - n
-        qb = torch.nn.functional.pad(q, (0, 0, 0, pad)).unflatten(-2, (blocks, size))  # (..., b, C, D)
-        scores = (qb @ band.keys.transpose(-1, -2)) * self.scale  # (..., b, C, 2C)
-        scores = scores.masked_fill(~band.mask, NEG_INF)
-        row_max = scores.amax(-1).flatten(-2)[..., :n]  # (..., N)
+        queries = q * self.scale
+        qb = torch.nn.functional.pad(queries, (0, 0, 0, pad)).unflatten(-2, (blocks, size))  # (..., b, C, D)
+        scores = (qb @ band.keys.transpose(-1, -2)).add_(band.bias)  # (..., b, C, 2C), −inf outside the band
+        # the mass form keeps only the softmax *shape* of the exact keys, so the shift cancels exactly: it needs
+        # no gradient, and the scores can be turned into probabilities in place (one pass, no copy)
+        shape_only = self.factor is None
+        row_max = (scores.detach() if shape_only else scores).amax(-1)  # (..., b, C)
         sink_scores = None
         if sink is not None:
-            sink_scores = ((q @ sink.keys.transpose(-1, -2)) * self.scale).masked_fill(~sink.mask, NEG_INF)
-            row_max = torch.maximum(row_max, sink_scores.amax(-1))  # (..., N)
-        row_max = torch.where(row_max == NEG_INF, 0.0, row_max)  # a row without exact keys: its weights are 0
-        shift = torch.nn.functional.pad(row_max, (0, pad)).unflatten(-1, (blocks, size)).unsqueeze(-1)
-        probs = torch.exp(scores - shift)  # (..., b, C, 2C), 0 outside the band
+            sink_scores = (queries @ sink.keys.transpose(-1, -2)).masked_fill(~sink.mask, NEG_INF)  # (..., N, S)
+            sink_max = (sink_scores.detach() if shape_only else sink_scores).amax(-1)
+            sink_max = torch.nn.functional.pad(sink_max, (0, pad), value=NEG_INF).unflatten(-1, (blocks, size))
+            row_max = torch.maximum(row_max, sink_max)
+        row_max = torch.where(row_max == NEG_INF, 0.0, row_max).unsqueeze(-1)  # no exact keys: weights all 0
+        probs = scores.sub_(row_max).exp_() if shape_only else torch.exp(scores - row_max)  # 0 outside the band
         win_num = (probs @ band.values).flatten(-3, -2)[..., :n, :]  # (..., N, Dv)
         win_den = probs.sum(-1).flatten(-2)[..., :n]
         if sink is not None and sink_scores is not None:
-            sink_probs = torch.exp(sink_scores - row_max.unsqueeze(-1))  # (..., N, S)
+            sink_probs = torch.exp(sink_scores - row_max.flatten(-3, -2)[..., :n, :])  # (..., N, S)
             win_num = win_num + sink_probs @ sink.values
             win_den = win_den + sink_probs.sum(-1)
         if self.factor is not None:
             return win_num, win_den, None
         assert band.features is not None
-        qfb = torch.nn.functional.pad(qf, (0, 0, 0, pad)).unflatten(-2, (blocks, size))  # (..., b, C, F)
-        weights = qfb @ band.features.transpose(-1, -2)  # (..., b, C, 2C)
-        if r is not None:
+        if r is None:  # every key at one scale: M_t = φ(q_t)·(sliding sum of φ(k) over the band), O(N·F)
+            mass = (qf * _band_sums(band.features, band.width + 1, n)).sum(-1)
+        else:  # keys at their own log-scales: the band's φ(q)·φ(k) weights, moved to each query's scale
+            keys = band.gather(band.features)  # (..., b, m·C, F)
+            qfb = torch.nn.functional.pad(qf, (0, 0, 0, pad)).unflatten(-2, (blocks, size))  # (..., b, C, F)
+            weights = qfb @ keys.transpose(-1, -2)  # (..., b, C, m·C)
             assert band.scales is not None
             rb = torch.nn.functional.pad(r, (0, pad), value=0.0).unflatten(-1, (blocks, size)).unsqueeze(-1)
-            weights = weights * scale_between(band.scales.unsqueeze(-2), rb, band.mask)
-        else:
-            weights = weights.masked_fill(~band.mask, 0.0)
-        mass = weights.sum(-1).flatten(-2)[..., :n]
+            weights = weights * scale_between(band.gather_scales().unsqueeze(-2), rb, band.mask)
+            mass = weights.sum(-1).flatten(-2)[..., :n]
         if sink is not None and sink.features is not None:
             sink_weights = qf @ sink.features.transpose(-1, -2)  # (..., N, S)
             if r is not None:
@@ -147,43 +151,64 @@ class Hybrid:
         return win_num, win_den, mass
 
 
+def _band_sums(rows: torch.Tensor, length: int, n: int) -> torch.Tensor:
+    """Σ_{y=i}^{i+length−1} rows_y for i < n, (..., Ny, F) → (..., n, F), without subtracting prefix sums (which
+    would cancel): in blocks of ``length``, a window is a suffix of its first block plus a prefix of the next."""
+    total = -(-max(rows.shape[-2], n + length - 1) // length) * length
+    blocks = torch.nn.functional.pad(rows, (0, 0, 0, total - rows.shape[-2])).unflatten(-2, (-1, length))
+    prefix = blocks.cumsum(-2).flatten(-3, -2)  # (..., total, F): from the block start to y
+    suffix = blocks.flip(-2).cumsum(-2).flip(-2).flatten(-3, -2)  # from y to the block end
+    starts = (torch.arange(n, device=rows.device) % length == 0).unsqueeze(-1)  # window = one whole block
+    return suffix[..., :n, :] + prefix[..., length - 1 : length - 1 + n, :].masked_fill(starts, 0.0)
+
+
 class Band:
     """Keys for the banded exact part: query i sees row y of a key sequence for i ≤ y ≤ i + B (rows y < ``front``
     and past the end are empty; ``keep`` (..., Ny) marks padding, None when there is none).
 
-    Queries go in blocks of C; block b's keys lie in the m = ⌈(C + B)/C⌉ key blocks b … b+m−1, so each query block
-    is scored against m·C keys (O(N·(C + B)) work and memory) with one band mask. C is chosen among a few sizes
-    to keep m·C small: for B = 63 (W = 64), C = 32 scores 96 keys per query where C = 64 would score 128.
+    Queries go in blocks of C (B rounded up to a multiple of 16); block b's keys lie in key blocks b and b+1, so
+    each query block is scored against 2C keys (O(N·C) work and memory) with one band mask. Smaller blocks with
+    more key blocks score fewer keys but ran slower per key on the CPU we measured (docs/window.md).
     """
 
     def __init__(
-        self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor | None, front: int,
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], keep: torch.Tensor | None, front: int,
         features: torch.Tensor | None, scales: torch.Tensor | None, width: int, num_queries: int,
     ) -> None:
-        candidates = {max(MIN_BAND_BLOCK, width), *BAND_BLOCKS}
-        self.size = size = min(candidates, key=lambda c: (-(-(c + width) // c) * c, -c))
-        self.spans = spans = -(-(size + width) // size)
+        """``keys``, ``values``: the key sequence's rows in pieces (joined once, with the padding)."""
+        self.width = width
+        self.size = size = -(-max(width, MIN_BAND_BLOCK) // MIN_BAND_BLOCK) * MIN_BAND_BLOCK
         self.blocks = blocks = -(-num_queries // size)
-        rows = keys.shape[-2]
-        pad = (blocks + spans - 1) * size - rows
-        assert pad >= 0
-
-        def gather(x: torch.Tensor) -> torch.Tensor:
-            # (..., Ny, D) → (..., b, m·C, D): key blocks b … b+m−1 side by side
-            x = torch.nn.functional.pad(x, (0, 0, 0, pad)).unflatten(-2, (blocks + spans - 1, size))
-            return torch.cat([x[..., i : i + blocks, :, :] for i in range(spans)], dim=-2)
-
-        self.keys, self.values = gather(keys), gather(values)
-        self.features = gather(features) if features is not None else None
-        self.scales = gather(scales.unsqueeze(-1)).squeeze(-1) if scales is not None else None  # (..., b, m·C)
-        device = keys.device
-        local = torch.arange(spans * size, device=device) - torch.arange(size, device=device).unsqueeze(-1)
-        in_band = (local >= 0) & (local <= width)  # (C, m·C)
-        row = torch.arange(blocks, device=device).unsqueeze(-1) * size + torch.arange(spans * size, device=device)
-        self.mask = in_band & ((row >= front) & (row < rows)).unsqueeze(-2)  # (b, C, m·C)
+        rows = sum(piece.shape[-2] for piece in keys)
+        self.pad = (blocks + 1) * size - rows
+        assert self.pad >= 0
+        self.keys, self.values = self.gather(keys), self.gather(values)
+        self.features, self._scales = features, scales
+        device = self.keys.device
+        local = torch.arange(2 * size, device=device) - torch.arange(size, device=device).unsqueeze(-1)
+        in_band = (local >= 0) & (local <= width)  # (C, 2C)
+        row = torch.arange(blocks, device=device).unsqueeze(-1) * size + torch.arange(2 * size, device=device)
+        self.mask = in_band & ((row >= front) & (row < rows)).unsqueeze(-2)  # (b, C, 2C)
         if keep is not None:
-            kept = gather(keep.unsqueeze(-1).to(torch.uint8)).squeeze(-1).bool()  # (..., b, m·C)
-            self.mask = self.mask & kept.unsqueeze(-2)  # (..., b, C, m·C)
+            kept = self.gather(keep.unsqueeze(-1).to(torch.uint8)).squeeze(-1).bool()  # (..., b, 2C)
+            self.mask = self.mask & kept.unsqueeze(-2)  # (..., b, C, 2C)
+        self.bias = torch.zeros(self.mask.shape, dtype=self.keys.dtype, device=device).masked_fill_(~self.mask, NEG_INF)
+
+    def gather(self, x: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        """(..., Ny, D) (or its pieces) → (..., b, 2C, D): key blocks b and b+1 side by side."""
+        pieces = list(x) if isinstance(x, list) else [x]
+        pieces.append(_fill(pieces[0], self.pad, 0.0))
+        joined = torch.cat([piece for piece in pieces if piece.shape[-2]], dim=-2)
+        split = joined.unflatten(-2, (self.blocks + 1, self.size))  # (..., b+1, C, D)
+        return torch.cat([split[..., :-1, :, :], split[..., 1:, :, :]], dim=-2)
+
+    def gather_scales(self) -> torch.Tensor:
+        assert self._scales is not None
+        return self.gather(self._scales.unsqueeze(-1)).squeeze(-1)  # (..., b, 2C)
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        return self._scales
 
 
 class Sinks:
@@ -277,7 +302,8 @@ def causal_window_chunked(
     qf, c = hybrid.query_features(q)
     prev_keys = [state.sink_keys, state.keys] if state is not None else []
     prev_keep = [state.sink_keep, state.keep] if state is not None else []
-    logs_all = hybrid.key_logs(torch.cat([*prev_keys, k], dim=-2), torch.cat([*prev_keep, keep], dim=-1))
+    joined = (torch.cat([*prev_keys, k], dim=-2), torch.cat([*prev_keep, keep], dim=-1)) if prev_keys else (k, keep)
+    logs_all = hybrid.key_logs(*joined)
     if state is None:
         state = empty_window_state(hybrid, k, v, logs_all.shape[-1])
     n0, ring_len, sink_len = state.num_tokens, state.keys.shape[-2], state.sink_keys.shape[-2]
@@ -306,8 +332,8 @@ def causal_window_chunked(
     width = min(window, before + n)
     front = width - 1 - before
     ring_from = ring_len - before
-    band_keys = torch.cat([_fill(k, front, 0.0), state.keys[..., ring_from:, :], k], dim=-2)
-    band_values = torch.cat([_fill(v, front, 0.0), state.values[..., ring_from:, :], v], dim=-2)
+    band_keys = [_fill(k, front, 0.0), state.keys[..., ring_from:, :], k]
+    band_values = [_fill(v, front, 0.0), state.values[..., ring_from:, :], v]
     band_keep = None
     if padded:
         band_keep = torch.cat([keep.new_zeros(*keep.shape[:-1], front), state.keep[..., ring_from:], keep], dim=-1)
@@ -371,7 +397,7 @@ def noncausal_window_chunked(
     width = min(window, n)
     front = width - 1
     band = Band(
-        torch.cat([_fill(k, front, 0.0), k], dim=-2), torch.cat([_fill(v, front, 0.0), v], dim=-2),
+        [_fill(k, front, 0.0), k], [_fill(v, front, 0.0), v],
         torch.cat([keep.new_zeros(*keep.shape[:-1], front), keep], dim=-1) if padded else None, front,
         torch.cat([_fill(features, front, 0.0), features], dim=-2), None, 2 * front, n,
     )
