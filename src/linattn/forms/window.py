@@ -36,9 +36,9 @@ import torch
 from ..state import LinearAttentionState, WindowAttentionState
 from . import causal_fn
 from ._common import NEG_INF, finalize, scale_between
+from .window_band import Band, Sinks, band_sums, rows_like
 
 Features = Callable[[torch.Tensor, bool], torch.Tensor]  # (x, is_query) → φ(x), or log φ(x) for log-space maps
-MIN_BAND_BLOCK = 16  # the band's query blocks: B rounded up to a multiple of this
 
 
 class Hybrid:
@@ -131,7 +131,7 @@ class Hybrid:
             return win_num, win_den, None
         assert band.features is not None
         if r is None:  # every key at one scale: M_t = φ(q_t)·(sliding sum of φ(k) over the band), O(N·F)
-            mass = (qf * _band_sums(band.features, band.width + 1, n)).sum(-1)
+            mass = (qf * band_sums(band.features, band.width + 1, n)).sum(-1)
         else:  # keys at their own log-scales: the band's φ(q)·φ(k) weights, moved to each query's scale
             keys = band.gather(band.features)  # (..., b, m·C, F)
             qfb = torch.nn.functional.pad(qf, (0, 0, 0, pad)).unflatten(-2, (blocks, size))  # (..., b, C, F)
@@ -149,76 +149,6 @@ class Hybrid:
                 sink_weights = sink_weights.masked_fill(~sink.mask, 0.0)
             mass = mass + sink_weights.sum(-1)
         return win_num, win_den, mass
-
-
-def _band_sums(rows: torch.Tensor, length: int, n: int) -> torch.Tensor:
-    """Σ_{y=i}^{i+length−1} rows_y for i < n, (..., Ny, F) → (..., n, F), without subtracting prefix sums (which
-    would cancel): in blocks of ``length``, a window is a suffix of its first block plus a prefix of the next."""
-    total = -(-max(rows.shape[-2], n + length - 1) // length) * length
-    blocks = torch.nn.functional.pad(rows, (0, 0, 0, total - rows.shape[-2])).unflatten(-2, (-1, length))
-    prefix = blocks.cumsum(-2).flatten(-3, -2)  # (..., total, F): from the block start to y
-    suffix = blocks.flip(-2).cumsum(-2).flip(-2).flatten(-3, -2)  # from y to the block end
-    starts = (torch.arange(n, device=rows.device) % length == 0).unsqueeze(-1)  # window = one whole block
-    return suffix[..., :n, :] + prefix[..., length - 1 : length - 1 + n, :].masked_fill(starts, 0.0)
-
-
-class Band:
-    """Keys for the banded exact part: query i sees row y of a key sequence for i ≤ y ≤ i + B (rows y < ``front``
-    and past the end are empty; ``keep`` (..., Ny) marks padding, None when there is none).
-
-    Queries go in blocks of C (B rounded up to a multiple of 16); block b's keys lie in key blocks b and b+1, so
-    each query block is scored against 2C keys (O(N·C) work and memory) with one band mask. Smaller blocks with
-    more key blocks score fewer keys but ran slower per key on the CPU we measured (docs/window.md).
-    """
-
-    def __init__(
-        self, keys: list[torch.Tensor], values: list[torch.Tensor], keep: torch.Tensor | None, front: int,
-        features: torch.Tensor | None, scales: torch.Tensor | None, width: int, num_queries: int,
-    ) -> None:
-        """``keys``, ``values``: the key sequence's rows in pieces (joined once, with the padding)."""
-        self.width = width
-        self.size = size = -(-max(width, MIN_BAND_BLOCK) // MIN_BAND_BLOCK) * MIN_BAND_BLOCK
-        self.blocks = blocks = -(-num_queries // size)
-        rows = sum(piece.shape[-2] for piece in keys)
-        self.pad = (blocks + 1) * size - rows
-        assert self.pad >= 0
-        self.keys, self.values = self.gather(keys), self.gather(values)
-        self.features, self._scales = features, scales
-        device = self.keys.device
-        local = torch.arange(2 * size, device=device) - torch.arange(size, device=device).unsqueeze(-1)
-        in_band = (local >= 0) & (local <= width)  # (C, 2C)
-        row = torch.arange(blocks, device=device).unsqueeze(-1) * size + torch.arange(2 * size, device=device)
-        self.mask = in_band & ((row >= front) & (row < rows)).unsqueeze(-2)  # (b, C, 2C)
-        if keep is not None:
-            kept = self.gather(keep.unsqueeze(-1).to(torch.uint8)).squeeze(-1).bool()  # (..., b, 2C)
-            self.mask = self.mask & kept.unsqueeze(-2)  # (..., b, C, 2C)
-        self.bias = torch.zeros(self.mask.shape, dtype=self.keys.dtype, device=device).masked_fill_(~self.mask, NEG_INF)
-
-    def gather(self, x: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
-        """(..., Ny, D) (or its pieces) → (..., b, 2C, D): key blocks b and b+1 side by side."""
-        pieces = list(x) if isinstance(x, list) else [x]
-        pieces.append(_fill(pieces[0], self.pad, 0.0))
-        joined = torch.cat([piece for piece in pieces if piece.shape[-2]], dim=-2)
-        split = joined.unflatten(-2, (self.blocks + 1, self.size))  # (..., b+1, C, D)
-        return torch.cat([split[..., :-1, :, :], split[..., 1:, :, :]], dim=-2)
-
-    def gather_scales(self) -> torch.Tensor:
-        assert self._scales is not None
-        return self.gather(self._scales.unsqueeze(-1)).squeeze(-1)  # (..., b, 2C)
-
-    @property
-    def scales(self) -> torch.Tensor | None:
-        return self._scales
-
-
-class Sinks:
-    """The sink keys (..., S, ·) and which query sees each one as a sink (outside its window): mask (..., N, S)."""
-
-    def __init__(
-        self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, features: torch.Tensor | None,
-        scales: torch.Tensor | None,
-    ) -> None:
-        self.keys, self.values, self.mask, self.features, self.scales = keys, values, mask, features, scales
 
 
 def shifted_linear(
@@ -248,11 +178,6 @@ def empty_linear(
     if not log_space:
         state.shift = torch.zeros_like(state.shift)
     return state
-
-
-def _fill(like: torch.Tensor, rows: int, value: float) -> torch.Tensor:
-    """(..., rows, D) filled with ``value``, like ``like`` (..., N, D) in all else."""
-    return like.new_full((*like.shape[:-2], rows, like.shape[-1]), value)
 
 
 def _empty_rows(like: torch.Tensor) -> torch.Tensor:
@@ -320,8 +245,8 @@ def causal_window_chunked(
     early = min(window, n)
     zeros = min(early, window - ring_len)
     taken = early - zeros
-    ext = torch.cat([_fill(logs, zeros, fill), ring_logs[..., :taken, :], logs[..., : n - early, :]], dim=-2)
-    ext_v = torch.cat([_fill(v, zeros, 0.0), state.values[..., :taken, :], v[..., : n - early, :]], dim=-2)
+    ext = torch.cat([rows_like(logs, zeros, fill), ring_logs[..., :taken, :], logs[..., : n - early, :]], dim=-2)
+    ext_v = torch.cat([rows_like(v, zeros, 0.0), state.values[..., :taken, :], v[..., : n - early, :]], dim=-2)
     if sinks and n0 - window < sinks:
         is_sink = (n0 - window + torch.arange(n, device=q.device)) < sinks  # (N,)
         ext = ext.masked_fill(is_sink.unsqueeze(-1), fill)
@@ -332,15 +257,15 @@ def causal_window_chunked(
     width = min(window, before + n)
     front = width - 1 - before
     ring_from = ring_len - before
-    band_keys = [_fill(k, front, 0.0), state.keys[..., ring_from:, :], k]
-    band_values = [_fill(v, front, 0.0), state.values[..., ring_from:, :], v]
+    band_keys = [rows_like(k, front, 0.0), state.keys[..., ring_from:, :], k]
+    band_values = [rows_like(v, front, 0.0), state.values[..., ring_from:, :], v]
     band_keep = None
     if padded:
         band_keep = torch.cat([keep.new_zeros(*keep.shape[:-1], front), state.keep[..., ring_from:], keep], dim=-1)
     band_features = band_scales = None
     if hybrid.factor is None:
         ring_at = start.unsqueeze(-1).expand(*start.shape, front + before) if start is not None else None
-        old = hybrid.stored(torch.cat([_fill(logs, front, fill), ring_logs[..., ring_from:, :]], dim=-2), ring_at)
+        old = hybrid.stored(torch.cat([rows_like(logs, front, fill), ring_logs[..., ring_from:, :]], dim=-2), ring_at)
         band_features = torch.cat([old, hybrid.stored(logs, r)], dim=-2)
         if r is not None and ring_at is not None:
             band_scales = torch.cat([ring_at, r], dim=-1)
@@ -389,17 +314,17 @@ def noncausal_window_chunked(
     nums, dens = [], []
     for flip in (False, True):
         qs, fs, vs = (qf.flip(-2), linear_features.flip(-2), v.flip(-2)) if flip else (qf, linear_features, v)
-        ext = torch.cat([_fill(fs, early, 0.0), fs[..., : n - early, :]], dim=-2)
-        ext_v = torch.cat([_fill(vs, early, 0.0), vs[..., : n - early, :]], dim=-2)
+        ext = torch.cat([rows_like(fs, early, 0.0), fs[..., : n - early, :]], dim=-2)
+        ext_v = torch.cat([rows_like(vs, early, 0.0), vs[..., : n - early, :]], dim=-2)
         num, den, _ = shifted_linear(hybrid, qs, ext, ext_v, None, empty, chunk_size)  # r=None: as stored
         nums.append(num.flip(-2) if flip else num)
         dens.append(den.flip(-1) if flip else den)
     width = min(window, n)
     front = width - 1
     band = Band(
-        [_fill(k, front, 0.0), k], [_fill(v, front, 0.0), v],
+        [rows_like(k, front, 0.0), k], [rows_like(v, front, 0.0), v],
         torch.cat([keep.new_zeros(*keep.shape[:-1], front), keep], dim=-1) if padded else None, front,
-        torch.cat([_fill(features, front, 0.0), features], dim=-2), None, 2 * front, n,
+        torch.cat([rows_like(features, front, 0.0), features], dim=-2), None, 2 * front, n,
     )
     sink = None
     count = min(sinks, n)
