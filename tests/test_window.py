@@ -303,3 +303,16 @@ def test_fitting_with_the_window_lowers_the_hybrid_loss():
     fmap = fit_feature_map(q * 2, k * 2, causal=True, steps=60, eval_every=10, window=4, sinks=1, noise=0.0)
     history = fmap.fit_history
     assert min(h[2] for h in history[1:]) < history[0][2] - 1e-3
+
+
+def test_metrics_measure_the_hybrid_rows():
+    # a window covering every key makes the hybrid exact softmax: the metrics must then report ~0 error and KL,
+    # and a narrow window must differ (the options reach linear_attention)
+    from linattn.evaluate.metrics import attention_metrics
+
+    q, k, v = inputs(3, 20, 8, seed=14)
+    full = attention_metrics(q, k, v, "elu", window={"window": 20, "sinks": 0, "window_factor": None})
+    assert full["rel_error"] < 1e-5 and abs(full["kl"]) < 1e-5  # eps = 1e-6 in the denominator, nothing else
+    narrow = attention_metrics(q, k, v, "elu", window={"window": 2, "sinks": 0, "window_factor": None})
+    plain = attention_metrics(q, k, v, "elu")
+    assert narrow["rel_error"] > 1e-3 and narrow["rel_error"] != plain["rel_error"]
