@@ -15,7 +15,7 @@ from .feature_maps import FeatureMap
 from .forms import FORMS
 from .functional import linear_attention
 from .seed import chunked_linear_attention, stable_linear_attention
-from .state import LinearAttentionState
+from .state import LinearAttentionState, WindowAttentionState
 
 __version__ = "0.1.0"
 
@@ -24,6 +24,7 @@ __all__ = [
     "FeatureMap",
     "LinearAttentionError",
     "LinearAttentionState",
+    "WindowAttentionState",
     "__version__",
     "chunked_linear_attention",
     "feature_maps",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .errors import LinearAttentionError
-from .state import LinearAttentionState
+from .state import LinearAttentionState, WindowAttentionState
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> int:
@@ -264,3 +264,91 @@ def cu_seqlens(offsets: object, num_tokens: int) -> list[int]:
             "cu_seqlens: offsets must be strictly increasing (every packed sequence has at least one token)"
         )
     return values
+
+
+def check_window_options(
+    window: object, sinks: object, factor: object, softmax_scale: object, normalize: bool, form: str,
+    causal: bool, num_queries: int, num_keys: int,
+) -> None:
+    """The sliding-window hybrid's options (``window=``, ``sinks=``, ``window_factor=``, ``softmax_scale=``)."""
+    if window is None:
+        if sinks or factor is not None or softmax_scale is not None:
+            raise LinearAttentionError(
+                "sinks, window_factor and softmax_scale belong to the sliding-window hybrid; pass window=W as well"
+            )
+        return
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise LinearAttentionError(f"window: expected an int ≥ 1 (keys scored exactly), got {window!r}")
+    if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
+        raise LinearAttentionError(f"sinks: expected an int ≥ 0 (first tokens kept exact), got {sinks!r}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, int | float) and 0 < softmax_scale < float("inf")):
+        raise LinearAttentionError(f"softmax_scale: expected a positive finite number or None, got {softmax_scale!r}")
+    if not normalize:
+        raise LinearAttentionError("window: the hybrid shares softmax's normaliser; use normalize=True")
+    if form == "global":
+        raise LinearAttentionError("form='global' has no window; use form='chunked' (or 'auto') with window=")
+    if not causal and form == "recurrent":
+        raise LinearAttentionError("form='recurrent' is the causal token-by-token form; pass causal=True")
+    if not causal and num_queries != num_keys:
+        raise LinearAttentionError(
+            f"window: the non-causal band |t − j| < W pairs query t with key t, so Nq must equal Nk, got "
+            f"Nq={num_queries}, Nk={num_keys}"
+        )
+    if isinstance(factor, torch.Tensor):
+        if not factor.is_floating_point() or not bool(torch.isfinite(factor).all()) or bool((factor < 0).any()):
+            raise LinearAttentionError(
+                f"window_factor: expected finite values ≥ 0 (dtype {factor.dtype}, shape {tuple(factor.shape)}); "
+                "parametrise a learned factor e.g. as exp(log_gamma)"
+            )
+    elif factor is not None and not (isinstance(factor, int | float) and 0 <= factor < float("inf")):
+        raise LinearAttentionError(f"window_factor: expected None, a number ≥ 0 or a tensor, got {factor!r}")
+
+
+def check_window_state(
+    state: object, batch: torch.Size, dims: tuple[int, int], dtype: torch.dtype, device: torch.device,
+    window: int, sinks: int,
+) -> WindowAttentionState:
+    """A state passed back to the hybrid: its type, window/sinks, buffer sizes, shapes, dtype and device."""
+    if not isinstance(state, WindowAttentionState):
+        raise LinearAttentionError(
+            f"initial_state: with window= expected a WindowAttentionState (from return_state=True with the same "
+            f"window), got {type(state).__name__}"
+        )
+    if (state.window, state.sinks) != (window, sinks):
+        raise LinearAttentionError(
+            f"initial_state: made with window={state.window}, sinks={state.sinks}, but this call has "
+            f"window={window}, sinks={sinks}; pass the same values"
+        )
+    buffered, sunk = min(window, state.num_tokens), min(sinks, state.num_tokens)
+    expected = {
+        "keys": (*batch, buffered, dims[0]), "values": (*batch, buffered, dims[1]), "keep": (*batch, buffered),
+        "sink_keys": (*batch, sunk, dims[0]), "sink_values": (*batch, sunk, dims[1]), "sink_keep": (*batch, sunk),
+    }
+    for name, shape in expected.items():
+        tensor = getattr(state, name)
+        if tuple(tensor.shape) != shape:
+            raise LinearAttentionError(
+                f"initial_state: {name} has shape {tuple(tensor.shape)}, expected {shape} after "
+                f"{state.num_tokens} tokens; pass the state returned for inputs of this shape"
+            )
+        wanted = torch.bool if name.endswith("keep") else dtype
+        if tensor.dtype != wanted or tensor.device != device:
+            raise LinearAttentionError(
+                f"initial_state: {name} is {tensor.dtype} on {tensor.device}, expected {wanted} on {device}; "
+                "convert with state.to(device, dtype)"
+            )
+    check_state(state.linear, batch, dims[1], dtype, device)
+    return state
+
+
+def check_window_combination(window: object, **others: object) -> None:
+    """The hybrid does not (yet) compose with decays, gates, packing or the Triton backend: refuse, never ignore."""
+    if window is None:
+        return
+    given = [name for name, value in others.items() if value is not None and (name != "backend" or value == "triton")]
+    if given:
+        raise LinearAttentionError(
+            f"window: the sliding-window hybrid does not combine with {', '.join(given)} in this version; drop "
+            f"window= (decayed or gated linear attention alone), or drop {', '.join(given)} (the hybrid alone); "
+            "packed sequences can run one call per sequence"
+        )

@@ -31,7 +31,10 @@ from .errors import LinearAttentionError
 from .evaluate.metrics import scale_for_map, softmax_weights
 from .feature_maps import LearnedProjectionMap, create
 
-FORMAT_VERSION = 2  # 2: hedgehog maps hold a key gate; version-1 files load with the gate at 0 (the same map)
+# 2: hedgehog maps hold a key gate; version-1 files load with the gate at 0 (the same map). 3: maps fitted for the
+# sliding-window hybrid record window, sinks (metadata) and γ (tensors ``layers.{i}.window_factor``); older files
+# load as fitted without a window
+FORMAT_VERSION = 3
 
 
 def _as_list(x: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
@@ -137,6 +140,50 @@ def _loss(fmap: LearnedProjectionMap, batch: dict[str, torch.Tensor], mse_weight
     return loss
 
 
+def _window_masks(rows: torch.Tensor, keys: torch.Tensor, window: int, sinks: int, causal: bool
+                  ) -> dict[str, torch.Tensor]:
+    """Which keys (K,) each query row (R,) of a batch scores exactly (window, sinks) and which linearly: (R, K)."""
+    distance = rows.unsqueeze(-1) - keys
+    visible = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
+    near = (distance < window) if causal else (distance.abs() < window)
+    exact = visible & (near | (keys < sinks))
+    return {"exact": exact, "linear": visible & ~exact}
+
+
+def _hybrid_loss(fmap: LearnedProjectionMap, batch: dict[str, torch.Tensor], mse_weight: float,
+                 log_gamma: torch.Tensor | None) -> torch.Tensor:
+    """Per head and row (H, R): cross-entropy −Σ_j A_ij log Ĥ_ij against the full hybrid row Ĥ (window and sink
+    keys exact, the others linear; see :mod:`linattn.forms.window`): mass-preserving form when ``log_gamma`` is
+    None, else the γ form with γ = exp(log_gamma) (H,)."""
+    exact, linear, target = batch["exact"], batch["linear"], batch["weights"]
+    logits = (batch["q"] / math.sqrt(batch["q"].shape[-1])) @ batch["k"].transpose(-1, -2)  # (H, R, K)
+    exact_logits = logits.masked_fill(~exact, float("-inf"))
+    if log_gamma is None:  # per-row constants of φ(q) and per-head ones of φ(k) cancel: scaled features suffice
+        qf = fmap.scaled_features(batch["q"], is_query=True)
+        kf = fmap.scaled_features(batch["k"], is_query=False)
+    else:  # the γ form compares φ(q)·φ(k) with γ·e^{s − max}: the map's true scale matters
+        qf, kf = fmap.features(batch["q"], is_query=True), fmap.features(batch["k"], is_query=False)
+    scores = (qf @ kf.transpose(-1, -2) + 1e-6).clamp_min(1e-30)  # (H, R, K), as in _loss
+    lin_scores = scores.masked_fill(~linear, 0.0)
+    shape = torch.log_softmax(exact_logits, dim=-1).masked_fill(~exact, 0.0)  # log softmax over exact keys
+    if log_gamma is None:
+        mass = scores.masked_fill(~exact, 0.0).sum(-1)  # (H, R): what the map gives the exact keys
+        log_exact = torch.log(mass.clamp_min(1e-30)).unsqueeze(-1) + shape
+    else:
+        top = exact_logits.amax(-1, keepdim=True).clamp_min(-1e30)
+        log_exact = (log_gamma.view(-1, 1, 1) + exact_logits - top).masked_fill(~exact, 0.0)
+        mass = (log_exact.exp() * exact).sum(-1)
+    norm = lin_scores.sum(-1) + mass  # (H, R): the shared normaliser
+    loss = torch.log(norm) - torch.special.xlogy(target * linear, lin_scores).sum(-1)
+    loss = loss - (target * exact * log_exact).sum(-1)
+    if mse_weight and "v" in batch:
+        weights = lin_scores + torch.exp(log_exact) * exact
+        approx = (weights @ batch["v"]) / norm.unsqueeze(-1)
+        scale = batch["output"].square().sum(-1).mean(-1, keepdim=True)
+        loss = loss + mse_weight * (approx - batch["output"]).square().sum(-1) / scale
+    return loss
+
+
 def fit_feature_map(
     q: torch.Tensor | Sequence[torch.Tensor],
     k: torch.Tensor | Sequence[torch.Tensor],
@@ -163,6 +210,9 @@ def fit_feature_map(
     mse_weight: float = 0.0,
     noise: float = 0.2,
     progress: bool = False,
+    window: int | None = None,
+    sinks: int = 0,
+    window_factor: bool = False,
     **map_options: Any,
 ) -> LearnedProjectionMap:
     """Fit a learned map, one set of parameters per head, to imitate softmax attention on q, k.
@@ -189,6 +239,11 @@ def fit_feature_map(
         noise: Gaussian jitter on q and k (× their per-head std) in each step, the target recomputed on the
             jittered inputs: it makes the map match exp(q·k/√d) around the training tokens, not only at them.
         progress: show a tqdm progress bar with the held-out loss.
+        window, sinks: fit for the sliding-window hybrid (``linear_attention(..., window=W, sinks=S)``): the loss
+            is on the full hybrid row (window and sink keys exact, the rest through the map, one normaliser), so
+            the map spends its capacity on the keys outside the window. Every key of each sampled row is used.
+            window_factor: fit the γ form too (a per-head factor, ``fmap.window_factor``); default the
+            parameter-free mass-preserving form. The map remembers ``window``, ``sinks``, ``window_factor``.
 
     Returns:
         The fitted map (``num_heads=H``) in eval mode, holding for each head its parameters at the evaluation of
@@ -207,6 +262,10 @@ def fit_feature_map(
                                    f" patience={patience}, eval_every={eval_every}, batch_rows={batch_rows}")
     if mse_weight and v is None:
         raise LinearAttentionError("mse_weight > 0 needs the values: pass v=...")
+    if window is not None and (not isinstance(window, int) or window < 1 or sinks < 0):
+        raise LinearAttentionError(f"window, sinks: expected an int ≥ 1 and an int ≥ 0, got {window!r}, {sinks!r}")
+    if window is not None:
+        batch_keys = None  # the hybrid row needs every key: the linear part's mass depends on all of them
     sequences = _prepare(q, k, v, scale, causal)
     heads, dim = sequences[0]["q"].shape[0], sequences[0]["q"].shape[-1]
     if not isinstance(create(kind, head_dim=dim), LearnedProjectionMap):
@@ -246,11 +305,20 @@ def fit_feature_map(
                 item["held"] = item["held"][keep.sort().values]
     held_rows = sum(len(item["held"]) for item in sequences)
 
+    log_gamma = torch.zeros(1, heads, requires_grad=True) if window is not None and window_factor else None
+
+    def loss_of(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        if window is None:
+            return _loss(fmap, batch, mse_weight)
+        batch.update(_window_masks(rows, torch.arange(batch["k"].shape[1]), window, sinks, causal))
+        return _hybrid_loss(fmap, batch, mse_weight, log_gamma[0] if log_gamma is not None else None)
+
     initial = fmap.weight.detach().clone()
-    params = list(fmap.parameters())  # each (P, H, ...): the head is dim 1, so heads are kept independently
+    # each (P, H, ...): the head is dim 1, so heads are kept independently
+    params = list(fmap.parameters()) + ([log_gamma] if log_gamma is not None else [])
     best = [p.detach().clone() for p in params]
     best_loss = torch.full((heads,), math.inf)
-    optimiser = torch.optim.Adam(fmap.parameters(), lr=lr)
+    optimiser = torch.optim.Adam(params, lr=lr)
     history: list[tuple[int, float, float]] = []
     bar = _progress(steps, progress, kind)
     stale = 0
@@ -261,7 +329,7 @@ def fit_feature_map(
                 watched = torch.zeros(heads)
                 for item in sequences:
                     rows = item["held"] if held_rows else item["train"]
-                    watched += _loss(fmap, _batch(item, rows, None, 0.0, generator), mse_weight).sum(-1)
+                    watched += loss_of(_batch(item, rows, None, 0.0, generator), rows).sum(-1)
             improved = watched < best_loss
             stale = 0 if bool(improved.any()) else stale + 1
             best_loss = torch.where(improved, watched, best_loss)
@@ -289,7 +357,7 @@ def fit_feature_map(
             if batch_keys and not causal and n > batch_keys:
                 keys = torch.randperm(n, generator=generator)[:batch_keys].sort().values
             batch = _batch(item, item["train"][pick], keys, noise, generator)
-            losses = _loss(fmap, batch, mse_weight).mean(-1)  # (H,)
+            losses = loss_of(batch, item["train"][pick]).mean(-1)  # (H,)
             total = total + losses.sum() / len(chosen)
             train_loss += losses.detach() / len(chosen)
         if anchor:
@@ -306,6 +374,8 @@ def fit_feature_map(
         for saved, param in zip(best, params, strict=True):
             param.copy_(saved)
     fmap.fit_history = history  # type: ignore[assignment]
+    fmap.window, fmap.sinks = window, sinks  # type: ignore[assignment]
+    fmap.window_factor = log_gamma[0].detach().exp() if log_gamma is not None else None  # type: ignore[assignment]
     return fmap.eval()
 
 
@@ -340,6 +410,17 @@ class FittedFeatureMaps:
     head_dim: int
     options: dict[str, Any] = field(default_factory=dict)
     maps: list[LearnedProjectionMap] = field(default_factory=list)
+    window: int | None = None
+    sinks: int = 0
+    window_factors: list[torch.Tensor] | None = None  # per layer (H,): the γ form; None: mass-preserving
+
+    def window_options(self, layer: int) -> dict[str, Any]:
+        """The keyword arguments of :func:`linattn.linear_attention` for ``layer``'s hybrid (empty without a
+        window): ``window``, ``sinks`` and ``window_factor`` (a (H,) tensor, or None for the mass form)."""
+        if self.window is None:
+            return {}
+        factor = self.window_factors[layer] if self.window_factors is not None else None
+        return {"window": self.window, "sinks": self.sinks, "window_factor": factor}
 
     def save(self, path: str) -> None:
         """Write a safetensors file: tensors ``layers.{i}.{name}``, the layout and options as metadata."""
@@ -347,10 +428,13 @@ class FittedFeatureMaps:
 
         tensors = {f"layers.{i}.{name}": tensor.detach().contiguous().cpu()
                    for i, fmap in enumerate(self.maps) for name, tensor in fmap.state_dict().items()}
+        for i, factor in enumerate(self.window_factors or []):
+            tensors[f"layers.{i}.window_factor"] = factor.detach().contiguous().cpu()
         metadata = {
             "format": "linattn-feature-maps", "version": str(FORMAT_VERSION), "model_name": self.model_name,
             "kind": self.kind, "num_layers": str(self.num_layers), "num_heads": str(self.num_heads),
             "head_dim": str(self.head_dim), "options": json.dumps(self.options),
+            "window": json.dumps({"window": self.window, "sinks": self.sinks}),
         }
         save_file(tensors, path, metadata=metadata)
 
@@ -377,6 +461,11 @@ def load_feature_maps(path: str) -> FittedFeatureMaps:
             num_heads=int(metadata["num_heads"]), head_dim=int(metadata["head_dim"]),
             options=json.loads(metadata["options"]),
         )
+        hybrid = json.loads(metadata.get("window", '{"window": null, "sinks": 0}'))  # absent before version 3
+        fitted.window, fitted.sinks = hybrid["window"], hybrid["sinks"]
+        factors = [tensors.pop(f"layers.{i}.window_factor", None) for i in range(fitted.num_layers)]
+        if all(factor is not None for factor in factors):
+            fitted.window_factors = factors
         for layer in range(fitted.num_layers):
             fmap = create(fitted.kind, head_dim=fitted.head_dim, num_heads=fitted.num_heads, **fitted.options)
             prefix = f"layers.{layer}."
@@ -401,7 +490,8 @@ def fit_model_feature_maps(
     """Fit one map per layer (parameters per head) on an :class:`~linattn.evaluate.AttentionCapture`.
 
     All layers are fitted in one optimisation (heads are independent, see :func:`fit_feature_map`), then split
-    per layer. ``fit_options`` go to :func:`fit_feature_map` (``num_features``, ``tied``, ``steps``, ...).
+    per layer. ``fit_options`` go to :func:`fit_feature_map` (``num_features``, ``tied``, ``steps``, ``window``,
+    ``sinks``, ``window_factor``, ...); a window fit is recorded (:meth:`FittedFeatureMaps.window_options`).
     """
     qs, ks, vs = capture.all_heads()  # lists of (L·H, N, d)
     if fit_options.get("mse_weight"):
@@ -412,4 +502,8 @@ def fit_model_feature_maps(
     options = {"num_features": stacked.num_features, "tied": stacked.tied}
     fitted = FittedFeatureMaps(capture.model_name, kind, capture.num_layers, heads, capture.head_dim, options)
     fitted.maps = [stacked.head_slice(i * heads, (i + 1) * heads).eval() for i in range(capture.num_layers)]
+    fitted.window, fitted.sinks = getattr(stacked, "window", None), getattr(stacked, "sinks", 0)
+    gamma = getattr(stacked, "window_factor", None)  # (L·H,) for the γ form
+    if gamma is not None:
+        fitted.window_factors = [gamma[i * heads : (i + 1) * heads].clone() for i in range(capture.num_layers)]
     return fitted

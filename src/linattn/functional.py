@@ -25,6 +25,7 @@ from .forms import (
 from .forms._common import NEG_INF, empty_state, scale_between
 from .forms.decay import decayed_ref
 from .forms.gated import gated_chunked_attention, gated_parallel_attention, gated_recurrent_attention
+from .forms.hybrid import run_window
 from .state import LinearAttentionState
 
 DEFAULT_CAUSAL_CHUNK = 64
@@ -170,6 +171,10 @@ def linear_attention(
     log_gate: Any = None,
     cu_seqlens: Any = None,
     backend: str = "auto",
+    window: int | None = None,
+    sinks: int = 0,
+    window_factor: Any = None,
+    softmax_scale: float | None = None,
 ) -> Any:
     """Linear attention: out_t = φ(q_t)·Σ_j φ(k_j)v_jᵀ / (φ(q_t)·Σ_j φ(k_j) + eps), j ≤ t when causal.
 
@@ -205,6 +210,12 @@ def linear_attention(
             state per sequence (a leading dimension S on every tensor) and the returned state likewise.
         backend: ``"auto"`` (Triton kernels for covered causal calls on CUDA tensors when triton is importable,
             else torch), ``"torch"``, or ``"triton"`` (raises, listing why, when a call is not covered).
+        window: the sliding-window hybrid (docs/window.md): exact softmax weights e^{softmax_scale·q·k} over the
+            W most recent keys (causal; non-causal: |t − j| < W) and the first ``sinks`` tokens, linear weights for
+            the other keys, one normaliser. ``window_factor=None`` keeps the window's softmax shape with the mass
+            φ(q)·Σ_window φ(k) (parameter-free); a float or per-head tensor γ weights e^{s − rowmax} instead.
+            ``softmax_scale`` defaults to 1/√Dk; the map sees q and k unscaled. States are
+            :class:`WindowAttentionState`.
 
     Half-precision inputs accumulate in fp32 (fp64 inputs in fp64) and return the input dtype.
 
@@ -216,6 +227,7 @@ def linear_attention(
     q, q_numpy = _to_torch(q, "q")
     k, _ = _to_torch(k, "k")
     v, _ = _to_torch(v, "v")
+    _validate.check_window_combination(window, decay=decay, log_gate=log_gate, cu_seqlens=cu_seqlens, backend=backend)
     segments = None
     if cu_seqlens is not None and _packed.vectorised(q, causal, initial_state, return_state, feature_map):
         segments = _packed.segment_jumps(cu_seqlens, q)  # one call: every weight across a boundary is 0
@@ -231,6 +243,9 @@ def linear_attention(
         return packed
     group = _validate.check_qkv(q, k, v, causal)
     _validate.check_options(chunk_size, eps, min_denom, form, FORMS)
+    _validate.check_window_options(
+        window, sinks, window_factor, softmax_scale, normalize, form, causal, q.shape[-2], k.shape[-2]
+    )
     if check_finite:
         _validate.check_finite(q, k, v)
     log_decay, feature_gate = _validate.log_decay(decay, log_gate, q, k.shape[:-1], causal)
@@ -261,6 +276,14 @@ def linear_attention(
         mask, _ = _to_torch(key_padding_mask, "key_padding_mask")
         keep = _validate.key_padding_mask(mask, k)
         v = v.masked_fill(~keep.unsqueeze(-1), 0)
+    if window is not None:  # the sliding-window hybrid: forms/hybrid.py
+        out, hybrid_state = run_window(
+            lambda x, is_query: map_features(fmap, x, is_query=is_query), q, k, v, keep, initial_state,
+            causal=causal, window=window, sinks=sinks, factor=window_factor, softmax_scale=softmax_scale, form=form,
+            chunk_size=chunk_size, eps=eps, min_denom=min_denom, log_space=log_space, return_state=return_state,
+        )
+        hybrid_out: Any = out.to(out_dtype).detach().numpy() if q_numpy else out.to(out_dtype)
+        return (hybrid_out, hybrid_state) if return_state else hybrid_out
     state = None
     if initial_state is not None:
         state = _validate.check_state(initial_state, batch, v.shape[-1], compute, q.device)

@@ -75,3 +75,58 @@ class LinearAttentionState:
             shift=torch.full(batch_shape, float("-inf"), dtype=dtype, device=device),
             num_tokens=0,
         )
+
+
+@dataclass
+class WindowAttentionState:
+    """What the sliding-window hybrid (``linear_attention(..., window=W, sinks=S)``) carries between calls.
+
+    ``linear``       LinearAttentionState of the keys that have left the window (sink tokens never enter it);
+                     its ``shift`` (log-space maps) is also ≥ log φ of every key below, so one scale serves all
+    ``keys``         (..., L, Dk)  the last L = min(W, num_tokens) keys, oldest first (the window buffer)
+    ``values``       (..., L, Dv)  their values
+    ``keep``         (..., L)      False where a key was padding
+    ``sink_keys``    (..., Ls, Dk) the first Ls = min(S, num_tokens) keys of the sequence (sinks)
+    ``sink_values``  (..., Ls, Dv)
+    ``sink_keep``    (..., Ls)
+    ``window``, ``sinks``, ``num_tokens``: W, S and the key positions consumed so far (padding included).
+
+    Keys and values are kept raw (before the feature map, in the accumulation dtype): the window scores them
+    exactly, and a key's features are computed when it leaves the window. Size O((W + S)·D + F·Dv) per head.
+    """
+
+    linear: LinearAttentionState
+    keys: torch.Tensor
+    values: torch.Tensor
+    keep: torch.Tensor
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    sink_keep: torch.Tensor
+    window: int
+    sinks: int
+    num_tokens: int = 0
+
+    _TENSORS = ("keys", "values", "sink_keys", "sink_values")
+
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> WindowAttentionState:
+        """Move and/or cast (the masks stay bool); returns a new state."""
+        moved = {name: getattr(self, name).to(device=device, dtype=dtype) for name in self._TENSORS}
+        return replace(
+            self, linear=self.linear.to(device, dtype), keep=self.keep.to(device=device),
+            sink_keep=self.sink_keep.to(device=device), **moved,
+        )
+
+    def detach(self) -> WindowAttentionState:
+        """Cut the autograd history (for truncated back-propagation through time)."""
+        detached = {name: getattr(self, name).detach() for name in self._TENSORS}
+        return replace(self, linear=self.linear.detach(), **detached)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> WindowAttentionState:
+        """Select along a batch dimension (e.g. to reorder beams). ``dim`` counts over the leading dims."""
+        names = (*self._TENSORS, "keep", "sink_keep")
+        return replace(
+            self, linear=self.linear.index_select(dim, index),
+            **{name: getattr(self, name).index_select(dim, index) for name in names},
+        )

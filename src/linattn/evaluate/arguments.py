@@ -28,5 +28,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="capture the train text in this many paragraph orders for fitting (1: as given)")
     parser.add_argument("--save-maps", default=None,
                         help="also write the fitted maps of each learned kind to this folder (safetensors)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="also measure the sliding-window hybrid with this window W (docs/window.md)")
+    parser.add_argument("--sinks", type=int, default=0, help="sink tokens kept exact in the hybrid rows")
     parser.add_argument("--out", default="out/compare", help="folder for report.md, results.json and plots")
     parser.add_argument("--quiet", action="store_true", help="no table or progress bars")

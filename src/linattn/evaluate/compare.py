@@ -46,6 +46,8 @@ class Row:
     default: bool = True
     note: str = ""
     seeds: int = 1
+    window: int | None = None
+    sinks: int = 0
 
 
 @dataclass
@@ -77,7 +79,8 @@ class _Uniform(FeatureMap):
         return torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
 
 
-def time_per_token(fmap: Any, heads: int, head_dim: int, n: int, causal: bool, repeats: int = 5) -> float:
+def time_per_token(fmap: Any, heads: int, head_dim: int, n: int, causal: bool, repeats: int = 5,
+                   options: dict[str, Any] | None = None) -> float:
     """Median µs per token of a forward pass (B=1, H heads, N=n), one warm-up excluded; map None = softmax SDPA."""
     generator = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(3, 1, heads, n, head_dim, generator=generator).unbind(0)
@@ -88,7 +91,7 @@ def time_per_token(fmap: Any, heads: int, head_dim: int, n: int, causal: bool, r
             if fmap is None:
                 torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
             else:
-                linear_attention(q, k, v, feature_map=fmap, causal=causal, **_signed_options(fmap))
+                linear_attention(q, k, v, feature_map=fmap, causal=causal, **_signed_options(fmap), **(options or {}))
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:]) / n * 1e6
 
@@ -128,6 +131,8 @@ def run_compare(
     fit_max_tokens: int | None = None,
     fit_orders: int = 4,
     save_maps: str | None = None,
+    window: int | None = None,
+    sinks: int = 0,
 ) -> CompareResult:
     """Measure every registered map (or ``maps``) and write the report; see the module docstring.
 
@@ -136,7 +141,9 @@ def run_compare(
     train text is captured in pieces of ≤ ``fit_max_tokens`` (None: the model's limit), in ``fit_orders``
     paragraph orders (:func:`~linattn.evaluate.capture_attention`'s ``orders``). ``save_maps``: a folder
     where each learned kind's fitted maps are written (``{kind}.safetensors``, loadable with
-    :func:`linattn.distill.load_feature_maps`).
+    :func:`linattn.distill.load_feature_maps`). ``window``, ``sinks``: also measure the sliding-window hybrid
+    (:func:`_hybrid_rows`): the window alone, elu and each learned map (as fitted above) with the window, and
+    each learned map fitted with the window in place, in both scale forms.
     """
     from ..distill import FittedFeatureMaps, fit_feature_map
     from .report import write_report
@@ -183,17 +190,24 @@ def run_compare(
         f"{result.softmax_entropy:.2f}, {result.softmax_us_per_token:.2f} µs/token at N={long_n})", flush=True)
 
     def measure(name: str, fmap: Any, timing_map: Any, *, num_features: int | None = None, default: bool = True,
-                note: str = "", seeds_used: int = 1, metrics: dict[str, Any] | None = None) -> None:
-        metrics = metrics if metrics is not None else capture_metrics(test, fmap, references=references)
+                note: str = "", seeds_used: int = 1, metrics: dict[str, Any] | None = None,
+                hybrid: dict[str, Any] | None = None) -> None:
+        if metrics is None:
+            metrics = capture_metrics(test, fmap, references=references, window=hybrid)
+        timing_options = None
+        if hybrid:  # a per-head factor of another head count would not broadcast on the timing inputs
+            timing_options = {**hybrid, "window_factor": 1.0 if hybrid.get("window_factor") is not None else None}
         row = Row(name, metrics["feature_dim"], metrics["rel_error"], metrics["rel_error_total"], metrics["kl"],
-                  metrics["entropy_linear"], time_per_token(timing_map, heads, dim, long_n, test.causal),
-                  num_features, default, note, seeds_used)
+                  metrics["entropy_linear"],
+                  time_per_token(timing_map, heads, dim, long_n, test.causal, options=timing_options),
+                  num_features, default, note, seeds_used, (hybrid or {}).get("window"), (hybrid or {}).get("sinks", 0))
         result.rows.append(row)
         label = name if default else f"{name} (m={num_features})"
         say(f"{label:<22}{row.feature_dim:>6}{number(row.rel_error):>9}{number(row.kl):>8}"
             f"{row.entropy_linear:>9.2f}{row.us_per_token:>10.2f}", flush=True)
 
     measure("uniform (no attention)", _Uniform(), _Uniform())
+    learned: dict[str, Any] = {}  # fitted maps by kind, for the hybrid rows
     for name in names:
         try:
             probe = feature_maps.create(name, head_dim=dim)
@@ -206,6 +220,7 @@ def run_compare(
                 timing = feature_maps.create(name, head_dim=dim, num_heads=heads,
                                              num_features=fitted.num_features)  # same cost, per-head parameters
                 measure(name, fitted, timing, note=f"fitted, {steps} steps")
+                learned[name] = (fitted, timing, options)
                 if save_maps:
                     layers = [fitted.head_slice(i * heads, (i + 1) * heads) for i in range(train.num_layers)]
                     options_saved = {"num_features": fitted.num_features, "tied": fitted.tied}
@@ -219,6 +234,11 @@ def run_compare(
         except (LinearAttentionError, RuntimeError, TypeError, ValueError) as error:
             result.skipped[name] = str(error)
             say(f"{name:<22}skipped: {error}", flush=True)
+    if window is not None:
+        qs, ks, vs = train.all_heads()
+        _hybrid_rows(measure, learned, dim, window, sinks,
+                     lambda kind, **extra: fit_feature_map(qs, ks, kind=kind, v=vs, causal=train.causal,
+                                                           scale=train.scaling, window=window, sinks=sinks, **extra))
     result.seconds = time.perf_counter() - began
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as handle:
@@ -226,6 +246,36 @@ def run_compare(
     written = write_report(result, out_dir)
     say(f"done in {result.seconds:.0f} s; wrote {', '.join(written)}", flush=True)
     return result
+
+
+class _Zero(FeatureMap):
+    """φ(x) = 0: no linear part at all — with ``window_factor=1`` the hybrid is the softmax window alone."""
+
+    def output_dim(self, head_dim: int) -> int:
+        return 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
+
+
+def _hybrid_rows(measure: Any, learned: dict[str, Any], dim: int, window: int, sinks: int, fit: Any) -> None:
+    """The sliding-window hybrid's rows: the window alone (no linear part), elu + window, each learned map fitted
+    without the window then used with it, and fitted with it in place — mass-preserving and γ forms."""
+    mass = {"window": window, "sinks": sinks, "window_factor": None}
+    label = f"W={window}" + (f", S={sinks}" if sinks else "")
+    measure(f"window alone ({label})", _Zero(), _Zero(), hybrid={**mass, "window_factor": 1.0},
+            note="softmax over the window and sinks only")
+    elu = feature_maps.create("elu", head_dim=dim)
+    measure(f"elu + window ({label})", elu, elu, hybrid=mass, note="mass-preserving")
+    for name, (fitted, timing, options) in learned.items():
+        measure(f"{name} + window ({label})", fitted, timing, hybrid=mass,
+                note="map fitted without the window; mass-preserving")
+        for form, extra in (("mass-preserving", {}), ("γ per head", {"window_factor": True})):
+            refit = fit(name, **options, **extra)
+            steps = refit.fit_history[-1][0]
+            hybrid = {**mass, "window_factor": refit.window_factor}
+            measure(f"{name} fitted with window ({label})", refit, timing, hybrid=hybrid,
+                    note=f"{form}, {steps} steps")
 
 
 class PerHead(FeatureMap):
@@ -285,5 +335,5 @@ def cli(args: Any) -> int:
     run_compare(model=args.model, text=args.text, heldout=args.heldout, out_dir=args.out, maps=args.maps,
                 sweep=tuple(args.sweep), seeds=args.seeds, fit_options=fit_options, long_n=args.long_n,
                 progress=not args.quiet, max_tokens=args.max_tokens, fit_max_tokens=args.fit_max_tokens,
-                fit_orders=args.fit_orders, save_maps=args.save_maps)
+                fit_orders=args.fit_orders, save_maps=args.save_maps, window=args.window, sinks=args.sinks)
     return 0

@@ -64,11 +64,17 @@ def softmax_weights(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool
 
 
 def linear_weights(
-    q: torch.Tensor, k: torch.Tensor, fmap: nn.Module, causal: bool, *, signed: bool = False
+    q: torch.Tensor, k: torch.Tensor, fmap: nn.Module, causal: bool, *, signed: bool = False,
+    window: dict[str, Any] | None = None,
 ) -> torch.Tensor:
-    """Â (..., Nq, Nk) through :func:`linear_attention` with v = I_Nk: each output row is one row of weights."""
+    """Â (..., Nq, Nk) through :func:`linear_attention` with v = I_Nk: each output row is one row of weights.
+    ``window``: the hybrid's options (``window``, ``sinks``, ``window_factor``) — then Â is the hybrid row."""
     eye = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device).expand(*k.shape[:-1], k.shape[-2])
     options: dict[str, Any] = {"min_denom": 1e-6} if signed else {}
+    if window:
+        options.update(window)
+        if isinstance(options.get("window_factor"), torch.Tensor):
+            options["window_factor"] = options["window_factor"].to(q.dtype)
     return linear_attention(q, k, eye, feature_map=fmap, causal=causal, **options)
 
 
@@ -126,6 +132,7 @@ def attention_metrics(
     causal: bool = False,
     scale: float | None = None,
     reference: SoftmaxReference | None = None,
+    window: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Compare linear attention with ``feature_map`` to exact softmax attention, in float64.
 
@@ -137,6 +144,8 @@ def attention_metrics(
         scale: softmax scale (default 1/√d); see the module docstring for how maps see it.
         reference: :func:`softmax_reference` of the same q, k, v, to reuse when measuring several maps
             (q, k, v, causal and scale are then taken from it).
+        window: measure the sliding-window hybrid: ``{"window": W, "sinks": S, "window_factor": γ}`` as for
+            :func:`linear_attention` (the window's softmax scale is the map's, so it equals ``scale``).
 
     Returns:
         A dict with floats ``rel_error`` (mean over heads of ‖Ŷ−Y‖/‖Y‖), ``rel_error_total`` (‖Ŷ−Y‖/‖Y‖ over all
@@ -155,7 +164,7 @@ def attention_metrics(
     signed = getattr(fmap, "positive", True) is False
     mq, mk = (x * math.sqrt(ref.scale * math.sqrt(ref.q.shape[-1])) for x in (ref.q, ref.k))
     with torch.no_grad():
-        approx = linear_weights(mq, mk, fmap, ref.causal, signed=signed)  # (..., N, Nk)
+        approx = linear_weights(mq, mk, fmap, ref.causal, signed=signed, window=window)  # (..., N, Nk)
         y_hat = approx @ ref.v
         err = (y_hat - ref.output).flatten(-2).norm(dim=-1) / ref.output.flatten(-2).norm(dim=-1).clamp_min(1e-300)
         total = float((y_hat - ref.output).norm() / ref.output.norm().clamp_min(1e-300))
@@ -187,6 +196,16 @@ def map_output_dim(fmap: nn.Module, head_dim: int) -> int:
         return int(fmap(torch.zeros(1, head_dim)).shape[-1])
 
 
+def _layer_window(window: dict[str, Any] | None, layer: int, layers: int) -> dict[str, Any] | None:
+    """The hybrid options of the ``layer``-th map: a per-layer list of factors is indexed by layer."""
+    if not window or not isinstance(window.get("window_factor"), list | tuple):
+        return window
+    factors = window["window_factor"]
+    if len(factors) != layers:
+        raise LinearAttentionError(f"window_factor: {len(factors)} per-layer factors for {layers} maps")
+    return {**window, "window_factor": factors[layer]}
+
+
 def capture_references(capture: Any) -> list[SoftmaxReference]:
     """Exact attention of every sequence of a capture, all layers' heads stacked: weights ``(L·H, N, N)``."""
     return [softmax_reference(q, k, v, causal=capture.causal, scale=capture.scaling)
@@ -203,6 +222,7 @@ def capture_metrics(
     feature_map: FeatureMapLike | Sequence[nn.Module],
     *,
     references: list[SoftmaxReference] | None = None,
+    window: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """:func:`attention_metrics` over every layer, head and sequence of an :class:`AttentionCapture`.
 
@@ -210,6 +230,8 @@ def capture_metrics(
     heads ordered as in ``capture.all_heads()``) or a callable — or a sequence of L per-layer modules.
     ``references``: :func:`capture_references` of the capture, to reuse across maps. Sequences are weighted by
     their token counts; the scalars are means over all L·H heads, and ``per_head`` holds ``(L, H)`` tensors.
+    ``window``: the hybrid's options (see :func:`attention_metrics`); its ``window_factor`` may be one tensor
+    for all L·H heads or a list of L per-layer (H,) tensors.
     """
     per_layer = isinstance(feature_map, Sequence) and not isinstance(feature_map, str)
     maps: list[Any] = list(feature_map) if per_layer else [feature_map]  # type: ignore[arg-type]
@@ -222,7 +244,8 @@ def capture_metrics(
     features = 0
     for ref in refs:
         n = ref.q.shape[-2]
-        parts = [attention_metrics(None, None, None, fmap, reference=_heads(ref, i * heads, (i + 1) * heads))
+        parts = [attention_metrics(None, None, None, fmap, reference=_heads(ref, i * heads, (i + 1) * heads),
+                                   window=_layer_window(window, i, len(maps)))
                  for i, fmap in enumerate(maps)]
         features = parts[0]["feature_dim"]
         for name in parts[0]["per_head"]:

@@ -233,7 +233,12 @@ def _without_autocast(backward: _Backward) -> _Backward:
 
 
 class CausalChunkedFunction(torch.autograd.Function):
-    """(Q, K, V, r, S'_0, s_0) → (out, kv_final, k_sum_final); see the module docstring. Once differentiable."""
+    """(Q, K, V, r, S'_0, s_0) → (out, kv_final, k_sum_final); see the module docstring. Once differentiable.
+
+    With ``unnormalised=True`` (needs ``normalize=True``) the outputs are (num, kv_final, k_sum_final, den): the
+    numerator (..., N, Dv) and denominator (..., N) before any eps or division, each query at its own scale r_t,
+    so that a caller can add its own terms to both before dividing (the sliding-window hybrid does).
+    """
 
     @staticmethod
     def forward(
@@ -249,7 +254,8 @@ class CausalChunkedFunction(torch.autograd.Function):
         normalize: bool,
         eps: float,
         min_denom: float | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        unnormalised: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         values = v.shape[-1]
         out = q.new_empty(*q.shape[:-1], values)  # (..., N, Dv)
         denom = q.new_empty(q.shape[:-1]) if normalize else None  # (..., N): den + eps, before any clamp
@@ -267,7 +273,11 @@ class CausalChunkedFunction(torch.autograd.Function):
             num, den = part.forward(normalize)
             state, scale = part.state_out, part.scale_out
             del part
-            if den is not None:
+            if unnormalised:
+                assert den is not None and denom is not None
+                denom[..., start:end] = den
+                out[..., start:end, :] = num
+            elif den is not None:
                 assert denom is not None
                 den += eps
                 denom[..., start:end] = den
@@ -281,18 +291,27 @@ class CausalChunkedFunction(torch.autograd.Function):
             q, k, v, ref, state0, scale0, out, denom, torch.stack(block_kv, -3), torch.stack(block_z, -2), scales,
             final,
         )
-        ctx.options = (size, block, normalize, min_denom, starts)
+        ctx.options = (size, block, normalize, min_denom, starts, unnormalised)
         ctx.set_materialize_grads(False)
+        if unnormalised:
+            assert denom is not None
+            return out, state[0], state[1], denom
         return out, state[0], state[1]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @_without_autocast
     def backward(
-        ctx: Any, grad_out: torch.Tensor | None, grad_kv: torch.Tensor | None, grad_k_sum: torch.Tensor | None
+        ctx: Any,
+        grad_out: torch.Tensor | None,
+        grad_kv: torch.Tensor | None,
+        grad_k_sum: torch.Tensor | None,
+        grad_denom: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, ref, state0, scale0, out, denom, block_kv, block_z, block_scales, final = ctx.saved_tensors
-        size, block, normalize, min_denom, starts = ctx.options
+        size, block, normalize, min_denom, starts, unnormalised = ctx.options
+        if unnormalised and grad_denom is None:
+            grad_denom = torch.zeros_like(denom)
         values = v.shape[-1]
         # ∂L/∂(S, z) leaving the current block, walking backwards
         grad_state = (
@@ -307,7 +326,10 @@ class CausalChunkedFunction(torch.autograd.Function):
             start = starts[index]
             end = start + block
             grad_num, grad_den = grad_out[..., start:end, :], None
-            if normalize:
+            if unnormalised:  # num and den are outputs themselves: their gradients pass straight through
+                assert grad_denom is not None
+                grad_den = grad_denom[..., start:end]
+            elif normalize:
                 # out = num / d: ∂L/∂num = g / d, ∂L/∂den = −(g·out) / d (0 where d does not depend on den)
                 divisor, constant = _denominator(denom[..., start:end], min_denom)
                 grad_num = grad_num / divisor.unsqueeze(-1)
@@ -330,4 +352,4 @@ class CausalChunkedFunction(torch.autograd.Function):
             grad_ref[..., -1] -= (final * grad_final).sum((-2, -1))
         if scale0 is not None and ctx.needs_input_grad[5]:
             grad_scale0 = (state0 * grad_state0).sum((-2, -1))
-        return grad_q, grad_k, grad_v, grad_ref, grad_state0, grad_scale0, None, None, None, None, None
+        return grad_q, grad_k, grad_v, grad_ref, grad_state0, grad_scale0, None, None, None, None, None, None

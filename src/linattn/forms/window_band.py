@@ -1,0 +1,84 @@
+"""The exact part's keys as a band: each query block against two key blocks (see :mod:`.window`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import NEG_INF
+
+MIN_BAND_BLOCK = 16  # the band's query blocks: B rounded up to a multiple of this
+
+
+def rows_like(like: torch.Tensor, rows: int, value: float) -> torch.Tensor:
+    """(..., rows, D) filled with ``value``, like ``like`` (..., N, D) in all else."""
+    return like.new_full((*like.shape[:-2], rows, like.shape[-1]), value)
+
+
+def band_sums(rows: torch.Tensor, length: int, n: int) -> torch.Tensor:
+    """Σ_{y=i}^{i+length−1} rows_y for i < n, (..., Ny, F) → (..., n, F), without subtracting prefix sums (which
+    would cancel): in blocks of ``length``, a window is a suffix of its first block plus a prefix of the next."""
+    total = -(-max(rows.shape[-2], n + length - 1) // length) * length
+    blocks = torch.nn.functional.pad(rows, (0, 0, 0, total - rows.shape[-2])).unflatten(-2, (-1, length))
+    prefix = blocks.cumsum(-2).flatten(-3, -2)  # (..., total, F): from the block start to y
+    suffix = blocks.flip(-2).cumsum(-2).flip(-2).flatten(-3, -2)  # from y to the block end
+    starts = (torch.arange(n, device=rows.device) % length == 0).unsqueeze(-1)  # window = one whole block
+    return suffix[..., :n, :] + prefix[..., length - 1 : length - 1 + n, :].masked_fill(starts, 0.0)
+
+
+class Band:
+    """Keys for the banded exact part: query i sees row y of a key sequence for i ≤ y ≤ i + B (rows y < ``front``
+    and past the end are empty; ``keep`` (..., Ny) marks padding, None when there is none).
+
+    Queries go in blocks of C (B rounded up to a multiple of 16); block b's keys lie in key blocks b and b+1, so
+    each query block is scored against 2C keys (O(N·C) work and memory) with one band mask. Smaller blocks with
+    more key blocks score fewer keys but ran slower per key on the CPU we measured (docs/window.md).
+    """
+
+    def __init__(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], keep: torch.Tensor | None, front: int,
+        features: torch.Tensor | None, scales: torch.Tensor | None, width: int, num_queries: int,
+    ) -> None:
+        """``keys``, ``values``: the key sequence's rows in pieces (joined once, with the padding)."""
+        self.width = width
+        self.size = size = -(-max(width, MIN_BAND_BLOCK) // MIN_BAND_BLOCK) * MIN_BAND_BLOCK
+        self.blocks = blocks = -(-num_queries // size)
+        rows = sum(piece.shape[-2] for piece in keys)
+        self.pad = (blocks + 1) * size - rows
+        assert self.pad >= 0
+        self.keys, self.values = self.gather(keys), self.gather(values)
+        self.features, self._scales = features, scales
+        device = self.keys.device
+        local = torch.arange(2 * size, device=device) - torch.arange(size, device=device).unsqueeze(-1)
+        in_band = (local >= 0) & (local <= width)  # (C, 2C)
+        row = torch.arange(blocks, device=device).unsqueeze(-1) * size + torch.arange(2 * size, device=device)
+        self.mask = in_band & ((row >= front) & (row < rows)).unsqueeze(-2)  # (b, C, 2C)
+        if keep is not None:
+            kept = self.gather(keep.unsqueeze(-1).to(torch.uint8)).squeeze(-1).bool()  # (..., b, 2C)
+            self.mask = self.mask & kept.unsqueeze(-2)  # (..., b, C, 2C)
+        self.bias = torch.zeros(self.mask.shape, dtype=self.keys.dtype, device=device).masked_fill_(~self.mask, NEG_INF)
+
+    def gather(self, x: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        """(..., Ny, D) (or its pieces) → (..., b, 2C, D): key blocks b and b+1 side by side."""
+        pieces = list(x) if isinstance(x, list) else [x]
+        pieces.append(rows_like(pieces[0], self.pad, 0.0))
+        joined = torch.cat([piece for piece in pieces if piece.shape[-2]], dim=-2)
+        split = joined.unflatten(-2, (self.blocks + 1, self.size))  # (..., b+1, C, D)
+        return torch.cat([split[..., :-1, :, :], split[..., 1:, :, :]], dim=-2)
+
+    def gather_scales(self) -> torch.Tensor:
+        assert self._scales is not None
+        return self.gather(self._scales.unsqueeze(-1)).squeeze(-1)  # (..., b, 2C)
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        return self._scales
+
+
+class Sinks:
+    """The sink keys (..., S, ·) and which query sees each one as a sink (outside its window): mask (..., N, S)."""
+
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, features: torch.Tensor | None,
+        scales: torch.Tensor | None,
+    ) -> None:
+        self.keys, self.values, self.mask, self.features, self.scales = keys, values, mask, features, scales
