@@ -99,10 +99,9 @@ def _converted(gguf_path: str) -> str:
             "accelerate packages (pip install 'linattn[models]')"
         ) from error
     # the weights are now plain fp32 tensors; transformers only refuses to save while the GGUF quantizer is attached
-    for attribute in ("hf_quantizer", "quantization_method"):
+    for attribute, plain in (("hf_quantizer", None), ("quantization_method", None), ("is_quantized", False)):
         if hasattr(model, attribute):
-            setattr(model, attribute, None)
-    model.is_quantized = False
+            setattr(model, attribute, plain)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     partial = folder.with_name(folder.name + ".partial")
@@ -158,7 +157,7 @@ def load_model(
             causal_lm = _is_causal_lm(path, local)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
         auto = AutoModelForCausalLM if causal_lm else AutoModel
-        model = auto.from_pretrained(path, local_files_only=local, dtype=torch.float32)
+        model: Any = auto.from_pretrained(path, local_files_only=local, dtype=torch.float32)
     except (OSError, ValueError) as error:
         raise LinearAttentionError(f"model: could not load {path!r} with transformers: {error}") from error
     return model.to(device).eval(), tokenizer, name
