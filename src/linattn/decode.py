@@ -111,7 +111,8 @@ class DecodeStep:
         num = torch.bmm(qf, self.kv.view(self._flat))  # (B·H, 1, Dv)
         den = torch.bmm(qf, self.k_sum.view(-1, features, 1), out=self._scratch.view(-1, 1, 1))
         den = den.add_(self.eps)
-        den = torch.where(den == 0, 1.0, den)  # no visible key and eps = 0: output 0, not 0/0 (as finalize)
+        if self.eps <= 0:  # no visible key and eps = 0: output 0, not 0/0 (as finalize); eps > 0 keeps den > 0
+            den = torch.where(den == 0, 1.0, den)
         return (num / den).view(batch, heads, 1, values).to(out_dtype)
 
     def state(self) -> LinearAttentionState:
