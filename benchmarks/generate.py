@@ -46,46 +46,52 @@ def _median_ms(fn: Any, calls: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def step_part(args: argparse.Namespace) -> None:
+def _step_times(heads: int, kv_heads: int, name: str, args: argparse.Namespace) -> tuple[float, float, float]:
+    """Median ms of one step by linear_attention, by DecodeStep and through the hf attention function."""
     import linattn.hf as hf
     from linattn.hf_cache import LinearAttentionCache
 
+    per_head = {"num_heads": heads} if name == "hedgehog" else {}  # a fitted map is per head
+    fmap = create(name, head_dim=args.dim, **per_head)
+    q = torch.randn(1, heads, 1, args.dim)
+    k, v = torch.randn(1, kv_heads, 1, args.dim), torch.randn(1, kv_heads, 1, args.dim)
+    context = (torch.randn(1, kv_heads, args.context, args.dim),) * 2
+    _, state = linear_attention(torch.randn(1, heads, args.context, args.dim), *context, feature_map=fmap,
+                                causal=True, return_state=True)
+    step = DecodeStep(fmap, state)
+    module = torch.nn.Module()
+    module.is_causal, module.layer_idx = True, 0  # type: ignore[assignment]
+    module.linattn_feature_map = fmap
+    cache = LinearAttentionCache()
+    cache.update(*context, 0)  # the prefill goes through the function once
+    hf.linattn_attention_forward(module, torch.randn(1, heads, args.context, args.dim), *context, None)
+
+    def old() -> None:
+        linear_attention(q, k, v, feature_map=fmap, causal=True, initial_state=state, return_state=True)
+
+    def new() -> None:
+        step(q, k, v)
+
+    def whole() -> None:
+        key, value = cache.update(k, v, 0)
+        hf.linattn_attention_forward(module, q, key, value, None, scaling=args.dim**-0.5)
+
+    rounds: dict[str, list[float]] = {"old": [], "new": [], "whole": []}
+    with torch.no_grad():
+        for _ in range(args.rounds):
+            for label, fn in (("old", old), ("new", new), ("whole", whole)):
+                rounds[label].append(_median_ms(fn, args.calls))
+    o, n, w = (statistics.median(rounds[label]) for label in ("old", "new", "whole"))
+    return o, n, w
+
+
+def step_part(args: argparse.Namespace) -> None:
     print(f"one layer's decode step, B=1, d={args.dim}, fp32, {torch.get_num_threads()} thread(s), median of "
           f"{args.rounds} alternating rounds of {args.calls} calls (ms)")
     print(f"{'H/Hkv':>7} {'map':>8} {'linear_attention':>17} {'DecodeStep':>11} {'hf attention':>13} {'speed-up':>9}")
     for heads, kv_heads in ((8, 8), (9, 3)):
         for name in args.step_maps:
-            per_head = {"num_heads": heads} if name == "hedgehog" else {}  # a fitted map is per head
-            fmap = create(name, head_dim=args.dim, **per_head)
-            q = torch.randn(1, heads, 1, args.dim)
-            k, v = torch.randn(1, kv_heads, 1, args.dim), torch.randn(1, kv_heads, 1, args.dim)
-            context = (torch.randn(1, kv_heads, args.context, args.dim),) * 2
-            _, state = linear_attention(torch.randn(1, heads, args.context, args.dim), *context, feature_map=fmap,
-                                        causal=True, return_state=True)
-            step = DecodeStep(fmap, state)
-            module = torch.nn.Module()
-            module.is_causal, module.layer_idx = True, 0  # type: ignore[assignment]
-            module.linattn_feature_map = fmap
-            cache = LinearAttentionCache()
-            cache.update(*context, 0)  # the prefill goes through the function once
-            hf.linattn_attention_forward(module, torch.randn(1, heads, args.context, args.dim), *context, None)
-
-            def old() -> None:
-                linear_attention(q, k, v, feature_map=fmap, causal=True, initial_state=state, return_state=True)
-
-            def new() -> None:
-                step(q, k, v)
-
-            def whole() -> None:
-                key, value = cache.update(k, v, 0)
-                hf.linattn_attention_forward(module, q, key, value, None, scaling=args.dim**-0.5)
-
-            rounds: dict[str, list[float]] = {"old": [], "new": [], "whole": []}
-            with torch.no_grad():
-                for _ in range(args.rounds):
-                    for label, fn in (("old", old), ("new", new), ("whole", whole)):
-                        rounds[label].append(_median_ms(fn, args.calls))
-            o, n, w = (statistics.median(rounds[label]) for label in ("old", "new", "whole"))
+            o, n, w = _step_times(heads, kv_heads, name, args)
             print(f"{heads:>3}/{kv_heads:<3} {name:>8} {o:>17.3f} {n:>11.3f} {w:>13.3f} {o / n:>8.1f}x")
 
 
