@@ -161,12 +161,13 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
     if not args.no_metrics:
         metrics_capture = capture_attention(model, tokenizer, heldout, max_tokens=args.max_tokens, model_name=name)
         references = capture_references(metrics_capture)
-    begin = time.perf_counter()
-    record("softmax", _row(model, tokenizer, heldout, args), time.perf_counter() - begin)
-    begin = time.perf_counter()
-    use_window_softmax(model, args.window, args.sinks)
-    record(f"window{args.window}+sinks{args.sinks}", _row(model, tokenizer, heldout, args),
-           time.perf_counter() - begin)
+    if not args.no_baselines:
+        begin = time.perf_counter()
+        record("softmax", _row(model, tokenizer, heldout, args), time.perf_counter() - begin)
+        begin = time.perf_counter()
+        use_window_softmax(model, args.window, args.sinks)
+        record(f"window{args.window}+sinks{args.sinks}", _row(model, tokenizer, heldout, args),
+               time.perf_counter() - begin)
 
     fitted = None
     configurations: list[tuple[str, Any, dict[str, Any]]] = []
@@ -266,6 +267,7 @@ def add_lm_arguments(parser: Any) -> None:
     add("--gap-tokens", type=int, default=512, help="causal LMs: tokens between the passage and its repeat")
     add("--fitted-maps", default=None, help="causal LMs: hedgehog maps saved earlier (skip the fit)")
     add("--no-metrics", action="store_true", help="causal LMs: skip the per-head rel. error / KL")
+    add("--no-baselines", action="store_true", help="causal LMs: skip the softmax and window+sinks rows")
 
 
 def cli(args: Any) -> int:
