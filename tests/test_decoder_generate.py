@@ -149,3 +149,9 @@ def test_linearize_keeps_attention_options_and_passes_them_on():
 def test_window_before_the_hybrid_lands_is_refused():
     with pytest.raises(LinearAttentionError, match="window"):
         hf.linearize(tiny_llama(), "elu", window=64)
+
+
+def test_the_state_cache_refuses_a_softmax_model():
+    model = tiny_llama()  # attention: sdpa, which would see only the current keys
+    with pytest.raises(LinearAttentionError, match="not 'linattn'"), torch.no_grad():
+        model(input_ids=torch.randint(1, 60, (1, 5)), cache=LinearAttentionCache(), use_cache=True)

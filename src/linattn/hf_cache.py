@@ -47,12 +47,21 @@ class StateLayer(CacheLayerMixin):
         self.state: Any = None
         self.seen = 0
         self.stepper: Any = None  # a linattn.decode.DecodeStep while decoding token by token
+        self.owner: Any = None  # the LinearAttentionCache holding this layer
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        pending = _PENDING.get()
+        if pending is not None and pending[0].owner is self.owner and self.owner is not None:
+            _PENDING.set(None)
+            raise LinearAttentionError(
+                "cache: a LinearAttentionCache layer's keys were not consumed by linattn's attention function; the "
+                "model's attention implementation is not 'linattn' (call linattn.hf.linearize(model, ...)), and a "
+                "softmax attention would see only the current keys"
+            )
         self.is_initialized = True
         self.seen += key_states.shape[-2]
         _PENDING.set((self, key_states))
@@ -136,6 +145,14 @@ class LinearAttentionCache(Cache):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(layer_class_to_replicate=StateLayer)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.layers) <= layer_idx:
+            layer = StateLayer()
+            layer.owner = self
+            self.layers.append(layer)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def nbytes(self) -> int:
         """Bytes of every layer's state together."""
