@@ -11,9 +11,11 @@ timed three ways in alternating rounds (median of the rounds' medians):
 
 Part ``generate``: a linearized causal LM (default: SmolLM2-135M, elu+1 maps; ``--maps FILE`` for fitted ones)
 generates ``--new`` tokens greedily after a ``--prompt``-token prompt. Every generated token's wall time is
-recorded (a stopping criterion called once per token), and so are the time spent in the attention layers' steps,
+recorded (a stopping criterion called once per token), wall and this process's CPU time (on a shared machine
+the wall time also measures the neighbours' load, which changes during a long run; with one thread the CPU time is
+the step's own cost), and so are the time spent in the attention layers' steps,
 the cache's bytes and the process's resident memory. Reported: median ms/token over the first and the last 512
-tokens and their ratio (flat = 1.0), ms per layer step inside ``generate``, state bytes and RSS at start and end.
+tokens and their ratio (flat = 1.0), wall and CPU, ms per layer step inside ``generate``, state bytes and RSS at start and end.
 
     python benchmarks/generate.py --part step                  # ~10 s
     python benchmarks/generate.py --part generate              # SmolLM2, 4,096 tokens after 512: minutes on CPU
@@ -121,6 +123,7 @@ def generate_part(args: argparse.Namespace) -> None:
         return out
 
     token_times: list[float] = []
+    cpu_times: list[float] = []
     state_bytes: list[int] = []
     rss: list[int] = []
     cache = hf_cache.LinearAttentionCache()
@@ -128,6 +131,7 @@ def generate_part(args: argparse.Namespace) -> None:
     class Clock(StoppingCriteria):
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.BoolTensor:
             token_times.append(time.perf_counter())
+            cpu_times.append(time.process_time())
             state_bytes.append(cache.nbytes())
             rss.append(_rss())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)  # type: ignore[return-value]
@@ -139,13 +143,18 @@ def generate_part(args: argparse.Namespace) -> None:
                            pad_token_id=tokenizer.eos_token_id, stopping_criteria=StoppingCriteriaList([Clock()]))
     finally:
         hf_cache.attend = original  # type: ignore[assignment]
-    per_token = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]  # ms between tokens
+    per_token = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]  # s between tokens
+    per_token_cpu = [b - a for a, b in zip(cpu_times, cpu_times[1:], strict=False)]
     window = min(512, len(per_token) // 2)
     first, last = statistics.median(per_token[:window]) * 1e3, statistics.median(per_token[-window:]) * 1e3
+    first_cpu = statistics.median(per_token_cpu[:window]) * 1e3
+    last_cpu = statistics.median(per_token_cpu[-window:]) * 1e3
     layers = len(cache.layers)
     print(f"{name}, linearized ({args.maps or 'elu'}), {layers} layers, prompt {ids.shape[1]}, {args.new} new "
           f"tokens, {torch.get_num_threads()} thread(s)")
-    print(f"ms/token: first {window}: {first:.2f}, last {window}: {last:.2f}, ratio last/first {last / first:.3f}")
+    print(f"wall ms/token: first {window}: {first:.2f}, last {window}: {last:.2f}, ratio last/first {last / first:.3f}")
+    print(f"CPU ms/token (this process): first {window}: {first_cpu:.2f}, last {window}: {last_cpu:.2f}, ratio "
+          f"{last_cpu / first_cpu:.3f}")
     print(f"attention step inside generate: {statistics.median(step_times) * 1e3:.3f} ms per layer "
           f"(median of {len(step_times)}), {statistics.median(step_times) * 1e3 * layers:.2f} ms of each token")
     print(f"state bytes: after token 1 {state_bytes[0]:,}, after token {len(state_bytes)} {state_bytes[-1]:,}")
