@@ -15,7 +15,8 @@ recorded (a stopping criterion called once per token), wall and this process's C
 the wall time also measures the neighbours' load, which changes during a long run; with one thread the CPU time is
 the step's own cost), and so are the time spent in the attention layers' steps,
 the cache's bytes and the process's resident memory. Reported: median ms/token over the first and the last 512
-tokens and their ratio (flat = 1.0), wall and CPU, ms per layer step inside ``generate``, state bytes and RSS at start and end.
+tokens and their ratio (flat = 1.0), wall and CPU, ms per layer step inside ``generate``, state bytes and RSS at
+start and end.
 
     python benchmarks/generate.py --part step                  # ~10 s
     python benchmarks/generate.py --part generate              # SmolLM2, 4,096 tokens after 512: minutes on CPU
