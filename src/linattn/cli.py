@@ -86,6 +86,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from .evaluate.lm_compare import looks_causal
+
+    if args.lm or looks_causal(args.model):  # causal LMs: perplexity and long-range probes per row
+        from .evaluate import lm_compare
+
+        return lm_compare.cli(args)
     from .evaluate import compare  # imported only when asked for: it loads transformers and matplotlib
 
     return compare.cli(args)
@@ -93,11 +99,15 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
     compare = sub.add_parser(
-        "compare", help="every feature map against softmax attention on a real model; Markdown report and plots"
+        "compare", help="every feature map against softmax attention on a real model (encoders: attention metrics; "
+        "causal LMs such as smollm2: perplexity and long-range probes); Markdown report and plots"
     )
     from .evaluate.arguments import add_compare_arguments
 
     add_compare_arguments(compare)
+    from .evaluate.lm_compare import add_lm_arguments
+
+    add_lm_arguments(compare)
     compare.set_defaults(run=_compare)
 
 

@@ -24,13 +24,19 @@ on the attention module, e.g. BERT/MiniLM) attend non-causally, decoders causall
 (sliding windows, packed sequences, block overlays, position biases, soft-capping) have no linear-attention
 counterpart here and raise :class:`~linattn.LinearAttentionError` rather than being ignored.
 
-**Generation.** With transformers' KV cache a query sees all cached keys; linattn then recomputes the sums over
-the cache, O(t) per token (as correct as softmax, not faster). O(1)-per-token decoding needs the state itself:
-see :class:`linattn.nn.LinearAttention` and ``examples/associative_recall.py``.
+**Generation.** :func:`linearize` makes ``model.generate`` use :class:`linattn.hf_cache.LinearAttentionCache`: per
+layer the linear-attention state instead of every key and value, so memory and time per token stay flat at any
+context (the prompt runs in the chunked form, each new token in the lean step of :mod:`linattn.decode`). With
+transformers' own KV cache (``DynamicCache``) a query sees all cached keys and linattn recomputes the sums over
+them, O(t) per token: as correct, not faster.
+
+**Options.** ``linearize(model, maps, window=64, sinks=4, eps=...)``: keyword options that ``linear_attention``
+accepts are kept on each attention module (``linattn_options``) and passed to every call, the cached ones included.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -46,6 +52,10 @@ from .functional import linear_attention
 IMPLEMENTATION = "linattn"
 DEFAULT_FEATURE_MAP = "elu"
 MAP_ATTRIBUTE = "linattn_feature_map"
+OPTIONS_ATTRIBUTE = "linattn_options"
+# linear_attention arguments that linattn.hf sets itself, per call
+_OWN_ARGUMENTS = frozenset({"q", "k", "v", "feature_map", "causal", "key_padding_mask", "initial_state",
+                            "return_state"})
 
 
 def _feature_map_of(module: nn.Module, head_dim: int) -> nn.Module:
@@ -113,6 +123,7 @@ def linattn_attention_forward(
             "the model's attention dropout to 0 (e.g. config.attention_probs_dropout_prob = 0) or call model.eval()"
         )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    layer = _cache_layer(module, key) if causal else None  # set when a LinearAttentionCache returned these keys
     num_queries, num_keys, head_dim = query.shape[-2], key.shape[-2], query.shape[-1]
     if causal and num_queries > num_keys:
         raise LinearAttentionError(f"query: {num_queries} causal queries but only {num_keys} keys")
@@ -132,16 +143,27 @@ def linattn_attention_forward(
     c = math.sqrt(s * math.sqrt(head_dim))  # maps are built for 1/√d: c²/√d = s (module docstring)
     if c != 1.0:
         query, key = query * c, key * c
+    fmap, options = _feature_map_of(module, head_dim), getattr(module, OPTIONS_ATTRIBUTE, None) or {}
+    if layer is not None:
+        from .hf_cache import attend
+
+        return attend(layer, fmap, query, key, value, keep, options).transpose(1, 2).contiguous(), None
     if causal and num_queries < num_keys:
         # the queries are the last positions (a KV cache): causal attention over all keys with placeholder
         # queries in front; their outputs are discarded, and query t still sees keys ≤ its own position only
         filler = query[..., :1, :].expand(*query.shape[:-2], num_keys - num_queries, head_dim)
         query = torch.cat([filler, query], dim=-2)  # (B, H, Nk, d)
-    out = linear_attention(
-        query, key, value, feature_map=_feature_map_of(module, head_dim), causal=causal, key_padding_mask=keep
-    )
+    out = linear_attention(query, key, value, feature_map=fmap, causal=causal, key_padding_mask=keep, **options)
     out = out[..., -num_queries:, :]  # (B, H, Nq, dv)
     return out.transpose(1, 2).contiguous(), None  # (B, Nq, H, dv)
+
+
+def _cache_layer(module: nn.Module, key: torch.Tensor) -> Any:
+    try:
+        from .hf_cache import pending_layer
+    except ImportError:  # transformers without cache_utils: never a LinearAttentionCache
+        return None
+    return pending_layer(module, key)
 
 
 def linattn_mask(
@@ -202,6 +224,22 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 FeatureMaps = str | nn.Module | Sequence[nn.Module] | Any
 
 
+def _split_options(options: dict[str, Any], fitted: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(options for linear_attention, options for a named map): by what ``linear_attention`` accepts."""
+    accepted = set(inspect.signature(linear_attention).parameters) - _OWN_ARGUMENTS
+    attention = {name: options.pop(name) for name in list(options) if name in accepted}
+    for name in ("window", "sinks"):
+        carried = getattr(fitted, name, None)  # maps fitted with a window in place carry it
+        if name in accepted and name not in attention and carried is not None:
+            attention[name] = carried
+        if name in options:
+            raise LinearAttentionError(
+                f"{name}: this version of linear_attention has no {name}= option (the softmax-window hybrid); "
+                f"leave {name} out, or update linattn"
+            )
+    return attention, options
+
+
 def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP, **options: Any) -> nn.Module:
     """Install feature maps in every attention layer of a transformers ``model`` and switch it to ``"linattn"``.
 
@@ -214,13 +252,16 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
             - a registered name (``"elu"``, ``"favor+"``, ...): one new map per layer, built with ``options``
               (e.g. ``num_features=``, ``seed=``; a random map with ``seed=`` gets ``seed + layer``),
             - one module, shared by every layer.
-        options: keyword options for a named map.
+        options: keyword options of ``linear_attention`` (``window=``, ``sinks=``, ``eps=``, ``chunk_size=``, ...
+            whatever it accepts) are kept for every attention call; the others go to a named map.
 
     Returns the same model, modified in place: each attention module holds its map as the submodule
-    ``linattn_feature_map`` (so ``model.to(...)`` moves it and it appears in ``state_dict``). Switch back with
-    ``model.set_attn_implementation("sdpa")``; the maps stay attached, unused.
+    ``linattn_feature_map`` (so ``model.to(...)`` moves it and it appears in ``state_dict``) and its options as
+    ``linattn_options``. Switch back with ``model.set_attn_implementation("sdpa")``; the maps stay attached, unused.
+    A model with ``generate`` then generates with a :class:`~linattn.hf_cache.LinearAttentionCache`.
     """
     register()
+    attention_options, options = _split_options(dict(options), feature_maps)
     modules = attention_modules(model)
     if not modules:
         raise LinearAttentionError(
@@ -268,6 +309,11 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
                 f"feature_maps[{layer}]: built for head_dim={map_dim}, the model's heads have {head_dim}"
             )
         setattr(module, MAP_ATTRIBUTE, fmap)
+        setattr(module, OPTIONS_ATTRIBUTE, dict(attention_options))
+    if hasattr(model, "generate"):
+        from .hf_cache import install
+
+        install(model)
     set_implementation = getattr(model, "set_attn_implementation", None)
     if set_implementation is None:
         raise LinearAttentionError(f"model: {type(model).__name__} has no set_attn_implementation (transformers ≥ 5)")

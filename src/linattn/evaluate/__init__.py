@@ -1,7 +1,9 @@
 """Measure linear attention against exact softmax attention, on real activations from transformers models.
 
 - :func:`attention_metrics`: output error, row KL and entropies of one feature map on q, k, v (float64);
-- :func:`load_model`, :func:`capture_attention`: per-layer, per-head q, k, v from a model on given text;
+- :func:`load_model`, :func:`capture_attention`: per-layer, per-head q, k, v from a model on given text
+  (encoders, and decoders such as the shipped SmolLM2: ``load_model("smollm2")``);
+- :func:`perplexity`, :func:`long_range_probes`: causal LMs scored on text, repeated passages and passkeys;
 - :func:`capture_metrics`: the metrics averaged over every layer and head of a capture;
 - :mod:`linattn.evaluate.compare`: the ``linattn compare`` job (table, Markdown report, plots).
 
@@ -10,7 +12,7 @@ transformers is imported only when a model is loaded or captured.
 
 from __future__ import annotations
 
-from .capture import AttentionCapture, capture_attention, default_model_path, load_model, split_sequences
+from .capture import AttentionCapture, capture_attention, split_sequences
 from .metrics import (
     SoftmaxReference,
     attention_metrics,
@@ -20,17 +22,28 @@ from .metrics import (
     softmax_reference,
     softmax_weights,
 )
+from .models import default_model_path, is_causal_lm, load_model
+from .perplexity import Perplexity, perplexity
+from .probes import long_range_probes, passkey_accuracy, passkeys, repeat_perplexity, repeated_passages
 
 __all__ = [
     "AttentionCapture",
+    "Perplexity",
     "SoftmaxReference",
     "attention_metrics",
     "capture_attention",
     "capture_metrics",
     "capture_references",
     "default_model_path",
+    "is_causal_lm",
     "linear_weights",
     "load_model",
+    "long_range_probes",
+    "passkey_accuracy",
+    "passkeys",
+    "perplexity",
+    "repeat_perplexity",
+    "repeated_passages",
     "softmax_reference",
     "softmax_weights",
     "split_sequences",

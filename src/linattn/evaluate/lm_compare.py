@@ -1,0 +1,280 @@
+"""``linattn compare`` for causal LMs: perplexity and long-range recall of each way to replace softmax attention.
+
+Rows (each on the same held-out text of the shipped corpus, or ``--heldout``):
+
+- ``softmax``: the model as it is (SDPA);
+- ``window+sinks``: softmax over the ``--window`` most recent keys and the first ``--sinks`` tokens only (SDPA with
+  an explicit band-and-sink mask; no linear part): what local attention alone achieves;
+- ``elu``, ``favor+``: linear attention with a fixed map (:func:`linattn.hf.linearize`);
+- ``hedgehog``: maps fitted on the train text (:func:`linattn.distill.fit_model_feature_maps`), or loaded with
+  ``--fitted-maps FILE``;
+- hybrids (``hedgehog+window``, ``elu+window``): when ``linear_attention`` has the softmax-window hybrid
+  (``window=``/``sinks=``), detected at run time; otherwise skipped with a note.
+
+Columns: held-out perplexity (:func:`~linattn.evaluate.perplexity`), the repeated-passage perplexity and passkey
+accuracy at each filler length (:mod:`~linattn.evaluate.probes`), and for linear rows the per-head output error and
+row KL against softmax on the held-out capture (:func:`~linattn.evaluate.capture_metrics`).
+
+    linattn compare smollm2                    # docs/models.md: the command, its run time, the measured table
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from ..data import load_text
+from ..errors import LinearAttentionError
+from ..functional import linear_attention
+from .models import _gguf_in, _is_causal_lm, load_model
+
+WINDOW_IMPLEMENTATION = "linattn_window_softmax"
+DEFAULT_OUT = "out/compare"
+
+
+def window_sink_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Softmax attention restricted to keys t − W < j ≤ t and j < S (transformers' attention-function contract).
+
+    W and S are read from the module (``linattn_window``, ``linattn_sinks``); ``attention_mask`` is the 2-D
+    padding mask of :func:`linattn.hf.linattn_mask`, or None.
+    """
+    window, sinks = module.linattn_window, module.linattn_sinks
+    num_queries, num_keys = query.shape[-2], key.shape[-2]
+    rows = torch.arange(num_keys - num_queries, num_keys, device=query.device)[:, None]  # (Nq, 1) positions
+    cols = torch.arange(num_keys, device=query.device)[None, :]  # (1, Nk)
+    allowed = (cols <= rows) & ((rows - cols < window) | (cols < sinks))  # (Nq, Nk)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.to(torch.bool)[:, None, None, -num_keys:]  # (B, 1, Nq, Nk)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+    )
+    return out.transpose(1, 2).contiguous(), None  # (B, Nq, H, dv)
+
+
+def use_window_softmax(model: Any, window: int, sinks: int) -> None:
+    """Switch ``model`` to :func:`window_sink_attention` with ``window`` recent keys and ``sinks`` first tokens."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from .. import hf
+
+    AttentionInterface.register(WINDOW_IMPLEMENTATION, window_sink_attention)
+    AttentionMaskInterface.register(WINDOW_IMPLEMENTATION, hf.linattn_mask)
+    for module in hf.attention_modules(model):
+        # plain ints on the module, read by window_sink_attention
+        module.linattn_window, module.linattn_sinks = window, sinks  # type: ignore[assignment]
+    model.set_attn_implementation(WINDOW_IMPLEMENTATION)
+
+
+def has_hybrid() -> bool:
+    """Whether this linattn's ``linear_attention`` has the softmax-window hybrid (``window=``)."""
+    return "window" in inspect.signature(linear_attention).parameters
+
+
+def looks_causal(name: str | None) -> bool:
+    """Whether ``linattn compare MODEL`` should take the causal-LM path (without loading the model)."""
+    if name is None or name == "minilm":
+        return False
+    if name == "smollm2":
+        return True
+    try:
+        if _gguf_in(name) is not None:
+            return True
+        return _is_causal_lm(name, os.path.isdir(name))
+    except (OSError, ValueError, LinearAttentionError):
+        return False
+
+
+def _fit(model: Any, tokenizer: Any, name: str, args: Any, window: int | None) -> Any:
+    from ..distill import fit_feature_map, fit_model_feature_maps
+    from .capture import capture_attention
+
+    train = load_text("train") if args.text is None else open(args.text, encoding="utf-8").read()
+    capture = capture_attention(model, tokenizer, train, max_tokens=args.fit_max_tokens or 512, model_name=name,
+                                orders=args.fit_orders)
+    options: dict[str, Any] = {"progress": not args.quiet}
+    if args.steps is not None:
+        options["steps"] = args.steps
+    if args.num_features is not None:
+        options["num_features"] = args.num_features
+    accepted = inspect.signature(fit_feature_map).parameters
+    if window is not None and "window" in accepted:  # fitted with the window in place (the hybrid's fitting)
+        options["window"] = window
+        if "sinks" in accepted:
+            options["sinks"] = args.sinks
+    return fit_model_feature_maps(capture, kind="hedgehog", **options), capture.num_tokens
+
+
+def _row(model: Any, tokenizer: Any, heldout: str, args: Any) -> dict[str, Any]:
+    from .perplexity import perplexity
+    from .probes import long_range_probes
+
+    plain = perplexity(model, tokenizer, heldout)
+    probes = long_range_probes(
+        model, tokenizer, heldout, passage_tokens=args.passage_tokens, gap_tokens=args.gap_tokens,
+        repeat_trials=args.repeat_trials, passkey_lengths=tuple(args.passkey_lengths),
+        passkey_trials=args.passkey_trials,
+    )
+    return {"perplexity": plain.perplexity, "tokens_per_second": plain.tokens_per_second,
+            "heldout_tokens": plain.tokens, "repeat_perplexity": probes["repeat_perplexity"],
+            "passkey": {str(k): v for k, v in probes["passkey"].items()}, "probe_seconds": probes["seconds"]}
+
+
+def run_lm_compare(args: Any) -> dict[str, Any]:
+    """The causal-LM comparison; writes ``report.md`` and ``results.json`` to ``args.out`` as rows finish."""
+    from .. import hf
+    from .capture import capture_attention
+    from .metrics import capture_metrics, capture_references
+
+    start = time.perf_counter()
+    model, tokenizer, name = load_model(args.model, causal_lm=True)
+    heldout = load_text("heldout") if args.heldout is None else open(args.heldout, encoding="utf-8").read()
+    wanted = args.maps or ["elu", "favor+", "hedgehog"]
+    result: dict[str, Any] = {
+        "model": name, "layers": model.config.num_hidden_layers, "window": args.window, "sinks": args.sinks,
+        "passage_tokens": args.passage_tokens, "gap_tokens": args.gap_tokens, "threads": torch.get_num_threads(),
+        "rows": [], "skipped": {}, "hybrid": has_hybrid(),
+    }
+    out = args.out if args.out != DEFAULT_OUT else DEFAULT_OUT + "-lm"
+    os.makedirs(out, exist_ok=True)
+
+    def record(row_name: str, row: dict[str, Any], seconds: float, **extra: Any) -> None:
+        row.update(name=row_name, seconds=seconds, **extra)
+        result["rows"].append(row)
+        result["seconds"] = time.perf_counter() - start
+        write(result, out)
+        if not args.quiet:
+            print(format_row(row), flush=True)
+
+    if not args.quiet:
+        print(f"{name}: held-out perplexity, repeated passage ({args.passage_tokens} tokens after "
+              f"{args.gap_tokens}) and passkey accuracy; {torch.get_num_threads()} threads")
+        print(header())
+    metrics_capture = references = None
+    if not args.no_metrics:
+        metrics_capture = capture_attention(model, tokenizer, heldout, max_tokens=args.max_tokens, model_name=name)
+        references = capture_references(metrics_capture)
+    if not args.no_baselines:
+        begin = time.perf_counter()
+        record("softmax", _row(model, tokenizer, heldout, args), time.perf_counter() - begin)
+        begin = time.perf_counter()
+        use_window_softmax(model, args.window, args.sinks)
+        record(f"window{args.window}+sinks{args.sinks}", _row(model, tokenizer, heldout, args),
+               time.perf_counter() - begin)
+
+    fitted = None
+    configurations: list[tuple[str, Any, dict[str, Any]]] = []
+    for map_name in wanted:
+        if map_name == "hedgehog":
+            begin = time.perf_counter()
+            if args.fitted_maps:
+                fitted, fit_tokens = args.fitted_maps, 0
+            else:
+                model.set_attn_implementation("sdpa")
+                fitted, fit_tokens = _fit(model, tokenizer, name, args, None)
+                if args.save_maps:
+                    os.makedirs(args.save_maps, exist_ok=True)
+                    fitted.save(os.path.join(args.save_maps, "hedgehog.safetensors"))
+            result["fit_seconds"], result["fit_tokens"] = time.perf_counter() - begin, fit_tokens
+            configurations.append(("hedgehog", fitted, {}))
+        else:
+            configurations.append((map_name, map_name, {"seed": 0} if map_name == "favor+" else {}))
+    if has_hybrid():
+        hybrid_options = {"window": args.window, "sinks": args.sinks}
+        configurations += [(f"{label}+window", maps, {**options, **hybrid_options})
+                           for label, maps, options in list(configurations) if label in ("hedgehog", "elu")]
+    else:
+        result["skipped"]["hybrids"] = ("linear_attention has no window= option in this version (the softmax-window "
+                                        "hybrid has not landed): hybrid rows skipped")
+    for label, maps, options in configurations:
+        begin = time.perf_counter()
+        hf.linearize(model, maps, **options)
+        extra: dict[str, Any] = {}
+        if metrics_capture is not None and "window" not in options:
+            per_layer: list[Any] = [m.linattn_feature_map for m in hf.attention_modules(model)]
+            metrics = capture_metrics(metrics_capture, per_layer, references=references)
+            extra = {"rel_error": metrics["rel_error"], "kl": metrics["kl"]}
+        record(label, _row(model, tokenizer, heldout, args), time.perf_counter() - begin, **extra)
+    model.set_attn_implementation("sdpa")
+    return result
+
+
+def header() -> str:
+    return (f"{'row':>22} {'ppl':>9} {'repeat ppl':>11} {'passkey 1k/2k/4k':>18} {'rel.err':>8} {'KL':>7} "
+            f"{'tok/s':>7} {'s':>6}")
+
+
+def _num(x: Any) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.2f}" if abs(x) < 1e4 else f"{x:.3g}"
+
+
+def format_row(row: dict[str, Any]) -> str:
+    passkey = "/".join(f"{v:.2f}" for v in row["passkey"].values())
+    return (f"{row['name']:>22} {_num(row['perplexity']):>9} {_num(row['repeat_perplexity']):>11} {passkey:>18} "
+            f"{_num(row.get('rel_error')):>8} {_num(row.get('kl')):>7} {row['tokens_per_second']:>7.0f} "
+            f"{row['seconds']:>6.0f}")
+
+
+def write(result: dict[str, Any], out: str) -> None:
+    """results.json and report.md in ``out``."""
+    with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2, default=float)
+    lengths = list(result["rows"][0]["passkey"]) if result["rows"] else []
+    lines = [
+        f"# linattn compare (causal LM): {result['model']}", "",
+        f"Held-out text of the shipped corpus; repeated passage: {result['passage_tokens']} tokens, "
+        f"{result['gap_tokens']} tokens of other text, the passage again (only the repeat scored); passkey: "
+        f"a 5-digit key, filler of {', '.join(lengths)} tokens. Window rows: {result['window']} recent keys + "
+        f"{result['sinks']} sink tokens. {result['threads']} threads, {result.get('seconds', 0):.0f} s in all.", "",
+        "| row | perplexity | repeat perplexity | " + " | ".join(f"passkey {n}" for n in lengths)
+        + " | rel. error | row KL | tokens/s |",
+        "|---|---:|---:|" + "---:|" * len(lengths) + "---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        lines.append(f"| {row['name']} | {_num(row['perplexity'])} | {_num(row['repeat_perplexity'])} | "
+                     + " | ".join(f"{v:.2f}" for v in row["passkey"].values())
+                     + f" | {_num(row.get('rel_error'))} | {_num(row.get('kl'))} | {row['tokens_per_second']:.0f} |")
+    if "fit_seconds" in result:
+        lines += ["", f"Hedgehog maps fitted in {result['fit_seconds']:.0f} s on {result['fit_tokens']} captured "
+                      "train tokens (0: loaded from a file)."]
+    lines += [f"- {why}" for why in result["skipped"].values()]
+    with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def add_lm_arguments(parser: Any) -> None:
+    """The causal-LM options of ``linattn compare`` (options another part already defines are shared)."""
+    def add(flag: str, **options: Any) -> None:
+        if flag not in parser._option_string_actions:
+            parser.add_argument(flag, **options)
+
+    add("--lm", action="store_true", help="treat MODEL as a causal LM (detected for smollm2, GGUF, *ForCausalLM)")
+    add("--window", type=int, default=64, help="causal LMs: softmax window of the window rows")
+    add("--sinks", type=int, default=4, help="causal LMs: sink tokens kept exact in the window rows")
+    add("--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="causal LMs: filler tokens")
+    add("--passkey-trials", type=int, default=3, help="causal LMs: passkey trials per filler length")
+    add("--repeat-trials", type=int, default=4, help="causal LMs: repeated passages")
+    add("--passage-tokens", type=int, default=128, help="causal LMs: tokens of the repeated passage")
+    add("--gap-tokens", type=int, default=512, help="causal LMs: tokens between the passage and its repeat")
+    add("--fitted-maps", default=None, help="causal LMs: hedgehog maps saved earlier (skip the fit)")
+    add("--no-metrics", action="store_true", help="causal LMs: skip the per-head rel. error / KL")
+    add("--no-baselines", action="store_true", help="causal LMs: skip the softmax and window+sinks rows")
+
+
+def cli(args: Any) -> int:
+    if args.passkey_trials < 1 or args.repeat_trials < 1 or args.window < 1 or args.sinks < 0:
+        raise LinearAttentionError("--passkey-trials, --repeat-trials, --window: need ≥ 1; --sinks: ≥ 0")
+    result = run_lm_compare(args)
+    out = args.out if args.out != DEFAULT_OUT else DEFAULT_OUT + "-lm"
+    if not args.quiet:
+        print(f"wrote {out}/report.md and results.json ({result['seconds']:.0f} s)")
+    return 0

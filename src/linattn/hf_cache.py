@@ -1,0 +1,207 @@
+"""A transformers ``Cache`` that holds linear-attention states: ``generate`` in constant memory per token.
+
+transformers' attention modules call ``cache.update(k, v, layer_idx)`` and hand what it returns to the attention
+function. Softmax caches return every key so far (memory and time per token grow with the context). This cache
+returns only the keys of the current call and keeps, per layer, the state that ``linear_attention(...,
+return_state=True)`` returned — opaque here: anything with ``to``, ``detach`` and ``index_select`` (the plain
+:class:`~linattn.LinearAttentionState`, or a state with a window ring buffer). The ``"linattn"`` attention function
+recognises the keys it returned (by identity: the very tensors, not copies) and runs
+
+- the prompt (prefill) in the chunked causal form, keeping the final state;
+- each later call from that state: one new token is the decode step of :mod:`linattn.decode` (a preallocated
+  state updated in place) when the attention options allow it, else ``linear_attention(..., initial_state=...)``.
+
+Padding: masked keys (left padding of a batch) enter neither sum, so a padded row's state is that of its tokens alone.
+
+:func:`linattn.hf.linearize` makes ``generate`` create this cache (unless a cache is passed or ``use_cache=False``);
+a model can also be called with ``cache=LinearAttentionCache()`` directly.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .errors import LinearAttentionError
+
+# the cache layer whose update() ran last, with the keys it returned: the attention function of that same layer
+# runs next, and takes the state path only when handed exactly those keys
+_PENDING: contextvars.ContextVar[tuple[StateLayer, torch.Tensor] | None] = contextvars.ContextVar(
+    "linattn_pending_cache_layer", default=None
+)
+
+
+class StateLayer(CacheLayerMixin):
+    """One layer's linear-attention state (``state``), the number of tokens it has seen, and a decode stepper."""
+
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.state: Any = None
+        self.seen = 0
+        self.stepper: Any = None  # a linattn.decode.DecodeStep while decoding token by token
+        self.owner: Any = None  # the LinearAttentionCache holding this layer
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        pending = _PENDING.get()
+        if pending is not None and pending[0].owner is self.owner and self.owner is not None:
+            _PENDING.set(None)
+            raise LinearAttentionError(
+                "cache: a LinearAttentionCache layer's keys were not consumed by linattn's attention function; the "
+                "model's attention implementation is not 'linattn' (call linattn.hf.linearize(model, ...)), and a "
+                "softmax attention would see only the current keys"
+            )
+        self.is_initialized = True
+        self.seen += key_states.shape[-2]
+        _PENDING.set((self, key_states))
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0  # the mask covers this call's keys only: the earlier ones live in the state
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def current_state(self) -> Any:
+        """The state after every token seen so far (the stepper's, if it is decoding)."""
+        if self.stepper is not None:
+            self.state = self.stepper.state()
+            self.stepper = None
+        return self.state
+
+    def nbytes(self) -> int:
+        """Bytes held by the state's tensors (constant while generating: the test of constant memory)."""
+        state = self.stepper if self.stepper is not None else self.state
+        return 0 if state is None else sum(t.numel() * t.element_size() for t in _tensors(state))
+
+    def _select(self, index: torch.Tensor) -> None:
+        state = self.current_state()
+        if state is not None:
+            self.state = state.index_select(0, index.to(_device_of(state)))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        state = self.current_state()
+        if state is not None:
+            batch = _batch_of(state)
+            self._select(torch.arange(batch).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise LinearAttentionError(
+                "cache: a linear-attention state cannot forget tokens (crop, as assisted or speculative decoding "
+                "needs); generate without an assistant model"
+            )
+
+    def offload(self) -> None:  # nothing grows with the context: nothing to move off the device
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.state, self.stepper, self.seen = None, None, 0
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    """The tensors of an opaque state (a dataclass or a plain object), nested one level in lists/tuples."""
+    if dataclasses.is_dataclass(state):
+        values: list[Any] = [getattr(state, f.name) for f in dataclasses.fields(state)]
+    else:
+        values = list(vars(state).values())
+    flat = [x for v in values for x in (v if isinstance(v, list | tuple) else [v])]
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _device_of(state: Any) -> torch.device:
+    return _tensors(state)[0].device
+
+
+def _batch_of(state: Any) -> int:
+    return int(_tensors(state)[0].shape[0])
+
+
+class LinearAttentionCache(Cache):
+    """A ``Cache`` of :class:`StateLayer`: one linear-attention state per layer, added as layers first run."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(layer_class_to_replicate=StateLayer)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.layers) <= layer_idx:
+            layer = StateLayer()
+            layer.owner = self
+            self.layers.append(layer)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def nbytes(self) -> int:
+        """Bytes of every layer's state together."""
+        return sum(layer.nbytes() for layer in self.layers if isinstance(layer, StateLayer))
+
+
+def pending_layer(module: Any, key: torch.Tensor) -> StateLayer | None:
+    """The cache layer whose ``update`` returned ``key`` just now, if any (consumed: asked once per call)."""
+    pending = _PENDING.get()
+    if pending is None or pending[1] is not key:
+        return None
+    _PENDING.set(None)
+    return pending[0]
+
+
+def install(model: Any) -> None:
+    """Make ``model.generate`` create a :class:`LinearAttentionCache` where it would create a ``DynamicCache``."""
+    original = getattr(type(model), "_prepare_cache_for_generation", None)
+    if original is None or getattr(model, "_linattn_cache_installed", False):
+        return
+
+    def prepare(self: Any, generation_config: Any, model_kwargs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        wants_default = (
+            model_kwargs.get("cache") is None and generation_config.use_cache is not False
+            and generation_config.cache_implementation in (None, "dynamic")
+            and self.config._attn_implementation == "linattn"
+        )
+        if not wants_default:
+            return original(self, generation_config, model_kwargs, *args, **kwargs)
+        model_kwargs["cache"] = LinearAttentionCache()
+        return None
+
+    model._prepare_cache_for_generation = prepare.__get__(model)
+    model._linattn_cache_installed = True
+
+
+def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           keep: torch.Tensor | None, options: dict[str, Any]) -> torch.Tensor:
+    """Causal attention of this call's q, k, v (B, H|Hkv, N, ·) after the keys in ``layer``'s state; updates it."""
+    from .decode import DecodeStep, supports
+    from .functional import linear_attention
+
+    if layer.stepper is not None and q.shape[-2] == 1:
+        return layer.stepper(q, k, v, keep)
+    out, state = linear_attention(
+        q, k, v, feature_map=fmap, causal=True, key_padding_mask=keep, initial_state=layer.current_state(),
+        return_state=True, **options,
+    )
+    layer.state = state
+    if supports(fmap, state, options):  # token-by-token from here on: the lean step
+        layer.stepper = DecodeStep(fmap, state, eps=options.get("eps", 1e-6))
+    return out

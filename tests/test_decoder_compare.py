@@ -1,0 +1,99 @@
+"""``linattn compare`` for causal LMs: the window+sinks softmax row, and the whole job on a tiny saved Llama."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from linattn.evaluate.lm_compare import has_hybrid, looks_causal, window_sink_attention  # noqa: E402
+
+
+class Holder(torch.nn.Module):
+    linattn_window = 3
+    linattn_sinks = 2
+
+
+def band_and_sinks_reference(q, k, v, window, sinks, keep, scale):
+    """Row by row in float64: softmax over keys j ≤ t with t − j < window or j < sinks, kept by ``keep``."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    n = q.shape[-2]
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64)
+    for b in range(q.shape[0]):
+        for t in range(n):
+            js = [j for j in range(t + 1) if (t - j < window or j < sinks) and bool(keep[b, j])]
+            if not js:
+                continue
+            scores = torch.einsum("hd,hjd->hj", q[b, :, t], k[b, :, js]) * scale  # (H, |js|)
+            out[b, :, t] = torch.einsum("hj,hjd->hd", torch.softmax(scores, -1), v[b, :, js])
+    return out
+
+
+def test_window_and_sinks_softmax_follows_the_float64_definition():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    keep = torch.ones(2, 9, dtype=torch.bool)
+    keep[1, :2] = False  # left padding: the first real token of row 1 is at position 2
+    out, _ = window_sink_attention(Holder(), q, k, v, keep, scaling=0.3)
+    expected = band_and_sinks_reference(q, k, v, 3, 2, keep, 0.3)
+    # fp32 SDPA against float64 row loops; padded rows of batch 1 (all keys masked there) are not compared
+    torch.testing.assert_close(out.transpose(1, 2)[0].double(), expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.transpose(1, 2)[1, :, 2:].double(), expected[1, :, 2:], rtol=1e-5, atol=1e-5)
+
+
+def char_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=512,
+                      initializer_range=0.3)  # wide weights: attention changes the logits visibly
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    text = ("Rivers carry sand to the sea. The tide returns some of it to the shore.\n\n"
+            "Birds follow the boats home in the evening, and the harbour lights come on one by one.\n\n")
+    (folder / "train.txt").write_text(text * 2)
+    (folder / "heldout.txt").write_text(text.replace("sand", "silt") * 2)
+    return folder
+
+
+def test_compare_on_a_tiny_causal_lm_writes_every_row(tiny_folder, tmp_path):
+    from linattn.cli import main
+
+    assert looks_causal(str(tiny_folder)) and not looks_causal(None)
+    out = tmp_path / "out"
+    code = main(["compare", str(tiny_folder), str(tiny_folder / "train.txt"), "--heldout",
+                 str(tiny_folder / "heldout.txt"), "--window", "1000", "--sinks", "0", "--passkey-lengths", "40",
+                 "--passkey-trials", "1", "--repeat-trials", "2", "--passage-tokens", "12", "--gap-tokens", "60",
+                 "--steps", "2", "--fit-max-tokens", "128", "--fit-orders", "1", "--max-tokens", "128", "--out",
+                 str(out), "--quiet"])
+    assert code == 0
+    result = json.loads((out / "results.json").read_text())
+    rows = {row["name"]: row for row in result["rows"]}
+    assert list(rows)[:5] == ["softmax", "window1000+sinks0", "elu", "favor+", "hedgehog"]
+    assert all(math.isfinite(row["perplexity"]) and math.isfinite(row["repeat_perplexity"]) for row in rows.values())
+    # a window longer than the text is plain causal softmax: the same numbers up to SDPA's kernels
+    assert rows["window1000+sinks0"]["perplexity"] == pytest.approx(rows["softmax"]["perplexity"], rel=1e-4)
+    assert rows["elu"]["perplexity"] != pytest.approx(rows["softmax"]["perplexity"], rel=1e-2)
+    assert "kl" in rows["elu"] and "kl" not in rows["softmax"]
+    assert ("hybrids" in result["skipped"]) != has_hybrid()
+    assert "| hedgehog |" in (out / "report.md").read_text()
