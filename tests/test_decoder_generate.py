@@ -155,3 +155,54 @@ def test_the_state_cache_refuses_a_softmax_model():
     model = tiny_llama()  # attention: sdpa, which would see only the current keys
     with pytest.raises(LinearAttentionError, match="not 'linattn'"), torch.no_grad():
         model(input_ids=torch.randint(1, 60, (1, 5)), cache=LinearAttentionCache(), use_cache=True)
+
+
+@pytest.mark.parametrize("factor", [None, 0.7], ids=["mass", "gamma"])
+def test_hybrid_generation_with_the_state_cache_equals_full_recompute(factor):
+    """The window hybrid through linearize: ring buffer + sinks + linear state in the cache, per-token steps equal
+    a full recompute with the same hybrid attention, and the cache stays the same size as tokens are generated."""
+    model = tiny_llama()
+    hf.linearize(model, "elu", window=8, sinks=2, window_factor=factor)
+    ids = torch.randint(1, 60, (1, 70), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        cached = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0, output_logits=True,
+                                return_dict_in_generate=True)
+        recomputed = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0, use_cache=False,
+                                    output_logits=True, return_dict_in_generate=True)
+    assert isinstance(cached.past_key_values, LinearAttentionCache)
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    for ours, full in zip(cached.logits, recomputed.logits, strict=True):  # fp32 sums in another order
+        torch.testing.assert_close(ours, full, rtol=1e-4, atol=1e-4)
+    sizes = []
+    with torch.no_grad():
+        out = model.generate(ids[:, :20], max_new_tokens=1, do_sample=False, pad_token_id=0,
+                             return_dict_in_generate=True)
+        cache = out.past_key_values
+        for _ in range(40):
+            step = model(input_ids=out.sequences[:, -1:], past_key_values=cache, use_cache=True)
+            cache = step.past_key_values
+            sizes.append(sum(t.numel() for layer in cache.layers for t in _tensors(layer.state)))
+    assert sizes[0] > 0 and len(set(sizes)) == 1  # ring buffer of 8 keys and values, 2 sinks, fixed linear state
+
+
+def _tensors(state):
+    import dataclasses
+
+    for field in dataclasses.fields(state):
+        value = getattr(state, field.name)
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif dataclasses.is_dataclass(value):
+            yield from _tensors(value)
+
+
+def test_fitted_window_options_reach_every_layer():
+    from linattn.distill import FittedFeatureMaps
+
+    maps = [create("hedgehog", head_dim=8, num_heads=4, init="random", seed=i) for i in range(2)]
+    gammas = [torch.full((4,), 0.5 + i) for i in range(2)]
+    fitted = FittedFeatureMaps("tiny", "hedgehog", 2, 4, 8, maps=maps, window=8, sinks=2, window_factors=gammas)
+    model = hf.linearize(tiny_llama(), fitted)
+    options = [module.linattn_options for module in hf.attention_modules(model)]
+    assert [o["window"] for o in options] == [8, 8] and [o["sinks"] for o in options] == [2, 2]
+    assert all(torch.equal(o["window_factor"], g) for o, g in zip(options, gammas, strict=True))

@@ -309,7 +309,13 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
                 f"feature_maps[{layer}]: built for head_dim={map_dim}, the model's heads have {head_dim}"
             )
         setattr(module, MAP_ATTRIBUTE, fmap)
-        setattr(module, OPTIONS_ATTRIBUTE, dict(attention_options))
+        layer_options = dict(attention_options)
+        fitted_options = getattr(feature_maps, "window_options", None)  # maps fitted with the window in place
+        if fitted_options is not None and layer_options.get("window") is not None:
+            factor = fitted_options(layer).get("window_factor")  # the γ form's per-head factor of this layer
+            if factor is not None and "window_factor" not in layer_options:
+                layer_options["window_factor"] = factor  # (H,): broadcasts over the (B, H) batch dims
+        setattr(module, OPTIONS_ATTRIBUTE, layer_options)
     if hasattr(model, "generate"):
         from .hf_cache import install
 
