@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from linattn import LinearAttentionError, LinearAttentionState
+from linattn import LinearAttentionError, LinearAttentionState, WindowAttentionState
 from linattn.nn import LinearAttention
 from maps_for_tests import LogExp
 from reference import elu_plus_one, reference_attention, rel_error
@@ -294,3 +294,31 @@ def test_output_norm_is_a_per_head_standardisation():
     var = heads.var(-1, unbiased=False, keepdim=True)
     expected = ((heads - mean) / torch.sqrt(var + 1e-5)).flatten(-2) * norm.weight + norm.bias
     assert rel_error(captured["x"], expected) < 1e-12
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_window_layer_decodes_token_by_token_as_one_call(sinks):
+    """The hybrid layer: prefill then one token at a time (ring buffer + sinks + linear state) equals one call."""
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, causal=True, window=5, sinks=sinks).double()
+    x = torch.randn(2, 23, 16, dtype=torch.float64)
+    whole = layer(x)
+    out, state = layer(x[:, :9], return_state=True)
+    steps = [out]
+    for t in range(9, 23):
+        step, state = layer(x[:, t : t + 1], state=state, return_state=True)
+        steps.append(step)
+    assert isinstance(state, WindowAttentionState)
+    assert rel_error(torch.cat(steps, 1), whole) <= 1e-12
+    plain = LinearAttention(16, 2, causal=True).double()
+    plain.load_state_dict(layer.state_dict())
+    assert rel_error(plain(x), whole) > 1e-3  # the window changes what the layer computes
+
+
+def test_window_layer_options_are_checked():
+    with pytest.raises(LinearAttentionError, match="does not combine with decay/gate"):
+        LinearAttention(16, 2, causal=True, window=4, decay="retnet")
+    with pytest.raises(LinearAttentionError, match="sink tokens belong to the window hybrid"):
+        LinearAttention(16, 2, causal=True, sinks=4)
+    encoder = LinearAttention(16, 2, window=3)  # non-causal: the band |t − j| < 3 exact
+    assert encoder(torch.randn(1, 10, 16)).shape == (1, 10, 16)

@@ -21,7 +21,7 @@ from torch import nn
 from .errors import LinearAttentionError
 from .feature_maps import FeatureMap
 from .functional import FeatureMapLike, linear_attention, resolve_feature_map
-from .state import LinearAttentionState
+from .state import LinearAttentionState, WindowAttentionState
 
 # the data-dependent gate, as GLA: logsigmoid of a rank-16 projection, divided by a temperature of 16
 GATE_RANK = 16
@@ -59,6 +59,10 @@ class LinearAttention(nn.Module):
             Composes with ``decay``. See docs/decay.md.
         output_norm: normalise each head's output (RetNet's group norm, with a learned scale and bias) before
             the output projection: what keeps unnormalised (``normalize=False``) retention in range.
+        window, sinks: the sliding-window hybrid (docs/window.md): exact softmax (scale 1/√Dk) over the ``window``
+            most recent keys (non-causal: the band |t − j| < window) and the first ``sinks`` tokens, linear
+            attention for the rest, one normaliser; the state then also carries the window's keys and values
+            (a :class:`~linattn.WindowAttentionState`, still O(1) per generated token).
 
     The softmax scale 1/√Dk has no counterpart here: the projections are learned with the feature map in place,
     so any scale is absorbed into W_q and W_k (contrast :mod:`linattn.hf`, where pretrained weights expect it).
@@ -85,6 +89,8 @@ class LinearAttention(nn.Module):
         decay: str | float | None = None,
         gate: str | None = None,
         output_norm: bool = False,
+        window: int | None = None,
+        sinks: int = 0,
         layer_index: int = 0,
         num_layers: int = 1,
         device: torch.device | str | None = None,
@@ -124,6 +130,14 @@ class LinearAttention(nn.Module):
         self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias, **factory)
         self.feature_map = resolve_feature_map(feature_map, head_dim)
         self._decay_options(decay, gate, output_norm, layer_index, num_layers, factory)
+        if window is not None:
+            if decay is not None or gate is not None:
+                raise LinearAttentionError(
+                    "window: the sliding-window hybrid does not combine with decay/gate in this version; use one"
+                )
+            self.options.update(window=window, sinks=sinks)  # checked by linear_attention on the first call
+        elif sinks:
+            raise LinearAttentionError(f"sinks={sinks}: sink tokens belong to the window hybrid; pass window=W too")
 
     def _decay_options(
         self, decay: object, gate: object, output_norm: bool, layer_index: int, num_layers: int, factory: Any
@@ -198,7 +212,7 @@ class LinearAttention(nn.Module):
         x: torch.Tensor,
         *,
         key_padding_mask: torch.Tensor | None = None,
-        state: LinearAttentionState | None = None,
+        state: LinearAttentionState | WindowAttentionState | None = None,
         return_state: bool = False,
     ) -> Any:
         """Attend over ``x`` ``(B, N, E)``; returns ``(B, N, E)``, and the state after x if ``return_state``.
@@ -257,5 +271,5 @@ class LinearAttention(nn.Module):
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, causal={self.causal}, gate={self.gate_kind}, "
-            f"decay={'per head' if self.decay_rates is not None else None}"
+            f"decay={'per head' if self.decay_rates is not None else None}, window={self.options.get('window')}"
         )
