@@ -327,3 +327,10 @@ def test_window_refuses_what_it_does_not_combine_with(other):
     q = k = v = torch.randn(1, 2, 12, 4)
     with pytest.raises(LinearAttentionError, match=r"window: the sliding-window hybrid does not combine with"):
         linear_attention(q, k, v, causal=True, window=4, **other)
+
+
+def test_a_window_state_without_window_is_refused():
+    q = k = v = torch.randn(1, 2, 12, 4)
+    _, state = linear_attention(q, k, v, causal=True, window=4, sinks=1, return_state=True)
+    with pytest.raises(LinearAttentionError, match=r"initial_state: a WindowAttentionState \(window=4, sinks=1\)"):
+        linear_attention(q, k, v, causal=True, initial_state=state)

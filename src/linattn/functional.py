@@ -26,7 +26,7 @@ from .forms._common import NEG_INF, empty_state, scale_between
 from .forms.decay import decayed_ref
 from .forms.gated import gated_chunked_attention, gated_parallel_attention, gated_recurrent_attention
 from .forms.hybrid import run_window
-from .state import LinearAttentionState
+from .state import LinearAttentionState, WindowAttentionState
 
 DEFAULT_CAUSAL_CHUNK = 64
 DEFAULT_NONCAUSAL_CHUNK = 1024
@@ -163,7 +163,7 @@ def linear_attention(
     eps: float = 1e-6,
     min_denom: float | None = None,
     key_padding_mask: Any = None,
-    initial_state: LinearAttentionState | None = None,
+    initial_state: LinearAttentionState | WindowAttentionState | None = None,
     return_state: bool = False,
     form: str = "auto",
     check_finite: bool = False,
@@ -228,10 +228,16 @@ def linear_attention(
     k, _ = _to_torch(k, "k")
     v, _ = _to_torch(v, "v")
     _validate.check_window_combination(window, decay=decay, log_gate=log_gate, cu_seqlens=cu_seqlens, backend=backend)
+    if isinstance(initial_state, WindowAttentionState) and window is None:
+        raise LinearAttentionError(
+            f"initial_state: a WindowAttentionState (window={initial_state.window}, sinks={initial_state.sinks}) "
+            "continues the sliding-window hybrid; pass the same window= and sinks= as the call that returned it"
+        )
     segments = None
     if cu_seqlens is not None and _packed.vectorised(q, causal, initial_state, return_state, feature_map):
         segments = _packed.segment_jumps(cu_seqlens, q)  # one call: every weight across a boundary is 0
     elif cu_seqlens is not None:
+        assert not isinstance(initial_state, WindowAttentionState)  # refused above, with or without window=
         packed = _packed.packed_attention(
             linear_attention, q, k, v, cu_seqlens, initial_state=initial_state, return_state=return_state,
             key_padding_mask=key_padding_mask, log_gate=log_gate, feature_map=feature_map, causal=causal,
