@@ -334,3 +334,25 @@ def test_a_window_state_without_window_is_refused():
     _, state = linear_attention(q, k, v, causal=True, window=4, sinks=1, return_state=True)
     with pytest.raises(LinearAttentionError, match=r"initial_state: a WindowAttentionState \(window=4, sinks=1\)"):
         linear_attention(q, k, v, causal=True, initial_state=state)
+
+
+def test_fit_model_feature_maps_carries_window_and_per_layer_gamma(tmp_path):
+    from types import SimpleNamespace
+
+    from linattn.distill import fit_model_feature_maps, load_feature_maps
+
+    q, k, v = inputs(4, 16, 8, dtype=torch.float32, seed=15)  # 2 layers × 2 heads, stacked as all_heads() gives
+    capture = SimpleNamespace(all_heads=lambda: ([q], [k], [v]), causal=True, scaling=None, num_heads=2,
+                              num_layers=2, model_name="tiny", head_dim=8)
+    fitted = fit_model_feature_maps(capture, steps=3, eval_every=1, window=4, sinks=1, window_factor=True)
+    assert fitted.window == 4 and fitted.sinks == 1 and len(fitted.window_factors) == 2
+    fitted.save(str(tmp_path / "maps.safetensors"))
+    loaded = load_feature_maps(str(tmp_path / "maps.safetensors"))
+    for layer in range(2):
+        options = loaded.window_options(layer)
+        assert options["window"] == 4 and options["sinks"] == 1 and options["window_factor"].shape == (2,)
+        torch.testing.assert_close(options["window_factor"], fitted.window_factors[layer])
+        # the layer's map and γ in a hybrid call: heads 2·layer … 2·layer+1 of the stack
+        out = linear_attention(q[2 * layer : 2 * layer + 2], k[2 * layer : 2 * layer + 2], v[2 * layer : 2 * layer + 2],
+                               feature_map=loaded.maps[layer], causal=True, **options)
+        assert out.shape == (2, 16, 11) and bool(torch.isfinite(out).all())
