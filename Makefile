@@ -8,12 +8,13 @@ TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_VERSION ?= 0.1.2
 
 # The tests whose assertions are about rounding (forms against the float64 definition, causal safety, continuation,
-# state, numerics, speed paths). `make test` runs them a second time with other kernels chosen: one thread instead of
-# the default, ATen's portable (non-vectorised) kernels, and MKL's SSE4.2 code path, so a claim that held only
-# because of this CPU's BLAS or SIMD kernels fails here, not on the next machine.
+# state, numerics, speed paths, the window hybrid, decays, gates and packing). `make test` runs them a second time
+# with other kernels chosen: one thread instead of the default, ATen's portable (non-vectorised) kernels, and MKL's
+# SSE4.2 code path, so a claim that held only because of this CPU's BLAS or SIMD kernels fails here, not on the
+# next machine.
 EXACTNESS_TESTS := tests/test_forms.py tests/test_feature_maps.py tests/test_state.py tests/test_speed_paths.py \
 	tests/test_numerics.py tests/test_seed.py tests/test_properties.py tests/test_learned_maps.py tests/test_nn.py \
-	tests/test_errors.py
+	tests/test_errors.py tests/test_window.py tests/test_decay.py tests/test_decay_gla.py tests/test_packed.py
 OTHER_KERNELS := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2
 
 .PHONY: demo test test-other-kernels lint bench clean

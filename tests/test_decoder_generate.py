@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
@@ -143,12 +141,6 @@ def test_linearize_keeps_attention_options_and_passes_them_on():
     expected = linear_attention(q, k, v, causal=True, eps=0.5)
     torch.testing.assert_close(out.transpose(1, 2), expected)
     assert rel_error(out.transpose(1, 2), linear_attention(q, k, v, causal=True)) > 1e-3  # eps made a difference
-
-
-@pytest.mark.skipif("window" in inspect.signature(linear_attention).parameters, reason="the hybrid has landed")
-def test_window_before_the_hybrid_lands_is_refused():
-    with pytest.raises(LinearAttentionError, match="window"):
-        hf.linearize(tiny_llama(), "elu", window=64)
 
 
 def test_the_state_cache_refuses_a_softmax_model():

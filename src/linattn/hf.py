@@ -230,13 +230,8 @@ def _split_options(options: dict[str, Any], fitted: Any) -> tuple[dict[str, Any]
     attention = {name: options.pop(name) for name in list(options) if name in accepted}
     for name in ("window", "sinks"):
         carried = getattr(fitted, name, None)  # maps fitted with a window in place carry it
-        if name in accepted and name not in attention and carried is not None:
+        if name not in attention and carried is not None:
             attention[name] = carried
-        if name in options:
-            raise LinearAttentionError(
-                f"{name}: this version of linear_attention has no {name}= option (the softmax-window hybrid); "
-                f"leave {name} out, or update linattn"
-            )
     return attention, options
 
 

@@ -136,7 +136,9 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
     start = time.perf_counter()
     model, tokenizer, name = load_model(args.model, causal_lm=True)
     heldout = load_text("heldout") if args.heldout is None else open(args.heldout, encoding="utf-8").read()
-    wanted = args.maps or ["elu", "favor+", "hedgehog"]
+    # hedgehog+window: maps fitted with the window in place (their file carries W and S, so linearize makes them a
+    # hybrid); plain hedgehog rows are fitted without it
+    wanted = args.maps or ["elu", "favor+", "hedgehog"] + (["hedgehog+window"] if has_hybrid() else [])
     result: dict[str, Any] = {
         "model": name, "layers": model.config.num_hidden_layers, "window": args.window, "sinks": args.sinks,
         "passage_tokens": args.passage_tokens, "gap_tokens": args.gap_tokens, "threads": torch.get_num_threads(),
@@ -172,18 +174,20 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
     fitted = None
     configurations: list[tuple[str, Any, dict[str, Any]]] = []
     for map_name in wanted:
-        if map_name == "hedgehog":
+        if map_name in ("hedgehog", "hedgehog+window"):
+            with_window = map_name == "hedgehog+window"
             begin = time.perf_counter()
-            if args.fitted_maps:
+            if args.fitted_maps and not with_window:
                 fitted, fit_tokens = args.fitted_maps, 0
             else:
                 model.set_attn_implementation("sdpa")
-                fitted, fit_tokens = _fit(model, tokenizer, name, args, None)
+                fitted, fit_tokens = _fit(model, tokenizer, name, args, args.window if with_window else None)
                 if args.save_maps:
                     os.makedirs(args.save_maps, exist_ok=True)
-                    fitted.save(os.path.join(args.save_maps, "hedgehog.safetensors"))
-            result["fit_seconds"], result["fit_tokens"] = time.perf_counter() - begin, fit_tokens
-            configurations.append(("hedgehog", fitted, {}))
+                    fitted.save(os.path.join(args.save_maps, f"{map_name.replace('+', '_')}.safetensors"))
+            key = "fit_window_seconds" if with_window else "fit_seconds"
+            result[key], result["fit_tokens"] = time.perf_counter() - begin, fit_tokens
+            configurations.append(("hedgehog fitted with window" if with_window else "hedgehog", fitted, {}))
         else:
             configurations.append((map_name, map_name, {"seed": 0} if map_name == "favor+" else {}))
     if has_hybrid():
@@ -197,7 +201,7 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
         begin = time.perf_counter()
         hf.linearize(model, maps, **options)
         extra: dict[str, Any] = {}
-        if metrics_capture is not None and "window" not in options:
+        if metrics_capture is not None and "window" not in options and not getattr(maps, "window", None):
             per_layer: list[Any] = [m.linattn_feature_map for m in hf.attention_modules(model)]
             metrics = capture_metrics(metrics_capture, per_layer, references=references)
             extra = {"rel_error": metrics["rel_error"], "kl": metrics["kl"]}
