@@ -29,7 +29,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-maps", default=None,
                         help="also write the fitted maps of each learned kind to this folder (safetensors)")
     parser.add_argument("--window", type=int, default=None,
-                        help="also measure the sliding-window hybrid with this window W (docs/window.md)")
-    parser.add_argument("--sinks", type=int, default=0, help="sink tokens kept exact in the hybrid rows")
+                        help="also measure the sliding-window hybrid with this window W (docs/window.md; causal "
+                             "LMs: default 64)")
+    parser.add_argument("--sinks", type=int, default=None,
+                        help="sink tokens kept exact in the hybrid rows (default 0; causal LMs: 4)")
     parser.add_argument("--out", default="out/compare", help="folder for report.md, results.json and plots")
     parser.add_argument("--quiet", action="store_true", help="no table or progress bars")

@@ -335,5 +335,5 @@ def cli(args: Any) -> int:
     run_compare(model=args.model, text=args.text, heldout=args.heldout, out_dir=args.out, maps=args.maps,
                 sweep=tuple(args.sweep), seeds=args.seeds, fit_options=fit_options, long_n=args.long_n,
                 progress=not args.quiet, max_tokens=args.max_tokens, fit_max_tokens=args.fit_max_tokens,
-                fit_orders=args.fit_orders, save_maps=args.save_maps, window=args.window, sinks=args.sinks)
+                fit_orders=args.fit_orders, save_maps=args.save_maps, window=args.window, sinks=args.sinks or 0)
     return 0

@@ -228,6 +228,9 @@ def format_row(row: dict[str, Any]) -> str:
             f"{row['seconds']:>6.0f}")
 
 
+LM_WINDOW, LM_SINKS = 64, 4  # the window rows' defaults: StreamingLLM's 4 sinks, a 64-token window (LoLCATs)
+
+
 def write(result: dict[str, Any], out: str) -> None:
     """results.json and report.md in ``out``."""
     with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
@@ -262,8 +265,8 @@ def add_lm_arguments(parser: Any) -> None:
             parser.add_argument(flag, **options)
 
     add("--lm", action="store_true", help="treat MODEL as a causal LM (detected for smollm2, GGUF, *ForCausalLM)")
-    add("--window", type=int, default=64, help="causal LMs: softmax window of the window rows")
-    add("--sinks", type=int, default=4, help="causal LMs: sink tokens kept exact in the window rows")
+    add("--window", type=int, default=None, help=f"causal LMs: softmax window of the window rows ({LM_WINDOW})")
+    add("--sinks", type=int, default=None, help=f"causal LMs: sink tokens kept exact in the window rows ({LM_SINKS})")
     add("--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="causal LMs: filler tokens")
     add("--passkey-trials", type=int, default=3, help="causal LMs: passkey trials per filler length")
     add("--repeat-trials", type=int, default=4, help="causal LMs: repeated passages")
@@ -275,6 +278,9 @@ def add_lm_arguments(parser: Any) -> None:
 
 
 def cli(args: Any) -> int:
+    # --window/--sinks are shared with the encoder comparison, whose defaults differ (no window, no sinks)
+    args.window = LM_WINDOW if args.window is None else args.window
+    args.sinks = LM_SINKS if args.sinks is None else args.sinks
     if args.passkey_trials < 1 or args.repeat_trials < 1 or args.window < 1 or args.sinks < 0:
         raise LinearAttentionError("--passkey-trials, --repeat-trials, --window: need ≥ 1; --sinks: ≥ 0")
     result = run_lm_compare(args)
