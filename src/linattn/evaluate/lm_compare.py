@@ -109,6 +109,8 @@ def _fit(model: Any, tokenizer: Any, name: str, args: Any, window: int | None) -
         options["window"] = window
         if "sinks" in accepted:
             options["sinks"] = args.sinks
+        if getattr(args, "gamma", False):  # LoLCATs' per-head factor on the window, fitted with the maps
+            options["window_factor"] = True
     return fit_model_feature_maps(capture, kind="hedgehog", **options), capture.num_tokens
 
 
@@ -187,7 +189,8 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
                     fitted.save(os.path.join(args.save_maps, f"{map_name.replace('+', '_')}.safetensors"))
             key = "fit_window_seconds" if with_window else "fit_seconds"
             result[key], result["fit_tokens"] = time.perf_counter() - begin, fit_tokens
-            configurations.append(("hedgehog fitted with window" if with_window else "hedgehog", fitted, {}))
+            label = "hedgehog fitted with window" + (" (γ)" if args.gamma else "") if with_window else "hedgehog"
+            configurations.append((label, fitted, {}))
         else:
             configurations.append((map_name, map_name, {"seed": 0} if map_name == "favor+" else {}))
     if has_hybrid():
@@ -275,6 +278,8 @@ def add_lm_arguments(parser: Any) -> None:
     add("--fitted-maps", default=None, help="causal LMs: hedgehog maps saved earlier (skip the fit)")
     add("--no-metrics", action="store_true", help="causal LMs: skip the per-head rel. error / KL")
     add("--no-baselines", action="store_true", help="causal LMs: skip the softmax and window+sinks rows")
+    add("--gamma", action="store_true",
+        help="causal LMs: fit hedgehog+window with LoLCATs' per-head factor γ instead of the mass-preserving window")
 
 
 def cli(args: Any) -> int:
