@@ -257,9 +257,11 @@ def _worker(rank: int, directory: str) -> None:
     """All 4 processes run the 4-rank cases; ranks 0 and 1 first run the 2-rank cases in a group of their own."""
     global GROUP, EXAMPLE_GROUPS
     torch.set_num_threads(1)
-    # every collective raises after 60 s instead of blocking (ranks 2 and 3 wait for 0 and 1 in their first one)
+    # every collective raises after 300 s instead of blocking. Ranks 2 and 3 wait in their first collective until 0
+    # and 1 finish the 2-rank cases: ~30 s on a quiet machine, but over 60 s on a first run in a fresh clone (a
+    # shorter limit there made ranks 2 and 3 time out, move on and tear down under ranks 0 and 1: gloo aborted)
     dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=4,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=300))
     pairs = [dist.new_group([0, 1]) for _ in range(3)]  # collective: every rank creates them, in the same order
     try:
         for world in (2, 4):
@@ -280,7 +282,10 @@ def _worker(rank: int, directory: str) -> None:
             with open(os.path.join(directory, f"world{world}_rank{rank}.json"), "w") as handle:
                 json.dump(results, handle)
     finally:
-        dist.destroy_process_group()
+        try:
+            dist.barrier()  # no rank tears its connections down while another still uses them
+        finally:
+            dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
