@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 
 from ..state import LinearAttentionState, WindowAttentionState
-from . import causal_fn
+from . import causal_fn, window_fast
 from ._common import NEG_INF, finalize, scale_between
 from .window_band import Band, Sinks, band_sums, rows_like
 
@@ -75,18 +75,24 @@ class Hybrid:
         return torch.exp(logs - finite.unsqueeze(-1))
 
     def combine(
-        self, lin: tuple[torch.Tensor, torch.Tensor], exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+        self, lin: tuple[torch.Tensor, torch.Tensor],
+        exact: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
         c: torch.Tensor | None, r: torch.Tensor | None,
     ) -> torch.Tensor:
         """The output from the linear (num, den) and the exact part's (num, den, mass), per the module docstring."""
         lin_num, lin_den = lin
         win_num, win_den, mass = exact
-        if self.factor is None:
+        if self.factor is None and win_den is None:  # the window part already normalised (window_fast)
             assert mass is not None
+            num = torch.addcmul(lin_num, mass.unsqueeze(-1), win_num)
+            den = lin_den + mass
+        elif self.factor is None:
+            assert mass is not None and win_den is not None
             share = mass / torch.where(win_den == 0, torch.ones_like(win_den), win_den)  # (..., N)
             num = lin_num + share.unsqueeze(-1) * win_num
             den = lin_den + mass
         else:
+            assert win_den is not None
             gamma = self.factor.unsqueeze(-1)  # per head: (..., 1) against rows (..., N)
             if c is not None and r is not None:
                 scale = c + torch.where(r == NEG_INF, 0.0, r)  # linear part's true scale: stored·e^{c+R}
@@ -249,7 +255,7 @@ def causal_window_chunked(
     ext_v = torch.cat([rows_like(v, zeros, 0.0), state.values[..., :taken, :], v[..., : n - early, :]], dim=-2)
     if sinks and n0 - window < sinks:
         is_sink = (n0 - window + torch.arange(n, device=q.device)) < sinks  # (N,)
-        ext = ext.masked_fill(is_sink.unsqueeze(-1), fill)
+        ext.masked_fill_(is_sink.unsqueeze(-1), fill)  # ext is a fresh copy
     lin_num, lin_den, linear = shifted_linear(hybrid, qf, ext, ext_v, r, state.linear, chunk_size)
 
     # exact part: query i sees keys n0 + i − W' + 1 … n0 + i (W' = W capped at what exists) as a band
@@ -257,38 +263,56 @@ def causal_window_chunked(
     width = min(window, before + n)
     front = width - 1 - before
     ring_from = ring_len - before
-    band_keys = [rows_like(k, front, 0.0), state.keys[..., ring_from:, :], k]
-    band_values = [rows_like(v, front, 0.0), state.values[..., ring_from:, :], v]
-    band_keep = None
-    if padded:
-        band_keep = torch.cat([keep.new_zeros(*keep.shape[:-1], front), state.keep[..., ring_from:], keep], dim=-1)
-    band_features = band_scales = None
-    if hybrid.factor is None:
-        ring_at = start.unsqueeze(-1).expand(*start.shape, front + before) if start is not None else None
-        old = hybrid.stored(torch.cat([rows_like(logs, front, fill), ring_logs[..., ring_from:, :]], dim=-2), ring_at)
-        band_features = torch.cat([old, hybrid.stored(logs, r)], dim=-2)
-        if r is not None and ring_at is not None:
-            band_scales = torch.cat([ring_at, r], dim=-1)
-    band = Band(band_keys, band_values, band_keep, front, band_features, band_scales, width - 1, n)
-
-    sink = None
     fresh = min(n, max(0, sinks - n0))  # sink tokens in this call
+    sink_mask = None
     if sink_len + fresh and n0 + n - 1 - window >= 0:
         positions = torch.arange(sink_len + fresh, device=q.device)
         sees = positions <= (n0 + torch.arange(n, device=q.device) - window).unsqueeze(-1)  # (N, S)
-        sink_keep = torch.cat([state.sink_keep, keep[..., :fresh]], dim=-1)
-        mask = sees & sink_keep.unsqueeze(-2)  # (..., N, S)
-        features = scales = None
-        if hybrid.factor is None:
-            at = None
-            if start is not None and r is not None:
-                scales = at = torch.cat([start.unsqueeze(-1).expand(*start.shape, sink_len), r[..., :fresh]], -1)
-            features = hybrid.stored(torch.cat([sink_logs, logs[..., :fresh, :]], dim=-2), at)
-        sink = Sinks(
-            torch.cat([state.sink_keys, k[..., :fresh, :]], dim=-2),
-            torch.cat([state.sink_values, v[..., :fresh, :]], dim=-2), mask, features, scales,
+        sink_mask = sees & torch.cat([state.sink_keep, keep[..., :fresh]], dim=-1).unsqueeze(-2)  # (..., N, S)
+    if not padded and (hybrid.factor is not None or r is None):  # the banded Function (window_fast), both forms
+
+        def prefix(x: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:  # the band's rows before this call's
+            return torch.cat([rows_like(x, front, 0.0), ring[..., ring_from:, :]], dim=-2)  # (..., W'−1, ·)
+
+        # ordinary maps: the mass form's features are the keys' features as they are
+        features = (qf, prefix(logs, ring_logs), logs) if hybrid.factor is None else None
+        sink_parts = None
+        if sink_mask is not None:
+            sink_parts = (state.sink_keys, state.sink_values, sink_logs, sink_mask, fresh)
+        exact = window_fast.exact_part(
+            q, hybrid.scale, hybrid.factor is None, (prefix(k, state.keys), k), (prefix(v, state.values), v),
+            features, window_fast.tile_size(width - 1), width - 1, front, sink_parts,
         )
-    out = hybrid.combine((lin_num, lin_den), hybrid.exact_part(q, qf, r, band, sink), c, r)
+    else:  # padding, or the mass form with keys at their own log-scales: the band gathered in full
+        sink = None
+        if sink_mask is not None:
+            sink_features = sink_scales = None
+            if hybrid.factor is None:
+                at = None
+                if start is not None and r is not None:
+                    at = torch.cat([start.unsqueeze(-1).expand(*start.shape, sink_len), r[..., :fresh]], -1)
+                    sink_scales = at
+                sink_features = hybrid.stored(torch.cat([sink_logs, logs[..., :fresh, :]], dim=-2), at)
+            sink = Sinks(
+                torch.cat([state.sink_keys, k[..., :fresh, :]], dim=-2),
+                torch.cat([state.sink_values, v[..., :fresh, :]], dim=-2), sink_mask, sink_features, sink_scales,
+            )
+        band_keys = [rows_like(k, front, 0.0), state.keys[..., ring_from:, :], k]
+        band_values = [rows_like(v, front, 0.0), state.values[..., ring_from:, :], v]
+        band_keep = None
+        if padded:
+            band_keep = torch.cat([keep.new_zeros(*keep.shape[:-1], front), state.keep[..., ring_from:], keep], dim=-1)
+        band_features = band_scales = None
+        if hybrid.factor is None:
+            ring_at = start.unsqueeze(-1).expand(*start.shape, front + before) if start is not None else None
+            old = torch.cat([rows_like(logs, front, fill), ring_logs[..., ring_from:, :]], dim=-2)
+            old = hybrid.stored(old, ring_at)
+            band_features = torch.cat([old, hybrid.stored(logs, r)], dim=-2)
+            if r is not None and ring_at is not None:
+                band_scales = torch.cat([ring_at, r], dim=-1)
+        band = Band(band_keys, band_values, band_keep, front, band_features, band_scales, width - 1, n)
+        exact = hybrid.exact_part(q, qf, r, band, sink)
+    out = hybrid.combine((lin_num, lin_den), exact, c, r)
     return out, next_state(state, linear, k, v, keep)
 
 
@@ -321,17 +345,30 @@ def noncausal_window_chunked(
         dens.append(den.flip(-1) if flip else den)
     width = min(window, n)
     front = width - 1
-    band = Band(
-        [rows_like(k, front, 0.0), k], [rows_like(v, front, 0.0), v],
-        torch.cat([keep.new_zeros(*keep.shape[:-1], front), keep], dim=-1) if padded else None, front,
-        torch.cat([rows_like(features, front, 0.0), features], dim=-2), None, 2 * front, n,
-    )
-    sink = None
     count = min(sinks, n)
+    sink_mask = None
     if count:
         positions = torch.arange(n, device=q.device)
         outside = (positions.unsqueeze(-1) - positions[:count]).abs() >= window  # (N, S)
-        sink = Sinks(k[..., :count, :], v[..., :count, :], outside & keep[..., :count].unsqueeze(-2),
-                     features[..., :count, :], None)
-    exact = hybrid.exact_part(q, qf, None, band, sink)
+        sink_mask = outside & keep[..., :count].unsqueeze(-2)
+    if not padded:  # the banded Function (window_fast); every key at one scale, so its features serve the mass
+        zero = (rows_like(k, front, 0.0), rows_like(v, front, 0.0), rows_like(features, front, 0.0))
+        sink_parts = None
+        if sink_mask is not None:  # all sinks are this call's first keys
+            sink_parts = (k[..., :0, :], v[..., :0, :], features[..., :0, :], sink_mask, count)
+        exact = window_fast.exact_part(
+            q, hybrid.scale, hybrid.factor is None, (zero[0], k), (zero[1], v),
+            (qf, zero[2], features) if hybrid.factor is None else None, window_fast.tile_size(2 * front), 2 * front,
+            front, sink_parts,
+        )
+    else:
+        band = Band(
+            [rows_like(k, front, 0.0), k], [rows_like(v, front, 0.0), v],
+            torch.cat([keep.new_zeros(*keep.shape[:-1], front), keep], dim=-1), front,
+            torch.cat([rows_like(features, front, 0.0), features], dim=-2), None, 2 * front, n,
+        )
+        sink = None
+        if sink_mask is not None:
+            sink = Sinks(k[..., :count, :], v[..., :count, :], sink_mask, features[..., :count, :], None)
+        exact = hybrid.exact_part(q, qf, None, band, sink)
     return hybrid.combine((nums[0] + nums[1], dens[0] + dens[1]), exact, c, r)

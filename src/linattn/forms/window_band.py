@@ -14,6 +14,11 @@ def rows_like(like: torch.Tensor, rows: int, value: float) -> torch.Tensor:
     return like.new_full((*like.shape[:-2], rows, like.shape[-1]), value)
 
 
+def band_size(width: int) -> int:
+    """The query block C of a band of width B: B rounded up to a multiple of MIN_BAND_BLOCK (so B ≤ C)."""
+    return -(-max(width, MIN_BAND_BLOCK) // MIN_BAND_BLOCK) * MIN_BAND_BLOCK
+
+
 def band_sums(rows: torch.Tensor, length: int, n: int) -> torch.Tensor:
     """Σ_{y=i}^{i+length−1} rows_y for i < n, (..., Ny, F) → (..., n, F), without subtracting prefix sums (which
     would cancel): in blocks of ``length``, a window is a suffix of its first block plus a prefix of the next."""
@@ -40,7 +45,7 @@ class Band:
     ) -> None:
         """``keys``, ``values``: the key sequence's rows in pieces (joined once, with the padding)."""
         self.width = width
-        self.size = size = -(-max(width, MIN_BAND_BLOCK) // MIN_BAND_BLOCK) * MIN_BAND_BLOCK
+        self.size = size = band_size(width)
         self.blocks = blocks = -(-num_queries // size)
         rows = sum(piece.shape[-2] for piece in keys)
         self.pad = (blocks + 1) * size - rows
