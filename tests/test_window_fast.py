@@ -1,0 +1,91 @@
+"""The hybrid's banded exact-part Function (forms/window_fast.py) on the shapes the small cases of test_window.py do
+not reach: bands over three key blocks, several cache groups with tiles overlapping at their edges, sinks carried in
+a state, and its hand-written backward (gradcheck). The reference is test_window.py's float64 N×N definition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linattn import linear_attention
+from linattn.forms import window_fast
+from test_window import elu1, hybrid_reference, inputs
+
+
+@pytest.fixture
+def small_groups(monkeypatch):
+    # one or two query blocks per group, so that gradients of keys shared by two groups add up across the loop
+    monkeypatch.setattr(window_fast, "GROUP_ELEMENTS", 1)
+    yield
+    monkeypatch.undo()
+
+
+@pytest.mark.parametrize("factor", [None, 0.7], ids=["mass", "gamma"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize(("n", "window", "sinks"), [(150, 40, 3), (70, 17, 0), (50, 64, 2)],
+                         ids=["W40-three-blocks", "W17-no-sinks", "W>=N"])
+def test_band_function_matches_reference(n, window, sinks, causal, factor, small_groups):
+    q, k, v = inputs(1, 2, n, 8, seed=20)
+    expected = hybrid_reference(q, k, v, elu1, elu1, window=window, sinks=sinks, causal=causal, factor=factor)
+    out = linear_attention(q, k, v, causal=causal, window=window, sinks=sinks, window_factor=factor, chunk_size=16)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("factor", [None, 0.7], ids=["mass", "gamma"])
+def test_band_function_gradients_through_a_carried_state(factor, small_groups):
+    # ring keys and sink keys reach the second call through the state: their gradients must flow back to the first
+    q, k, v = inputs(1, 2, 90, 8, seed=21)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected = hybrid_reference(*leaves, elu1, elu1, window=33, sinks=3, causal=True, factor=factor)
+    expected.square().sum().backward()
+    reference_grads = [x.grad for x in leaves]
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    options = {"causal": True, "window": 33, "sinks": 3, "window_factor": factor, "chunk_size": 8}
+    first, state = linear_attention(*(x[..., :41, :] for x in leaves), return_state=True, **options)
+    second = linear_attention(*(x[..., 41:, :] for x in leaves), initial_state=state, **options)
+    torch.testing.assert_close(torch.cat([first, second], -2), expected.detach(), rtol=1e-10, atol=1e-10)
+    torch.cat([first, second], -2).square().sum().backward()
+    for got, want in zip((x.grad for x in leaves), reference_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("factor", [None, "tensor"], ids=["mass", "gamma"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_band_function_gradcheck(causal, factor, small_groups):
+    # ordinary map (elu): the mass comes from the Function too; W = 18 > 16 → query blocks of 32 over two key blocks
+    q, k, v = inputs(1, 1, 40, 4, seed=22)
+    gamma = torch.tensor([1.3], dtype=torch.float64, requires_grad=True) if factor else None
+    leaves = [x.requires_grad_() for x in (q, k, v)] + ([gamma] if gamma is not None else [])
+
+    def run(*args):
+        g = args[3] if len(args) > 3 else None
+        return linear_attention(args[0], args[1], args[2], causal=causal, window=18, sinks=2, window_factor=g,
+                                chunk_size=8)
+
+    assert torch.autograd.gradcheck(run, leaves, eps=1e-6, atol=1e-7)
+
+
+def test_band_function_is_used_and_keeps_no_band_sized_tensor():
+    # the fast path must be the one that runs without padding, and its autograd graph must hold O(N·D) tensors
+    # only: every saved tensor of the hybrid's graph has at most N·max(D, Dv, F) elements per batch×head row
+    q, k, v = inputs(1, 2, 256, 8, seed=23)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    saved: list[torch.Tensor] = []
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        saved.append(x)
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = linear_attention(*leaves, causal=True, window=64, sinks=4)
+    names = set()
+    node, todo = out.grad_fn, [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node.name() in names:
+            continue
+        names.add(node.name())
+        todo.extend(next_fn for next_fn, _ in node.next_functions)
+    assert "BandSoftmaxBackward" in names
+    limit = 2 * 256 * (8 + 3)  # B·H rows × N × max(D, Dv): the inputs' own size
+    assert max(x.numel() for x in saved) <= limit
