@@ -89,3 +89,20 @@ def test_band_function_is_used_and_keeps_no_band_sized_tensor():
     assert "BandSoftmaxBackward" in names
     limit = 2 * 256 * (8 + 3)  # B·H rows × N × max(D, Dv): the inputs' own size
     assert max(x.numel() for x in saved) <= limit
+
+
+def test_mass_combine_matches_the_quadratic_form_with_a_clamped_denominator():
+    # min_denom clamps the first rows' denominators (elu features: den grows with t): the fused combine must give
+    # the quadratic form's values and gradients there too (∂L/∂den is 0 where the clamp holds)
+    q, k, v = inputs(1, 2, 60, 8, seed=24)
+    results = []
+    for form in ("parallel", "chunked"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = linear_attention(*leaves, causal=True, window=8, sinks=2, form=form, chunk_size=16, min_denom=20.0)
+        out.square().sum().backward()
+        results.append([out.detach()] + [x.grad for x in leaves])
+    # the mass form's denominator is plain causal linear attention's: Σ_{j≤t} φ(q_t)·φ(k_j)
+    den = (elu1(q) @ elu1(k).transpose(-1, -2)).tril().sum(-1)
+    assert bool((den < 20).any()) and bool((den > 20).any())  # the clamp holds on some rows and not on others
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

@@ -287,9 +287,11 @@ class CausalChunkedFunction(torch.autograd.Function):
                 out[..., start:end, :] = num
         scales = torch.stack(block_scales, -1) if ref is not None else None  # type: ignore[arg-type]
         final = torch.cat([state[0], state[1].unsqueeze(-1)], dim=-1)  # (..., F, Dv+1)
+        # unnormalised: num and den are outputs whose gradients pass straight through, so backward needs neither
+        saved_out, saved_denom = (None, None) if unnormalised else (out, denom)
         ctx.save_for_backward(
-            q, k, v, ref, state0, scale0, out, denom, torch.stack(block_kv, -3), torch.stack(block_z, -2), scales,
-            final,
+            q, k, v, ref, state0, scale0, saved_out, saved_denom, torch.stack(block_kv, -3), torch.stack(block_z, -2),
+            scales, final,
         )
         ctx.options = (size, block, normalize, min_denom, starts, unnormalised)
         ctx.set_materialize_grads(False)
@@ -311,7 +313,7 @@ class CausalChunkedFunction(torch.autograd.Function):
         q, k, v, ref, state0, scale0, out, denom, block_kv, block_z, block_scales, final = ctx.saved_tensors
         size, block, normalize, min_denom, starts, unnormalised = ctx.options
         if unnormalised and grad_denom is None:
-            grad_denom = torch.zeros_like(denom)
+            grad_denom = q.new_zeros(q.shape[:-1])
         values = v.shape[-1]
         # ∂L/∂(S, z) leaving the current block, walking backwards
         grad_state = (
@@ -320,7 +322,7 @@ class CausalChunkedFunction(torch.autograd.Function):
         )
         grad_final = torch.cat([grad_state[0], grad_state[1].unsqueeze(-1)], dim=-1)
         if grad_out is None:
-            grad_out = torch.zeros_like(out)
+            grad_out = q.new_zeros(*q.shape[:-1], values)
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for index in reversed(range(len(starts))):
             start = starts[index]

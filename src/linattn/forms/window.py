@@ -84,9 +84,8 @@ class Hybrid:
         win_num, win_den, mass = exact
         if self.factor is None and win_den is None:  # the window part already normalised (window_fast)
             assert mass is not None
-            num = torch.addcmul(lin_num, mass.unsqueeze(-1), win_num)
-            den = lin_den + mass
-        elif self.factor is None:
+            return window_fast.MassCombine.apply(lin_num, lin_den, win_num, mass, self.eps, self.min_denom)
+        if self.factor is None:
             assert mass is not None and win_den is not None
             share = mass / torch.where(win_den == 0, torch.ones_like(win_den), win_den)  # (..., N)
             num = lin_num + share.unsqueeze(-1) * win_num
