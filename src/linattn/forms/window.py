@@ -36,7 +36,7 @@ import torch
 from ..state import LinearAttentionState, WindowAttentionState
 from . import causal_fn, window_fast
 from ._common import NEG_INF, finalize, scale_between
-from .window_band import Band, Sinks, band_sums, rows_like
+from .window_band import Band, ShiftRows, Sinks, band_sums, rows_like
 
 Features = Callable[[torch.Tensor, bool], torch.Tensor]  # (x, is_query) → φ(x), or log φ(x) for log-space maps
 
@@ -186,7 +186,7 @@ def empty_linear(
 
 
 def _empty_rows(like: torch.Tensor) -> torch.Tensor:
-    return like[..., :0, :]
+    return like.new_zeros(*like.shape[:-2], 0, like.shape[-1])  # not a view: nothing to differentiate
 
 
 def empty_window_state(
@@ -237,7 +237,11 @@ def causal_window_chunked(
     if state is None:
         state = empty_window_state(hybrid, k, v, logs_all.shape[-1])
     n0, ring_len, sink_len = state.num_tokens, state.keys.shape[-2], state.sink_keys.shape[-2]
-    sink_logs, ring_logs, logs = logs_all.split([sink_len, ring_len, n], dim=-2)
+    if sink_len + ring_len:
+        sink_logs, ring_logs, logs = logs_all.split([sink_len, ring_len, n], dim=-2)
+    else:  # no buffers: no split (its backward would join the gradients in a full copy)
+        sink_logs = ring_logs = logs_all[..., :0, :].detach()
+        logs = logs_all
     start = r = None
     if hybrid.log_space:
         start = state.linear.shift  # (...): ≥ log φ of every earlier key, and of the buffers (recomputed here)
@@ -250,11 +254,12 @@ def causal_window_chunked(
     early = min(window, n)
     zeros = min(early, window - ring_len)
     taken = early - zeros
-    ext = torch.cat([rows_like(logs, zeros, fill), ring_logs[..., :taken, :], logs[..., : n - early, :]], dim=-2)
-    ext_v = torch.cat([rows_like(v, zeros, 0.0), state.values[..., :taken, :], v[..., : n - early, :]], dim=-2)
+    blank = None
     if sinks and n0 - window < sinks:
-        is_sink = (n0 - window + torch.arange(n, device=q.device)) < sinks  # (N,)
-        ext.masked_fill_(is_sink.unsqueeze(-1), fill)  # ext is a fresh copy
+        blank = torch.arange(min(n, sinks + window - n0), device=q.device)  # rows n0 − W + i < S hold sinks
+    head = torch.cat([rows_like(logs, zeros, fill), ring_logs[..., :taken, :]], dim=-2)
+    ext = ShiftRows.apply(head, logs, blank, fill)
+    ext_v = ShiftRows.apply(torch.cat([rows_like(v, zeros, 0.0), state.values[..., :taken, :]], dim=-2), v, None, 0.0)
     lin_num, lin_den, linear = shifted_linear(hybrid, qf, ext, ext_v, r, state.linear, chunk_size)
 
     # exact part: query i sees keys n0 + i − W' + 1 … n0 + i (W' = W capped at what exists) as a band

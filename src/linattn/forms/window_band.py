@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ._common import NEG_INF
@@ -87,3 +89,38 @@ class Sinks:
         scales: torch.Tensor | None,
     ) -> None:
         self.keys, self.values, self.mask, self.features, self.scales = keys, values, mask, features, scales
+
+
+class ShiftRows(torch.autograd.Function):
+    """[head; x[..., :N−E, :]] with rows ``blank`` (indices, or None) set to ``fill``: head (..., E, D) are the rows
+    before x's first (E ≤ N). The hybrid's linear part reads its keys and values shifted so; this makes the shifted
+    copy in one pass and its gradient in one (autograd's slice of x would first zero a buffer of x's size)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, head: torch.Tensor, x: torch.Tensor, blank: torch.Tensor | None, fill: float
+    ) -> torch.Tensor:
+        early, n = head.shape[-2], x.shape[-2]
+        out = torch.cat([head, x[..., : n - early, :]], dim=-2)  # (..., N, D)
+        if blank is not None:
+            out.index_fill_(-2, blank, fill)
+        ctx.save_for_backward(blank)
+        ctx.early = early
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (blank,) = ctx.saved_tensors
+        early, n = ctx.early, grad.shape[-2]
+        if blank is not None:  # few rows (the sinks): zero them in a copy of the small head and in place below
+            grad = grad.index_fill(-2, blank[blank < early], 0.0) if bool((blank < early).any()) else grad
+        grad_head = grad[..., :early, :] if ctx.needs_input_grad[0] else None
+        grad_x = None
+        if ctx.needs_input_grad[1]:
+            grad_x = torch.empty_like(grad)
+            grad_x[..., : n - early, :] = grad[..., early:, :]
+            grad_x[..., n - early :, :] = 0.0
+            if blank is not None and bool((blank >= early).any()):
+                grad_x.index_fill_(-2, blank[blank >= early] - early, 0.0)
+        return grad_head, grad_x, None, None
