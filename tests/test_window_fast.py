@@ -22,13 +22,22 @@ def small_groups(monkeypatch):
 
 @pytest.mark.parametrize("factor", [None, 0.7], ids=["mass", "gamma"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
-@pytest.mark.parametrize(("n", "window", "sinks"), [(150, 40, 3), (70, 17, 0), (50, 64, 2)],
-                         ids=["W40-three-blocks", "W17-no-sinks", "W>=N"])
+@pytest.mark.parametrize(("n", "window", "sinks"), [(150, 40, 3), (70, 17, 0), (50, 64, 2), (300, 20, 2)],
+                         ids=["W40-three-blocks", "W17-no-sinks", "W>=N", "W20-interior"])
 def test_band_function_matches_reference(n, window, sinks, causal, factor, small_groups):
+    # values and gradients; the W40 (causal) and W20 cases have blocks whose keys lie wholly in this call's keys
+    # (the strided-view tiles) besides the gathered ones at the ends
     q, k, v = inputs(1, 2, n, 8, seed=20)
-    expected = hybrid_reference(q, k, v, elu1, elu1, window=window, sinks=sinks, causal=causal, factor=factor)
-    out = linear_attention(q, k, v, causal=causal, window=window, sinks=sinks, window_factor=factor, chunk_size=16)
-    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected = hybrid_reference(*leaves, elu1, elu1, window=window, sinks=sinks, causal=causal, factor=factor)
+    expected.square().sum().backward()
+    reference_grads = [x.grad for x in leaves]
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = linear_attention(*leaves, causal=causal, window=window, sinks=sinks, window_factor=factor, chunk_size=16)
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-10, atol=1e-10)
+    out.square().sum().backward()
+    for got, want in zip((x.grad for x in leaves), reference_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
 
 
 @pytest.mark.parametrize("factor", [None, 0.7], ids=["mass", "gamma"])

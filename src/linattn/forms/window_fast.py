@@ -45,6 +45,7 @@ def tile_size(width: int) -> int:
     return 16 if width <= 16 else TILE
 
 Pair = tuple[torch.Tensor, torch.Tensor]
+Tile = tuple[int | None, int, int]  # (batch×head row, or None for all rows at once; first block; number of blocks)
 
 
 def rows(prefix: torch.Tensor, main: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -60,83 +61,120 @@ def rows(prefix: torch.Tensor, main: torch.Tensor, lo: int, hi: int) -> torch.Te
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1)
 
 
-def _blocks(x: torch.Tensor, first: int, count: int, size: int) -> torch.Tensor:
-    """Rows of query blocks first … first+count−1 of x (R, N, ·), zero past the end: (R, count, C, ·)."""
-    part = x[:, first * size : (first + count) * size]
-    missing = count * size - part.shape[1]
-    if missing:
-        part = torch.cat([part, part.new_zeros(part.shape[0], missing, part.shape[2])], 1)
-    return part.unflatten(1, (count, size))
+def _add_rows(prefix: torch.Tensor, main: torch.Tensor, lo: int, x: torch.Tensor) -> None:
+    """The inverse of :func:`rows`: adds x (R, L, D) to rows lo … lo+L−1 of [prefix; main] (rows past: dropped)."""
+    p, total, hi = prefix.shape[1], prefix.shape[1] + main.shape[1], lo + x.shape[1]
+    if lo < p:
+        prefix[:, lo : min(hi, p)] += x[:, : min(hi, p) - lo]
+    if hi > p and lo < total:
+        main[:, max(lo, p) - p : min(hi, total) - p] += x[:, max(lo, p) - lo : min(hi, total) - lo]
 
 
 class _Layout:
-    """The geometry of one call — band, empty rows, sinks — and each group's tiles, shared by forward and backward."""
+    """The geometry of one call — band, empty rows, sinks — and the tiles of queries and keys, for both passes.
+
+    A tile is a run of query blocks of one batch×head row r whose keys all lie in this call's keys (the interior:
+    its key tiles are overlapping strided views, no copy), or of all rows at once (the few blocks at the two ends,
+    whose keys are gathered from the prefix, this call's keys and the empty rows past the end)."""
 
     def __init__(
-        self, q: torch.Tensor, size: int, width: int, front: int, num_keys: int, sink_mask: torch.Tensor | None,
-        scale: float,
+        self, q: torch.Tensor, size: int, width: int, front: int, prefix: int, num_keys: int,
+        sink_mask: torch.Tensor | None,
     ) -> None:
         self.spans = spans = 1 + -(-width // size)  # key blocks per query block: B ≤ (spans − 1)·C
         local = torch.arange(spans * size, device=q.device) - torch.arange(size, device=q.device).unsqueeze(-1)
         in_band = (local >= 0) & (local <= width)  # (C, m·C)
         self.bias = torch.zeros(in_band.shape, dtype=q.dtype, device=q.device).masked_fill_(~in_band, NEG_INF)
         self.ones = in_band.to(q.dtype)
-        self.size, self.front, self.num_keys, self.scale = size, front, num_keys, scale
+        self.size, self.front, self.prefix, self.num_keys = size, front, prefix, num_keys
         self.sink_mask = sink_mask  # (R, N, S) or None
-        self.n = q.shape[1]
-        self.blocks = -(-self.n // size)
+        self.rows, self.n = q.shape[0], q.shape[1]
+        self.blocks = blocks = -(-self.n // size)
         columns = spans * size + (sink_mask.shape[-1] if sink_mask is not None else 0)
-        self.group = max(1, GROUP_ELEMENTS // (q.shape[0] * size * columns))
+        group = max(1, GROUP_ELEMENTS // (size * columns))  # blocks per tile of one row
+        inner_from = min(blocks, -(-prefix // size))  # key rows of block b: b·C … (b+m)·C − 1, prefix first
+        inner_to = max(inner_from, min(blocks, num_keys // size - spans + 1))
+        edge = max(1, group // self.rows)
+        self.tiles: list[Tile] = []
+        for lo, hi in ((0, inner_from), (inner_to, blocks)):
+            self.tiles += [(None, first, min(edge, hi - first)) for first in range(lo, hi, edge)]
+        for r in range(self.rows):
+            self.tiles += [(r, first, min(group, inner_to - first)) for first in range(inner_from, inner_to, group)]
 
-    def keys(self, prefix: torch.Tensor, main: torch.Tensor, sinks: torch.Tensor | None, first: int, count: int
-             ) -> torch.Tensor:
-        """The tile's keys for blocks first …: key blocks b … b+m−1, then the sinks: (R, count, m·C + S, ·)."""
+    def queries(self, x: torch.Tensor, tile: Tile) -> torch.Tensor:
+        """Rows of the tile's query blocks of x (R, N, ·): (G, C, ·) for one row, (R, G, C, ·) zero-padded for all."""
+        r, first, count = tile
+        size = self.size
+        if r is not None:
+            return x[r, first * size : (first + count) * size].unflatten(0, (count, size))
+        part = x[:, first * size : (first + count) * size]
+        missing = count * size - part.shape[1]
+        if missing:
+            part = torch.cat([part, part.new_zeros(part.shape[0], missing, part.shape[2])], 1)
+        return part.unflatten(1, (count, size))
+
+    def put(self, target: torch.Tensor, tile: Tile, value: torch.Tensor) -> None:
+        """Writes a tile's per-query rows (…, G, C, ·) into target (R, ≥ blocks·C, ·)."""
+        r, first, count = tile
+        span = slice(first * self.size, (first + count) * self.size)
+        if r is None:
+            target[:, span] = value.flatten(1, 2)
+        else:
+            target[r, span] = value.flatten(0, 1)
+
+    def keys(self, prefix: torch.Tensor, main: torch.Tensor, tile: Tile) -> torch.Tensor:
+        """The tile's key-side rows: key blocks b … b+m−1 of each of its query blocks, (…, G, m·C, ·)."""
+        r, first, count = tile
         size, spans = self.size, self.spans
+        if r is not None:  # an overlapping view: tile b starts C rows after tile b−1
+            row, dim = main[r], main.shape[2]  # (N, D), contiguous
+            offset = row.storage_offset() + (first * size - self.prefix) * dim
+            return row.as_strided((count, spans * size, dim), (size * dim, dim, 1), offset)
         joined = rows(prefix, main, first * size, (first + count + spans - 1) * size)
         joined = joined.unflatten(1, (count + spans - 1, size))  # (R, G + m − 1, C, ·)
-        pieces = [joined[:, j : j + count] for j in range(spans)]
-        if sinks is not None:
-            pieces.append(sinks.unsqueeze(1).expand(-1, count, -1, -1))
-        return torch.cat(pieces, dim=2)
+        return torch.cat([joined[:, j : j + count] for j in range(spans)], dim=2)
 
-    def sink_blocks(self, first: int, count: int) -> torch.Tensor:
-        assert self.sink_mask is not None
-        return _blocks(self.sink_mask, first, count, self.size)  # (R, G, C, S), False on padded rows
+    def add_keys(self, grad: Pair, tile: Tile, tiles: torch.Tensor) -> None:
+        """The inverse of :meth:`keys`: adds a tile's key-side gradient (…, G, m·C, ·) into ∂L/∂(prefix, main)."""
+        r, first, count = tile
+        size = self.size
+        for j in range(self.spans):
+            part = tiles[..., j * size : (j + 1) * size, :]
+            if r is None:
+                _add_rows(*grad, (first + j) * size, part.flatten(1, 2))
+            else:
+                start = (first + j) * size - self.prefix
+                grad[1][r, start : start + count * size].view(count, size, -1).add_(part)
 
-    def scores(self, qg: torch.Tensor, kg: torch.Tensor, first: int) -> torch.Tensor:
-        """Scaled queries (R, G, C, D) against their tile's keys (R, G, m·C + S, D) → masked scores."""
-        count, columns = qg.shape[1], self.spans * self.size
-        scores = torch.matmul(qg, kg.transpose(-1, -2))  # (R, G, C, m·C + S)
-        band = scores[..., :columns]
-        band.add_(self.bias)
-        if first * self.size < self.front or (first + count + self.spans - 1) * self.size > self.num_keys:
-            # empty rows lie only at the two ends
+    def scores(self, qg: torch.Tensor, kg: torch.Tensor, tile: Tile) -> torch.Tensor:
+        """Scaled queries (…, G, C, D) against their band keys (…, G, m·C, D) → masked scores (…, G, C, m·C)."""
+        r, first, count = tile
+        scores = torch.matmul(qg, kg.transpose(-1, -2)).add_(self.bias)
+        if r is None and (first * self.size < self.front or (first + count + self.spans - 1) * self.size
+                          > self.num_keys):  # the empty rows, at the two ends only
             row = (first + torch.arange(count, device=qg.device)).unsqueeze(-1) * self.size
-            row = row + torch.arange(columns, device=qg.device)  # (G, m·C): each tile's key rows
-            band.masked_fill_(((row < self.front) | (row >= self.num_keys)).unsqueeze(-2), NEG_INF)
-        if self.sink_mask is not None:
-            scores[..., columns:].masked_fill_(~self.sink_blocks(first, count), NEG_INF)
+            row = row + torch.arange(self.spans * self.size, device=qg.device)  # (G, m·C): each tile's key rows
+            scores.masked_fill_(((row < self.front) | (row >= self.num_keys)).unsqueeze(-2), NEG_INF)
         return scores
 
-    def mass_weights(self, first: int, count: int) -> torch.Tensor:
-        """The tile's 0/1 matrix of exact keys (the scores' mask), (C, m·C) or (R, G, C, m·C + S)."""
-        if self.sink_mask is None:
-            return self.ones
-        sinks = self.sink_blocks(first, count).to(self.ones.dtype)
-        return torch.cat([self.ones.expand(*sinks.shape[:-1], -1), sinks], dim=-1)
+    def sink_scores(self, qg: torch.Tensor, sinks: torch.Tensor, tile: Tile) -> torch.Tensor:
+        """Scaled queries (…, G, C, D) against the sink keys (R, S, D) → masked scores (…, G, C, S)."""
+        assert self.sink_mask is not None
+        return torch.matmul(qg, _sinks(sinks, tile).transpose(-1, -2)).masked_fill_(
+            ~self.queries(self.sink_mask, tile), NEG_INF)
 
 
-def _scatter(
-    target: torch.Tensor, sink_grad: torch.Tensor | None, tiles: torch.Tensor, first: int, size: int, spans: int
-) -> None:
-    """Adds a tile's key-side gradient (R, G, m·C + S, D) into target (R, rows, D) (viewed as blocks of C) and the
-    sinks' share into sink_grad (R, S, D)."""
-    blocks = target.unflatten(1, (-1, size))
-    count = tiles.shape[1]
-    for j in range(spans):
-        blocks[:, first + j : first + j + count] += tiles[:, :, j * size : (j + 1) * size]
-    if sink_grad is not None:
-        sink_grad += tiles[:, :, spans * size :].sum(1)
+def _sinks(x: torch.Tensor, tile: Tile) -> torch.Tensor:
+    """The sink rows (R, S, ·) as a tile's operand: (S, ·) for one row, (R, 1, S, ·) for all."""
+    return x[tile[0]] if tile[0] is not None else x.unsqueeze(1)
+
+
+def _sum_tiles(target: torch.Tensor, tile: Tile, value: torch.Tensor) -> None:
+    """Adds a tile's sink-side gradient (…, G, S, ·) summed over its blocks into target (R, S, ·)."""
+    if tile[0] is not None:
+        target[tile[0]] += value.sum(0)
+    else:
+        target += value.sum(1)
 
 
 class BandSoftmax(torch.autograd.Function):
@@ -151,36 +189,47 @@ class BandSoftmax(torch.autograd.Function):
         fk: torch.Tensor | None, fsk_pre: torch.Tensor | None, sink_mask: torch.Tensor | None, scale: float,
         size: int, width: int, front: int, fresh: int,
     ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the interior tiles are strided views
+        fq, fk = (x.contiguous() if x is not None else None for x in (fq, fk))
         batch, n = q.shape[0], q.shape[1]
-        layout = _Layout(q, size, width, front, k_pre.shape[1] + k.shape[1], sink_mask, scale)
-        sinks = sink_mask is not None
-        sk = torch.cat([sk_pre, k[:, :fresh]], 1) if sinks else None  # (R, S, ·)
-        sv = torch.cat([sv_pre, v[:, :fresh]], 1) if sinks else None
-        fsk = torch.cat([fsk_pre, fk[:, :fresh]], 1) if sinks and fk is not None and fsk_pre is not None else None
-        rows_out = layout.blocks * size
-        out = q.new_empty(batch, rows_out, v.shape[2])  # rows past n dropped below
-        lse, top = q.new_empty(batch, rows_out), q.new_empty(batch, rows_out)
-        mass = q.new_empty(batch, rows_out) if fq is not None else None
-        for first in range(0, layout.blocks, layout.group):
-            count = min(layout.group, layout.blocks - first)
-            span = slice(first * size, (first + count) * size)
-            scores = layout.scores(_blocks(q, first, count, size) * scale, layout.keys(k_pre, k, sk, first, count),
-                                   first)
-            m = scores.amax(-1, keepdim=True)  # (R, G, C, 1): finite, every row has its own key
+        layout = _Layout(q, size, width, front, k_pre.shape[1], k_pre.shape[1] + k.shape[1], sink_mask)
+        sk = sv = fsk = None
+        if sink_mask is not None:
+            sk, sv = torch.cat([sk_pre, k[:, :fresh]], 1), torch.cat([sv_pre, v[:, :fresh]], 1)  # (R, S, ·)
+            if fk is not None and fsk_pre is not None:
+                fsk = torch.cat([fsk_pre, fk[:, :fresh]], 1)
+        padded = layout.blocks * size
+        out = q.new_empty(batch, padded, v.shape[2])  # rows past n dropped below
+        lse, top = q.new_empty(batch, padded, 1), q.new_empty(batch, padded, 1)
+        mass = q.new_empty(batch, padded, 1) if fq is not None else None
+        for tile in layout.tiles:
+            qg = layout.queries(q, tile) * scale
+            scores = layout.scores(qg, layout.keys(k_pre, k, tile), tile)  # (…, G, C, m·C)
+            m = scores.amax(-1, keepdim=True)  # finite on every real row: its own key is in the band
+            sink_scores = None
+            if sk is not None:
+                sink_scores = layout.sink_scores(qg, sk, tile)  # (…, G, C, S)
+                m = torch.maximum(m, sink_scores.amax(-1, keepdim=True))
             p = scores.sub_(m).exp_()
             total = p.sum(-1, keepdim=True)
-            a = torch.matmul(p, layout.keys(v_pre, v, sv, first, count)).div_(total)  # (R, G, C, Dv)
-            out[:, span] = a.flatten(1, 2)
-            lse[:, span] = (m + total.log()).flatten(1)
-            top[:, span] = m.flatten(1)
+            a = torch.matmul(p, layout.keys(v_pre, v, tile))  # (…, G, C, Dv)
+            if sink_scores is not None and sv is not None:
+                sink_p = sink_scores.sub_(m).exp_()
+                total += sink_p.sum(-1, keepdim=True)
+                a += torch.matmul(sink_p, _sinks(sv, tile))
+            layout.put(out, tile, a.div_(total))
+            layout.put(lse, tile, total.log_().add_(m))
+            layout.put(top, tile, m)
             if mass is not None and fq is not None and fk_pre is not None and fk is not None:
-                sums = torch.matmul(layout.mass_weights(first, count), layout.keys(fk_pre, fk, fsk, first, count))
-                mass[:, span] = (_blocks(fq, first, count, size) * sums).sum(-1).flatten(1)  # sums (R, G, C, F)
-        out, lse, top = out[:, :n], lse[:, :n], top[:, :n]
+                sums = torch.matmul(layout.ones, layout.keys(fk_pre, fk, tile))  # (…, G, C, F)
+                if fsk is not None and sink_mask is not None:
+                    sums += torch.matmul(layout.queries(sink_mask, tile).to(q.dtype), _sinks(fsk, tile))
+                layout.put(mass, tile, torch.linalg.vecdot(layout.queries(fq, tile), sums).unsqueeze(-1))
+        out, lse, top = out[:, :n], lse[:, :n, 0], top[:, :n, 0]
         ctx.save_for_backward(q, k_pre, k, v_pre, v, sk_pre, sv_pre, fq, fk_pre, fk, fsk_pre, sink_mask, out, lse, top)
         ctx.options = (scale, size, width, front, fresh)
         ctx.set_materialize_grads(False)
-        return out, lse, top, mass[:, :n] if mass is not None else None
+        return out, lse, top, mass[:, :n, 0] if mass is not None else None
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -191,74 +240,91 @@ class BandSoftmax(torch.autograd.Function):
         q, k_pre, k, v_pre, v, sk_pre, sv_pre, fq, fk_pre, fk, fsk_pre, sink_mask, out, lse, top = ctx.saved_tensors
         scale, size, width, front, fresh = ctx.options
         batch, n = q.shape[0], q.shape[1]
-        layout = _Layout(q, size, width, front, k_pre.shape[1] + k.shape[1], sink_mask, scale)
-        sinks = sink_mask is not None
-        sk = torch.cat([sk_pre, k[:, :fresh]], 1) if sinks else None
-        sv = torch.cat([sv_pre, v[:, :fresh]], 1) if sinks else None
+        layout = _Layout(q, size, width, front, k_pre.shape[1], k_pre.shape[1] + k.shape[1], sink_mask)
         with_mass = grad_mass is not None and fq is not None and fk_pre is not None and fk is not None
-        fsk = torch.cat([fsk_pre, fk[:, :fresh]], 1) if with_mass and sinks and fk is not None else None
-        key_rows = (layout.blocks + layout.spans - 1) * size  # every gathered row: the scatter views whole blocks
+        sk = sv = fsk = None
+        if sink_mask is not None:
+            sk, sv = torch.cat([sk_pre, k[:, :fresh]], 1), torch.cat([sv_pre, v[:, :fresh]], 1)
+            if with_mass and fk is not None and fsk_pre is not None:
+                fsk = torch.cat([fsk_pre, fk[:, :fresh]], 1)
 
-        def grads(like: torch.Tensor) -> Pair:  # zeroed gradients of the band's rows and of the sinks
-            return q.new_zeros(batch, key_rows, like.shape[2]), q.new_zeros(batch, sk_pre.shape[1] + fresh,
-                                                                             like.shape[2])
+        def zeros(pre: torch.Tensor, main: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return torch.zeros_like(pre), torch.zeros_like(main), main.new_zeros(batch, sk_pre.shape[1] + fresh,
+                                                                                   main.shape[2])
 
-        grad_q = q.new_empty(batch, layout.blocks * size, q.shape[2])
-        grad_k, grad_v = grads(k), grads(v)
+        padded = layout.blocks * size
+        grad_q = q.new_empty(batch, padded, q.shape[2])
+        grad_k, grad_v = zeros(k_pre, k), zeros(v_pre, v)
         grad_fq = grad_fk = None
-        if with_mass and fq is not None and fk is not None:
-            grad_fq, grad_fk = q.new_empty(batch, layout.blocks * size, fq.shape[2]), grads(fk)
+        if with_mass and fq is not None and fk_pre is not None and fk is not None:
+            grad_fq, grad_fk = q.new_empty(batch, padded, fq.shape[2]), zeros(fk_pre, fk)
         grad_a = grad_out if grad_out is not None else torch.zeros_like(out)
-        shift = -(grad_a * out).sum(-1)  # −dA·A (R, N): the softmax's own term
+        shift = -torch.linalg.vecdot(grad_a, out)  # −dA·A (R, N): the softmax's own term
         if grad_lse is not None:
             shift = shift + grad_lse
-        pad = layout.blocks * size - n
+        pad = padded - n  # padded query rows: no gradient reaches them, and lse 0 keeps their P finite
         shift, lse, top = (torch.nn.functional.pad(x, (0, pad)).unsqueeze(-1) for x in (shift, lse, top))
         grad_top = torch.nn.functional.pad(grad_top, (0, pad)).unsqueeze(-1) if grad_top is not None else None
-        for first in range(0, layout.blocks, layout.group):
-            count = min(layout.group, layout.blocks - first)
-            span = slice(first * size, (first + count) * size)
-            qg = _blocks(q, first, count, size) * scale
-            kg = layout.keys(k_pre, k, sk, first, count)
-            vg = layout.keys(v_pre, v, sv, first, count)
-            ga = _blocks(grad_a, first, count, size)  # (R, G, C, Dv); zero on padded rows, so their grads are 0
-            scores = layout.scores(qg, kg, first)
-            grad_s = torch.matmul(ga, vg.transpose(-1, -2)).add_(_blocks(shift, first, count, size))
-            if grad_top is not None:  # ∂L/∂m reaches the score(s) equal to the row max
-                ties = scores == _blocks(top, first, count, size)
-                share = _blocks(grad_top, first, count, size) / ties.sum(-1, keepdim=True).clamp(min=1)
-            p = scores.sub_(_blocks(lse, first, count, size)).exp_()  # P (R, G, C, 2C + S)
-            grad_s.mul_(p)
-            if grad_top is not None:
+        gm_all = grad_mass.unsqueeze(-1) if grad_mass is not None else None
+        for tile in layout.tiles:
+            qg = layout.queries(q, tile) * scale
+            kg, vg, ga = layout.keys(k_pre, k, tile), layout.keys(v_pre, v, tile), layout.queries(grad_a, tile)
+            scores = layout.scores(qg, kg, tile)
+            sink_scores = layout.sink_scores(qg, sk, tile) if sk is not None else None
+            row_shift, row_lse = layout.queries(shift, tile), layout.queries(lse, tile)
+            ties = sink_ties = share = None
+            if grad_top is not None:  # ∂L/∂m reaches the score(s) equal to the row max, shared as amax does
+                row_top = layout.queries(top, tile)
+                ties = scores == row_top
+                count = ties.sum(-1, keepdim=True)
+                if sink_scores is not None:
+                    sink_ties = sink_scores == row_top
+                    count += sink_ties.sum(-1, keepdim=True)
+                share = layout.queries(grad_top, tile) / count.clamp(min=1)
+            p = scores.sub_(row_lse).exp_()  # P, normalised (…, G, C, m·C)
+            grad_s = torch.matmul(ga, vg.transpose(-1, -2)).add_(row_shift).mul_(p)
+            if ties is not None and share is not None:
                 grad_s += ties * share
-            grad_q[:, span] = torch.matmul(grad_s, kg).mul_(scale).flatten(1, 2)
-            _scatter(*grad_k, torch.matmul(grad_s.transpose(-1, -2), qg), first, size, layout.spans)
-            _scatter(*grad_v, torch.matmul(p.transpose(-1, -2), ga), first, size, layout.spans)
-            if grad_fq is not None and grad_fk is not None and grad_mass is not None and fq is not None:
-                gm = _blocks(grad_mass.unsqueeze(-1), first, count, size)  # (R, G, C, 1)
-                weights = layout.mass_weights(first, count)
-                sums = torch.matmul(weights, layout.keys(fk_pre, fk, fsk, first, count))  # (R, G, C, F)
-                grad_fq[:, span] = (gm * sums).flatten(1, 2)
-                _scatter(*grad_fk, torch.matmul(weights.transpose(-1, -2), gm * _blocks(fq, first, count, size)),
-                         first, size, layout.spans)
-        pre, own = k_pre.shape[1], sk_pre.shape[1]
+            grad_qg = torch.matmul(grad_s, kg)
+            layout.add_keys(grad_k[:2], tile, torch.matmul(grad_s.transpose(-1, -2), qg))
+            layout.add_keys(grad_v[:2], tile, torch.matmul(p.transpose(-1, -2), ga))
+            if sink_scores is not None and sk is not None and sv is not None:
+                sink_p = sink_scores.sub_(row_lse).exp_()
+                grad_ss = torch.matmul(ga, _sinks(sv, tile).transpose(-1, -2)).add_(row_shift).mul_(sink_p)
+                if sink_ties is not None and share is not None:
+                    grad_ss += sink_ties * share
+                grad_qg += torch.matmul(grad_ss, _sinks(sk, tile))
+                _sum_tiles(grad_k[2], tile, torch.matmul(grad_ss.transpose(-1, -2), qg))
+                _sum_tiles(grad_v[2], tile, torch.matmul(sink_p.transpose(-1, -2), ga))
+            layout.put(grad_q, tile, grad_qg.mul_(scale))
+            if grad_fq is not None and grad_fk is not None and gm_all is not None and fq is not None:
+                gm = layout.queries(gm_all, tile)  # (…, G, C, 1)
+                weighted = gm * layout.queries(fq, tile)
+                sums = torch.matmul(layout.ones, layout.keys(fk_pre, fk, tile))  # (…, G, C, F)
+                layout.add_keys(grad_fk[:2], tile, torch.matmul(layout.ones.transpose(-1, -2), weighted))
+                if fsk is not None and sink_mask is not None:
+                    sinks = layout.queries(sink_mask, tile).to(q.dtype)  # (…, G, C, S)
+                    sums += torch.matmul(sinks, _sinks(fsk, tile))
+                    _sum_tiles(grad_fk[2], tile, torch.matmul(sinks.transpose(-1, -2), weighted))
+                layout.put(grad_fq, tile, sums.mul_(gm))
+        own = sk_pre.shape[1]
 
-        def split(pair: Pair | None) -> tuple[torch.Tensor | None, ...]:
-            """(band rows, sinks) → ∂L/∂(prefix, this call's rows, carried sinks)."""
-            if pair is None:
+        def split(grads: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor | None, ...]:
+            """(prefix, main, sinks) → ∂L/∂(prefix, this call's rows, carried sinks)."""
+            if grads is None:
                 return None, None, None
-            band, sink = pair
-            main = band[:, pre : pre + k.shape[1]]
+            pre, main, sink = grads
             if fresh:
                 main[:, :fresh] += sink[:, own:]  # this call's first keys are sinks too
-            return band[:, :pre], main, sink[:, :own]
+            return pre, main, sink[:, :own]
 
         gk_pre, gk, gsk = split(grad_k)
         gv_pre, gv, gsv = split(grad_v)
         gfk_pre, gfk, gfsk = split(grad_fk)
         gfq = grad_fq[:, :n] if grad_fq is not None else None
-        return (grad_q[:, :n], gk_pre, gk, gv_pre, gv, gsk if sinks else None, gsv if sinks else None, gfq, gfk_pre,
-                gfk, gfsk if sinks else None, None, None, None, None, None, None)
+        sinks_in = sink_mask is not None
+        return (grad_q[:, :n], gk_pre, gk, gv_pre, gv, gsk if sinks_in else None, gsv if sinks_in else None, gfq,
+                gfk_pre, gfk, gfsk if sinks_in else None, None, None, None, None, None, None)
 
 
 def exact_part(
