@@ -233,7 +233,7 @@ def causal_window_chunked(
     prev_keys = [state.sink_keys, state.keys] if state is not None else []
     prev_keep = [state.sink_keep, state.keep] if state is not None else []
     joined = (torch.cat([*prev_keys, k], dim=-2), torch.cat([*prev_keep, keep], dim=-1)) if prev_keys else (k, keep)
-    logs_all = hybrid.key_logs(*joined)
+    logs_all = hybrid.key_logs(joined[0], joined[1] if padded else None)  # no padding: no mask to apply
     if state is None:
         state = empty_window_state(hybrid, k, v, logs_all.shape[-1])
     n0, ring_len, sink_len = state.num_tokens, state.keys.shape[-2], state.sink_keys.shape[-2]
@@ -328,7 +328,7 @@ def noncausal_window_chunked(
     window, sinks, n = hybrid.window, hybrid.sinks, q.shape[-2]
     padded = not bool(keep.all())
     qf, c = hybrid.query_features(q)
-    logs = hybrid.key_logs(k, keep)
+    logs = hybrid.key_logs(k, keep if padded else None)
     r = None
     if hybrid.log_space:
         top = logs.amax((-1, -2))  # (...)
