@@ -24,7 +24,10 @@ from the carried window buffer while i < W, zero before the sequence start, zero
 the linear state exactly when it leaves the window. Non-causal: the same shifted pass gives the keys j ≤ t − W,
 and a second one on the reversed sequence the keys j ≥ t + W — no subtraction, so no cancellation.
 
-Exact part: banded, O(N·W): queries in blocks of C ≥ W against two key blocks (see :func:`_band`).
+Exact part: banded, O(N·W). Without padding, one autograd Function (:mod:`.window_fast`: cache-sized tiles of query
+blocks, recompute in backward, O(N) memory) gives the softmax over the exact keys and, for ordinary maps, the mass;
+with padding, or for the mass form with keys at their own log-scales, :class:`.window_band.Band` gathers each
+query block's keys and plain autograd differentiates (O(N·W) saved for backward).
 """
 
 from __future__ import annotations

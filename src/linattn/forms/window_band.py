@@ -1,4 +1,4 @@
-"""The exact part's keys as a band: each query block against two key blocks (see :mod:`.window`)."""
+"""The exact part's keys as a band: each query block against two key blocks (see :mod:`.window`); helpers."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ class Band:
     and past the end are empty; ``keep`` (..., Ny) marks padding, None when there is none).
 
     Queries go in blocks of C (B rounded up to a multiple of 16); block b's keys lie in key blocks b and b+1, so
-    each query block is scored against 2C keys (O(N·C) work and memory) with one band mask. Smaller blocks with
-    more key blocks score fewer keys but ran slower per key on the CPU we measured (docs/window.md).
+    each query block is scored against 2C keys (O(N·C) work and memory) with one band mask. This is the general
+    path (padding; the mass form with keys at their own log-scales), differentiated by autograd, which keeps the
+    O(N·C) tiles; without padding :mod:`.window_fast` does the same in O(N) memory.
     """
 
     def __init__(

@@ -1,21 +1,25 @@
-"""The hybrid's exact part as one autograd Function: banded softmax in cache-sized groups, recompute in backward.
+"""The hybrid's exact part as one autograd Function: banded softmax in cache-sized tiles, recompute in backward.
 
 Layout as :class:`.window_band.Band`: query i sees rows i … i + B of a key sequence (B = ``width``), rows y < ``front``
-and past the last key being empty. Queries go in blocks of C (B ≤ C); block b's band keys are key blocks b and b+1,
-and the S sink keys (the first tokens, exact for the queries whose window has left them) follow them, so a block's
-scores are one (C, 2C + S) tile: a fixed band mask on the first 2C columns, the sink mask on the last S. The key
-sequence is given as a short ``prefix`` (< C rows: the empty front rows and the carried window keys) and this call's
-keys, and is never joined at full length; sink keys are a carried prefix plus this call's first ``fresh`` keys.
+and past the last key being empty. Queries go in blocks of C; block b's band keys lie in key blocks b … b+m−1
+(m = 1 + ⌈B/C⌉), so its band scores are one (C, m·C) tile with one fixed band mask. The S sink keys (the first
+tokens, exact for the queries whose window has left them) are scored as a separate (C, S) tile with the sink mask,
+inside the same softmax. The key sequence comes as a short ``prefix`` (the empty front rows and the carried window
+keys, fewer than m·C rows) and this call's keys, and is never joined at full length: a run of blocks whose keys all
+lie in this call's keys (the interior, nearly all of a long call) reads them, one batch×head row at a time, as an
+overlapping strided view (tile b starts C rows after tile b−1), and only the few blocks at the two ends gather.
+Sink keys are a carried prefix plus this call's first ``fresh`` keys.
 
-Forward, per group of blocks that fits in cache: scores, masks, row max m, p = e^{s−m}, l = Σp, A = (p V)/l, and
-(ordinary maps) the mass M_t = φ(q_t)·Σ_exact φ(k), as the tile's 0/1 matrix times the group's key features.
+Forward, per tile of blocks that fits in cache: scores, masks, row max m, p = e^{s−m}, l = Σp, A = (p V)/l, and
+(ordinary maps) the mass M_t = φ(q_t)·Σ_exact φ(k), as the band's 0/1 matrix times the tile's key features.
 Outputs A (R, N, Dv), lse = m + log l (R, N), m (R, N) and M (R, N) or None (R = batch×heads); saved: the inputs,
 A, lse, m. Nothing of size N·C is kept, so training memory is O(N·(D + Dv + F)).
 
-Backward recomputes each group's scores. With P = e^{s − lse} (the normalised softmax over the exact keys):
+Backward recomputes each tile's scores. With P = e^{s − lse} (the normalised softmax over the exact keys):
     ∂L/∂s_ty = P_ty (dA_t·v_y − dA_t·A_t + ∂L/∂lse_t) + [s_ty = m_t] ∂L/∂m_t / #ties
 (ties share ∂L/∂m as torch.amax's gradient does), then ∂L/∂q = ∂L/∂s K·scale, ∂L/∂k = ∂L/∂sᵀ q·scale,
-∂L/∂v = Pᵀ dA, and for the mass ∂L/∂φ(q_t) = ∂L/∂M_t Σ_exact φ(k), ∂L/∂φ(k) = (tile 0/1)ᵀ (∂L/∂M ⊙ φ(q)).
+∂L/∂v = Pᵀ dA, and for the mass ∂L/∂φ(q_t) = ∂L/∂M_t Σ_exact φ(k), ∂L/∂φ(k) = (band 0/1)ᵀ (∂L/∂M ⊙ φ(q)) (sinks:
+their mask in place of the band's).
 
 Precondition (the callers in :mod:`.window` check it): no padding, so every query has at least one key in its
 band (its own), and m and lse are finite on every row.
@@ -30,9 +34,9 @@ import torch
 from . import causal_fn
 from ._common import NEG_INF
 
-# Score elements per group over all batch×head rows: 2^18 fp32 = 1 MiB, so a group's tiles stay in cache.
-# Measured (one thread, B·H = 8, C = 64, N = 16384): the grouped forward ran ~1.7× faster than one pass over all
-# blocks at once, whose (..., b, C, 2C) temporaries are each 64 MiB.
+# Score elements per tile: 2^18 fp32 = 1 MiB, so a tile's temporaries stay in cache. Measured (one thread, B·H = 8,
+# N = 16384): tiles of 2^16–2^18 ran this Function's forward + backward alike, 2^19–2^20 ~15% slower, and one
+# pass over all blocks at once (the earlier code: (..., b, C, 2C) temporaries of 64 MiB each) ~1.7× slower.
 GROUP_ELEMENTS = 1 << 18
 # Query block C of the tiles: a band of width B needs m = 1 + ⌈B/C⌉ key blocks, so C = 32 at W = 64 scores 96 keys
 # per query where C = 64 scores 128. Measured (one thread, N = 16384, 8 heads, D = 64, W = 64): C = 32 ran the
