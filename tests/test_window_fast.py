@@ -115,3 +115,18 @@ def test_mass_combine_matches_the_quadratic_form_with_a_clamped_denominator():
     assert bool((den < 20).any()) and bool((den > 20).any())  # the clamp holds on some rows and not on others
     for got, want in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_backward_inside_autocast_recomputes_in_float32():
+    # a training loop may call backward() inside torch.autocast: the hybrid's Functions must recompute in the
+    # forward's dtypes (bf16 GEMMs in backward moved these gradients by ~4e-2); same inputs, same call shapes, so
+    # the two backward passes do the same float32 arithmetic
+    gen = torch.Generator().manual_seed(25)
+    q, k, v = (torch.randn(1, 2, 100, 16, generator=gen, requires_grad=True) for _ in range(3))
+    grads = []
+    for autocast in (False, True):
+        out = linear_attention(q, k, v, causal=True, window=20, sinks=2)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    for plain, inside in zip(*grads, strict=True):
+        torch.testing.assert_close(inside, plain, rtol=1e-6, atol=1e-6)

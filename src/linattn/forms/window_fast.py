@@ -237,6 +237,7 @@ class BandSoftmax(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @causal_fn._without_autocast  # backward may run inside an autocast region: recompute in the forward's dtypes
     def backward(
         ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None, grad_top: torch.Tensor | None,
         grad_mass: torch.Tensor | None,
@@ -387,6 +388,7 @@ class MassCombine(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @causal_fn._without_autocast  # backward may run inside an autocast region: recompute in the forward's dtypes
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         a, mass, divisor, constant, out = ctx.saved_tensors
         scaled = grad / divisor.unsqueeze(-1)  # ∂L/∂num
