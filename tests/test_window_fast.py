@@ -130,3 +130,22 @@ def test_backward_inside_autocast_recomputes_in_float32():
             grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
     for plain, inside in zip(*grads, strict=True):
         torch.testing.assert_close(inside, plain, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_band_function_with_gqa_and_per_head_factor(causal, small_groups):
+    # no padding, so the banded Function runs (test_window.py's GQA case has padding: the gathered path); k and v
+    # heads shared by two query heads each, γ one per query head; values and gradients against the reference
+    q, k, v = inputs(2, 4, 90, 8, heads_kv=2, seed=26)
+    gamma = torch.tensor([0.5, 1.0, 2.0, 0.1], dtype=torch.float64)
+    for factor in (None, gamma):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        expected = hybrid_reference(*leaves, elu1, elu1, window=20, sinks=2, causal=causal, factor=factor)
+        expected.square().sum().backward()
+        reference_grads = [x.grad for x in leaves]
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = linear_attention(*leaves, causal=causal, window=20, sinks=2, window_factor=factor, chunk_size=16)
+        torch.testing.assert_close(out, expected.detach(), rtol=1e-10, atol=1e-10)
+        out.square().sum().backward()
+        for got, want in zip((x.grad for x in leaves), reference_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
