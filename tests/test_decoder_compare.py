@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from linattn.evaluate.lm_compare import has_hybrid, looks_causal, window_sink_attention  # noqa: E402
+from linattn.evaluate.lm_compare import looks_causal, window_sink_attention  # noqa: E402
 
 
 class Holder(torch.nn.Module):
@@ -47,7 +47,7 @@ def test_window_and_sinks_softmax_follows_the_float64_definition():
     torch.testing.assert_close(out.transpose(1, 2)[1, :, 2:].double(), expected[1, :, 2:], rtol=1e-5, atol=1e-5)
 
 
-def char_tokenizer():
+def char_tokenizer(eos: str | None = None):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -55,7 +55,7 @@ def char_tokenizer():
     vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token=eos)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def tiny_folder(tmp_path_factory):
                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=512,
                       initializer_range=0.3)  # wide weights: attention changes the logits visibly
     LlamaForCausalLM(cfg).save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
+    char_tokenizer(eos="\n").save_pretrained(folder)  # an end-of-text token: sampling needs one
     text = ("Rivers carry sand to the sea. The tide returns some of it to the shore.\n\n"
             "Birds follow the boats home in the evening, and the harbour lights come on one by one.\n\n")
     (folder / "train.txt").write_text(text * 2)
@@ -95,9 +95,31 @@ def test_compare_on_a_tiny_causal_lm_writes_every_row(tiny_folder, tmp_path):
     assert rows["window1000+sinks0"]["perplexity"] == pytest.approx(rows["softmax"]["perplexity"], rel=1e-4)
     assert rows["elu"]["perplexity"] != pytest.approx(rows["softmax"]["perplexity"], rel=1e-2)
     assert "kl" in rows["elu"] and "kl" not in rows["softmax"]
-    assert ("hybrids" in result["skipped"]) != has_hybrid()
     assert "| hedgehog |" in (out / "report.md").read_text()
     # maps fitted with the window in place make a hybrid; a window longer than the text leaves no key to the linear
     # part, and the mass-preserving window is then softmax itself (the eps of the shared normaliser aside)
     for hybrid in ("hedgehog fitted with window", "hedgehog+window", "elu+window"):
         assert rows[hybrid]["perplexity"] == pytest.approx(rows["softmax"]["perplexity"], rel=1e-3), hybrid
+
+
+def test_compare_trains_the_window_maps_end_to_end_on_sampled_text(tiny_folder, tmp_path):
+    from linattn.cli import main
+
+    out = tmp_path / "out"
+    code = main(["compare", str(tiny_folder), str(tiny_folder / "train.txt"), "--heldout",
+                 str(tiny_folder / "heldout.txt"), "--window", "8", "--sinks", "1", "--passkey-lengths", "40",
+                 "--passkey-trials", "1", "--repeat-trials", "1", "--passage-tokens", "12", "--gap-tokens", "40",
+                 "--steps", "2", "--fit-max-tokens", "128", "--fit-orders", "1", "--no-metrics", "--no-baselines",
+                 "--maps", "hedgehog+window", "--end-to-end-steps", "3", "--end-to-end-samples", "4",
+                 "--end-to-end-tokens", "30", "--out", str(out), "--quiet"])
+    assert code == 0
+    result = json.loads((out / "results.json").read_text())
+    rows = {row["name"]: row for row in result["rows"]}
+    fitted, tuned = rows["hedgehog fitted with window"], rows["hedgehog fitted with window, end to end"]
+    assert math.isfinite(tuned["perplexity"])
+    info = result["end_to_end"]
+    assert info["samples"] == 4 and info["steps"] == 3 and len(info["history"]) == 2  # evaluated at 0 and 3
+    # the end-to-end row has maps of its own: the window-fitted row kept the maps it was fitted with, so the two
+    # differ unless training never moved them (then the best held-out KL is the first one)
+    moved = info["best_held_out_kl"] < info["history"][0][2]
+    assert (tuned["perplexity"] != fitted["perplexity"]) == moved

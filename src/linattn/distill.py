@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .errors import LinearAttentionError
-from .evaluate.metrics import scale_for_map, softmax_weights
+from .evaluate.metrics import scale_for_map
 from .feature_maps import LearnedProjectionMap, create
 
 # 2: hedgehog maps hold a key gate; version-1 files load with the gate at 0 (the same map). 3: maps fitted for the
@@ -74,13 +74,13 @@ def _prepare(
             raise LinearAttentionError(f"k: {ki.shape[0]} heads do not divide q's {heads} heads")
         group = heads // ki.shape[0]
         qi, ki = qi.detach().float(), ki.detach().float().repeat_interleave(group, dim=0)
-        mq, mk, s = scale_for_map(qi, ki, scale)
-        item = {"q": mq, "k": mk, "weights": softmax_weights(qi, ki, s, causal),  # weights (H, N, N)
-                "causal": torch.tensor(causal), "q_std": mq.std(dim=(-1, -2), keepdim=True),
+        mq, mk, _ = scale_for_map(qi, ki, scale)  # mq·mkᵀ/√d = scale·q·kᵀ
+        # the softmax rows are formed per batch (:func:`_batch`), never stored whole: (H, N, N) per sequence is
+        # 1.1 GB at 270 heads and N = 1,024, and long captures are what fits for long contexts need
+        item = {"q": mq, "k": mk, "causal": torch.tensor(causal), "q_std": mq.std(dim=(-1, -2), keepdim=True),
                 "k_std": mk.std(dim=(-1, -2), keepdim=True)}
         if vi is not None:
-            vi = vi.detach().float().repeat_interleave(group, dim=0)
-            item["v"], item["output"] = vi, item["weights"] @ vi
+            item["v"] = vi.detach().float().repeat_interleave(group, dim=0)
         sequences.append(item)
     return sequences
 
@@ -102,15 +102,11 @@ def _batch(
     if noise:
         q = q + noise * item["q_std"] * torch.randn(q.shape, generator=generator)
         k = k + noise * item["k_std"] * torch.randn(k.shape, generator=generator)
-        logits = (q / math.sqrt(q.shape[-1])) @ k.transpose(-1, -2)
-        if mask is not None:
-            logits = logits.masked_fill(~mask, float("-inf"))
-        weights = torch.softmax(logits, dim=-1)  # (H, R, K)
-    elif len(keys) == item["k"].shape[1]:
-        weights = item["weights"][:, rows]  # every key: the softmax rows as they are
-    else:
-        weights = item["weights"][:, rows][:, :, keys]
-        weights = weights / weights.sum(-1, keepdim=True)
+    # softmax over the chosen keys (causal: j ≤ i) = the full row restricted to them and renormalised
+    logits = (q / math.sqrt(q.shape[-1])) @ k.transpose(-1, -2)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(logits, dim=-1)  # (H, R, K)
     batch = {"q": q, "k": k, "weights": weights}
     if mask is not None:
         batch["mask"] = mask

@@ -8,8 +8,8 @@ Rows (each on the same held-out text of the shipped corpus, or ``--heldout``):
 - ``elu``, ``favor+``: linear attention with a fixed map (:func:`linattn.hf.linearize`);
 - ``hedgehog``: maps fitted on the train text (:func:`linattn.distill.fit_model_feature_maps`), or loaded with
   ``--fitted-maps FILE``;
-- hybrids (``hedgehog+window``, ``elu+window``): when ``linear_attention`` has the softmax-window hybrid
-  (``window=``/``sinks=``), detected at run time; otherwise skipped with a note.
+- hybrids (``hedgehog+window``, ``elu+window``: the maps above beside the softmax window; ``hedgehog fitted with
+  window``: maps fitted with the window in place, :func:`linattn.distill.fit_feature_map` ``window=``).
 
 Columns: held-out perplexity (:func:`~linattn.evaluate.perplexity`), the repeated-passage perplexity and passkey
 accuracy at each filler length (:mod:`~linattn.evaluate.probes`), and for linear rows the per-head output error and
@@ -20,6 +20,7 @@ row KL against softmax on the held-out capture (:func:`~linattn.evaluate.capture
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import os
@@ -30,7 +31,6 @@ import torch
 
 from ..data import load_text
 from ..errors import LinearAttentionError
-from ..functional import linear_attention
 from .models import _gguf_in, _is_causal_lm, load_model
 
 WINDOW_IMPLEMENTATION = "linattn_window_softmax"
@@ -73,11 +73,6 @@ def use_window_softmax(model: Any, window: int, sinks: int) -> None:
     model.set_attn_implementation(WINDOW_IMPLEMENTATION)
 
 
-def has_hybrid() -> bool:
-    """Whether this linattn's ``linear_attention`` has the softmax-window hybrid (``window=``)."""
-    return "window" in inspect.signature(linear_attention).parameters
-
-
 def looks_causal(name: str | None) -> bool:
     """Whether ``linattn compare MODEL`` should take the causal-LM path (without loading the model)."""
     if name is None or name == "minilm":
@@ -97,8 +92,8 @@ def _fit(model: Any, tokenizer: Any, name: str, args: Any, window: int | None) -
     from .capture import capture_attention
 
     train = load_text("train") if args.text is None else open(args.text, encoding="utf-8").read()
-    capture = capture_attention(model, tokenizer, train, max_tokens=args.fit_max_tokens or 512, model_name=name,
-                                orders=args.fit_orders)
+    capture = capture_attention(model, tokenizer, train, max_tokens=args.fit_max_tokens or LM_FIT_TOKENS,
+                                model_name=name, orders=args.fit_orders)
     options: dict[str, Any] = {"progress": not args.quiet}
     if args.steps is not None:
         options["steps"] = args.steps
@@ -112,6 +107,30 @@ def _fit(model: Any, tokenizer: Any, name: str, args: Any, window: int | None) -
         if getattr(args, "gamma", False):  # LoLCATs' per-head factor on the window, fitted with the maps
             options["window_factor"] = True
     return fit_model_feature_maps(capture, kind="hedgehog", **options), capture.num_tokens
+
+
+def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any) -> tuple[Any, dict[str, Any]]:
+    """A copy of ``fitted`` trained end to end (:mod:`.end_to_end`) on texts sampled from the model itself,
+    prompted by the train text's paragraphs; ``fitted`` stays as it was. Returns the copy and what it took."""
+    from .. import hf
+    from ..data import paragraphs
+    from .end_to_end import fit_end_to_end, sample_texts
+
+    train = load_text("train") if args.text is None else open(args.text, encoding="utf-8").read()
+    starts = [" ".join(paragraph.split()[:20]) for paragraph in paragraphs(train)]
+    prompts = [starts[i % len(starts)] for i in range(args.end_to_end_samples)]
+    model.set_attn_implementation("sdpa")
+    begin = time.perf_counter()
+    texts = sample_texts(model, tokenizer, prompts, tokens=args.end_to_end_tokens, seed=0)
+    sampled = time.perf_counter() - begin
+    tuned = copy.deepcopy(fitted)
+    hf.linearize(model, tuned)
+    info = fit_end_to_end(model, tokenizer, texts, max_tokens=args.end_to_end_tokens + 64,
+                          steps=args.end_to_end_steps, progress=not args.quiet)
+    model.set_attn_implementation("sdpa")
+    return tuned, {"samples": len(texts), "tokens": args.end_to_end_tokens, "sample_seconds": sampled,
+                   "steps": args.end_to_end_steps, "best_held_out_kl": info["best_held_out"],
+                   "history": info["history"]}
 
 
 def _row(model: Any, tokenizer: Any, heldout: str, args: Any) -> dict[str, Any]:
@@ -140,11 +159,11 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
     heldout = load_text("heldout") if args.heldout is None else open(args.heldout, encoding="utf-8").read()
     # hedgehog+window: maps fitted with the window in place (their file carries W and S, so linearize makes them a
     # hybrid); plain hedgehog rows are fitted without it
-    wanted = args.maps or ["elu", "favor+", "hedgehog"] + (["hedgehog+window"] if has_hybrid() else [])
+    wanted = args.maps or ["elu", "favor+", "hedgehog", "hedgehog+window"]
     result: dict[str, Any] = {
         "model": name, "layers": model.config.num_hidden_layers, "window": args.window, "sinks": args.sinks,
         "passage_tokens": args.passage_tokens, "gap_tokens": args.gap_tokens, "threads": torch.get_num_threads(),
-        "rows": [], "skipped": {}, "hybrid": has_hybrid(),
+        "rows": [],
     }
     out = args.out if args.out != DEFAULT_OUT else DEFAULT_OUT + "-lm"
     os.makedirs(out, exist_ok=True)
@@ -191,15 +210,18 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
             result[key], result["fit_tokens"] = time.perf_counter() - begin, fit_tokens
             label = "hedgehog fitted with window" + (" (γ)" if args.gamma else "") if with_window else "hedgehog"
             configurations.append((label, fitted, {}))
+            if with_window and args.end_to_end_steps:
+                begin = time.perf_counter()
+                tuned, info = _end_to_end(model, tokenizer, fitted, args)
+                result["end_to_end"] = {**info, "seconds": time.perf_counter() - begin}
+                configurations.append((label + ", end to end", tuned, {}))
+                if args.save_maps:
+                    tuned.save(os.path.join(args.save_maps, "hedgehog_window_end_to_end.safetensors"))
         else:
             configurations.append((map_name, map_name, {"seed": 0} if map_name == "favor+" else {}))
-    if has_hybrid():
-        hybrid_options = {"window": args.window, "sinks": args.sinks}
-        configurations += [(f"{label}+window", maps, {**options, **hybrid_options})
-                           for label, maps, options in list(configurations) if label in ("hedgehog", "elu")]
-    else:
-        result["skipped"]["hybrids"] = ("linear_attention has no window= option in this version (the softmax-window "
-                                        "hybrid has not landed): hybrid rows skipped")
+    hybrid_options = {"window": args.window, "sinks": args.sinks}
+    configurations += [(f"{label}+window", maps, {**options, **hybrid_options})
+                       for label, maps, options in list(configurations) if label in ("hedgehog", "elu")]
     for label, maps, options in configurations:
         begin = time.perf_counter()
         hf.linearize(model, maps, **options)
@@ -232,6 +254,9 @@ def format_row(row: dict[str, Any]) -> str:
 
 
 LM_WINDOW, LM_SINKS = 64, 4  # the window rows' defaults: StreamingLLM's 4 sinks, a 64-token window (LoLCATs)
+# fitting sequences as long as the contexts served: maps fitted on 512-token pieces put too much weight on far keys
+# past position 512 (SmolLM2 hybrid: perplexity 86.7 with 512-token fits, 53.0 with 1,024; docs/models.md)
+LM_FIT_TOKENS = 1024
 
 
 def write(result: dict[str, Any], out: str) -> None:
@@ -256,7 +281,6 @@ def write(result: dict[str, Any], out: str) -> None:
     if "fit_seconds" in result:
         lines += ["", f"Hedgehog maps fitted in {result['fit_seconds']:.0f} s on {result['fit_tokens']} captured "
                       "train tokens (0: loaded from a file)."]
-    lines += [f"- {why}" for why in result["skipped"].values()]
     with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -278,6 +302,11 @@ def add_lm_arguments(parser: Any) -> None:
     add("--fitted-maps", default=None, help="causal LMs: hedgehog maps saved earlier (skip the fit)")
     add("--no-metrics", action="store_true", help="causal LMs: skip the per-head rel. error / KL")
     add("--no-baselines", action="store_true", help="causal LMs: skip the softmax and window+sinks rows")
+    add("--end-to-end-steps", type=int, default=0,
+        help="causal LMs: also train the window-fitted maps end to end for this many steps (0: no such row)")
+    add("--end-to-end-samples", type=int, default=32,
+        help="causal LMs: texts sampled from the model for the end-to-end stage (the last 2 held out)")
+    add("--end-to-end-tokens", type=int, default=1024, help="causal LMs: tokens sampled per text")
     add("--gamma", action="store_true",
         help="causal LMs: fit hedgehog+window with LoLCATs' per-head factor γ instead of the mass-preserving window")
 
@@ -288,6 +317,11 @@ def cli(args: Any) -> int:
     args.sinks = LM_SINKS if args.sinks is None else args.sinks
     if args.passkey_trials < 1 or args.repeat_trials < 1 or args.window < 1 or args.sinks < 0:
         raise LinearAttentionError("--passkey-trials, --repeat-trials, --window: need ≥ 1; --sinks: ≥ 0")
+    if args.end_to_end_steps < 0 or args.end_to_end_samples < 3 or args.end_to_end_tokens < 1:
+        raise LinearAttentionError("--end-to-end-steps: need ≥ 0; --end-to-end-samples: ≥ 3 (2 are held out); "
+                                   "--end-to-end-tokens: ≥ 1")
+    if args.end_to_end_steps and "hedgehog+window" not in (args.maps or ["hedgehog+window"]):
+        raise LinearAttentionError("--end-to-end-steps trains the maps of the hedgehog+window row: add it to --maps")
     result = run_lm_compare(args)
     out = args.out if args.out != DEFAULT_OUT else DEFAULT_OUT + "-lm"
     if not args.quiet:

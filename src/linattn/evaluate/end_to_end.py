@@ -1,0 +1,160 @@
+"""Fitting a causal LM's maps end to end: its next-token distribution, not each head's rows, is the target.
+
+:func:`linattn.distill.fit_model_feature_maps` fits every head on its own softmax rows. On a decoder that is not
+enough: the errors of 270 heads compound through 30 layers, and a map fitted on rows of at most N keys puts too much
+weight on the far keys of longer rows (SmolLM2 with the hybrid window, maps fitted on 512-token pieces: perplexity
+about twice the original's on the tokens past position 512 alone, docs/models.md). Two remedies, both here:
+
+- :func:`sample_texts`: long training text *from the model itself* (sampled continuations of short prompts), so
+  the fits see rows as long as the contexts they will serve, without any text beyond the shipped corpus;
+- :func:`fit_end_to_end`: the same map parameters (every layer's, and the γ form's per-head factors) trained on
+  KL(p_softmax ‖ p_linear) of the next token, averaged over every position of the training sequences, with the
+  model's own weights frozen. The teacher is the same model with its own attention (computed once per sequence).
+  Early stopping on held-out sequences keeps the best parameters.
+
+LoLCATs' second stage fine-tunes the model's weights (LoRA) on next-token loss; this stage trains only the
+attention maps, so the model's weights stay exactly those shipped.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import LinearAttentionError
+
+
+def sample_texts(
+    model: Any, tokenizer: Any, prompts: Sequence[str], *, tokens: int = 1024, batch_size: int = 8, seed: int = 0,
+    temperature: float = 1.0, top_p: float = 0.95, repetition_penalty: float = 1.1,
+) -> list[str]:
+    """One sampled continuation of exactly ``tokens`` new tokens per prompt (end-of-text suppressed), prompt
+    included, from ``model`` as it is (run it before linearizing). Seeded: the same seed gives the same texts."""
+    if tokens < 1 or batch_size < 1 or not prompts:
+        raise LinearAttentionError(f"prompts/tokens/batch_size: need ≥ 1 prompt, tokens ≥ 1, batch_size ≥ 1, got "
+                                   f"{len(prompts)}/{tokens}/{batch_size}")
+    side, pad = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side = "left"  # generation continues from the last position of every row
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(seed)
+    texts: list[str] = []
+    try:
+        for begin in range(0, len(prompts), batch_size):
+            batch = tokenizer(list(prompts[begin : begin + batch_size]), return_tensors="pt", padding=True)
+            with torch.no_grad():
+                out = model.generate(**batch, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True,
+                                     temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
+                                     pad_token_id=tokenizer.pad_token_id)
+            width, kept = batch["input_ids"].shape[1], batch["attention_mask"].sum(-1).tolist()  # (B,)
+            # left padding dropped by position (a pad token need not be a special token)
+            texts += [tokenizer.decode(row[width - n :], skip_special_tokens=True)
+                      for row, n in zip(out, kept, strict=True)]
+    finally:
+        tokenizer.padding_side, tokenizer.pad_token = side, pad
+    return texts
+
+
+def _log_probs(model: Any, ids: torch.Tensor, grad: bool) -> torch.Tensor:
+    with torch.set_grad_enabled(grad):
+        return torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), dim=-1)  # (1, N, V)
+
+
+def fit_end_to_end(
+    model: Any, tokenizer: Any, texts: Sequence[str | torch.Tensor], *, max_tokens: int = 1024, steps: int = 40,
+    lr: float = 0.003, held_out: int = 2, eval_every: int = 5, seed: int = 0, progress: bool = False,
+) -> dict[str, Any]:
+    """Train the maps of a model linearized by :func:`linattn.hf.linearize` (with learned maps) end to end.
+
+    Args:
+        model: a causal LM after ``hf.linearize(model, fitted)``; its own weights are frozen here, its maps trained
+            in place (each attention module's ``linattn_feature_map``, and a ``window_factor`` tensor in its
+            options: the γ form). texts: training sequences (strings, or token ids (N,)), each truncated to
+            ``max_tokens`` tokens; the last
+            ``held_out`` of them are held out for early stopping (every ``eval_every`` steps).
+        steps, lr: Adam steps (one sequence each) and learning rate.
+
+    Returns ``{"history": [(step, train KL, held-out KL)], "best_held_out": KL, "seconds": s}``; the model keeps
+    the parameters of the best held-out evaluation. ``linearize`` installs the very map modules (and γ tensors) of
+    the ``FittedFeatureMaps`` it was given, so that object holds the trained maps too: ``fitted.save(path)``.
+    """
+    from .. import hf
+
+    ids = [(torch.as_tensor(tokenizer(text)["input_ids"]) if isinstance(text, str) else torch.as_tensor(text))
+           .reshape(-1)[:max_tokens][None] for text in texts]  # each (1, N)
+    if held_out < 1 or len(ids) <= held_out or steps < 0 or eval_every < 1:
+        raise LinearAttentionError(f"texts/held_out/steps/eval_every: need more than held_out ≥ 1 texts, steps ≥ 0, "
+                                   f"eval_every ≥ 1; got {len(ids)}/{held_out}/{steps}/{eval_every}")
+    modules = hf.attention_modules(model)
+    maps = [getattr(module, hf.MAP_ATTRIBUTE, None) for module in modules]
+    if any(fmap is None for fmap in maps) or model.config._attn_implementation != hf.IMPLEMENTATION:
+        raise LinearAttentionError("model: not linearized; call linattn.hf.linearize(model, fitted_maps) first")
+    params = [param for fmap in maps if fmap is not None for param in fmap.parameters()]
+    for module in modules:
+        factor = getattr(module, hf.OPTIONS_ATTRIBUTE, {}).get("window_factor")
+        if isinstance(factor, torch.Tensor):
+            params.append(factor)
+    if not params:
+        raise LinearAttentionError("model: its maps have no parameters to train (use maps from fit_model_feature_maps)")
+    frozen = [(param, param.requires_grad) for param in model.parameters()]
+    for param, _ in frozen:
+        param.requires_grad_(False)
+    for param in params:
+        param.requires_grad_(True)
+    teacher: dict[int, torch.Tensor] = {}
+
+    def target(index: int) -> torch.Tensor:
+        if index not in teacher:  # the model with its own attention
+            model.set_attn_implementation("sdpa")
+            try:
+                teacher[index] = _log_probs(model, ids[index], False)
+            finally:
+                model.set_attn_implementation(hf.IMPLEMENTATION)
+        return teacher[index]
+
+    def divergence(index: int, grad: bool) -> torch.Tensor:
+        t = target(index)
+        return (t.exp() * (t - _log_probs(model, ids[index], grad))).sum(-1).mean()  # KL per token, mean
+
+    train, held = list(range(len(ids) - held_out)), list(range(len(ids) - held_out, len(ids)))
+    optimiser = torch.optim.Adam(params, lr=lr)
+    order = random.Random(seed)
+    best, best_loss = [p.detach().clone() for p in params], math.inf
+    history: list[tuple[int, float, float]] = []
+    start, train_loss = time.perf_counter(), math.nan
+    was_training = model.training
+    model.eval()
+    try:
+        for step in range(steps + 1):
+            if step % eval_every == 0 or step == steps:
+                loss = sum(float(divergence(i, False)) for i in held) / len(held)
+                if not math.isfinite(loss):
+                    raise LinearAttentionError(f"fit_end_to_end: the held-out KL became {loss} at step {step}; lower "
+                                               "lr (e.g. lr=0.001)")
+                if loss < best_loss:
+                    best_loss, best = loss, [p.detach().clone() for p in params]
+                history.append((step, train_loss, loss))
+                if progress:
+                    print(f"end to end: step {step}/{steps}, held-out KL {loss:.4f} (best {best_loss:.4f}), "
+                          f"{time.perf_counter() - start:.0f} s", flush=True)
+            if step == steps:
+                break
+            loss_t = divergence(order.choice(train), True)
+            optimiser.zero_grad()
+            loss_t.backward()
+            optimiser.step()
+            train_loss = float(loss_t.detach())
+    finally:
+        with torch.no_grad():
+            for param, saved in zip(params, best, strict=True):
+                param.copy_(saved)
+                param.requires_grad_(False)
+        for param, flag in frozen:
+            param.requires_grad_(flag)
+        model.train(was_training)
+    return {"history": history, "best_held_out": best_loss, "seconds": time.perf_counter() - start}
