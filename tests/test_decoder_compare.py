@@ -111,7 +111,7 @@ def test_compare_trains_the_window_maps_end_to_end_on_sampled_text(tiny_folder, 
                  "--passkey-trials", "1", "--repeat-trials", "1", "--passage-tokens", "12", "--gap-tokens", "40",
                  "--steps", "2", "--fit-max-tokens", "128", "--fit-orders", "1", "--no-metrics", "--no-baselines",
                  "--maps", "hedgehog+window", "--end-to-end-steps", "3", "--end-to-end-samples", "4",
-                 "--end-to-end-tokens", "30", "--out", str(out), "--quiet"])
+                 "--end-to-end-tokens", "30", "--save-maps", str(tmp_path / "maps"), "--out", str(out), "--quiet"])
     assert code == 0
     result = json.loads((out / "results.json").read_text())
     rows = {row["name"]: row for row in result["rows"]}
@@ -123,3 +123,14 @@ def test_compare_trains_the_window_maps_end_to_end_on_sampled_text(tiny_folder, 
     # differ unless training never moved them (then the best held-out KL is the first one)
     moved = info["best_held_out_kl"] < info["history"][0][2]
     assert (tuned["perplexity"] != fitted["perplexity"]) == moved
+    # the saved window-fitted maps, passed back, serve the window row without fitting: the same perplexity
+    again = tmp_path / "again"
+    code = main(["compare", str(tiny_folder), str(tiny_folder / "train.txt"), "--heldout",
+                 str(tiny_folder / "heldout.txt"), "--window", "8", "--sinks", "1", "--passkey-lengths", "40",
+                 "--passkey-trials", "1", "--repeat-trials", "1", "--passage-tokens", "12", "--gap-tokens", "40",
+                 "--no-metrics", "--no-baselines", "--maps", "hedgehog+window", "--fitted-maps",
+                 str(tmp_path / "maps" / "hedgehog_window.safetensors"), "--out", str(again), "--quiet"])
+    assert code == 0
+    result = json.loads((again / "results.json").read_text())
+    assert result["fit_tokens"] == 0  # loaded, not fitted
+    assert result["rows"][0]["perplexity"] == pytest.approx(fitted["perplexity"], rel=1e-6)

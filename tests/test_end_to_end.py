@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 from linattn import LinearAttentionError, hf  # noqa: E402
 from linattn.distill import fit_model_feature_maps  # noqa: E402
 from linattn.evaluate.capture import capture_attention  # noqa: E402
-from linattn.evaluate.end_to_end import fit_end_to_end, sample_texts  # noqa: E402
+from linattn.evaluate.end_to_end import _coarse_teacher, coarse_kl, copying_sequences, fit_end_to_end, sample_texts  # noqa: E402
 from test_decoder_compare import char_tokenizer  # noqa: E402
 
 TEXT = ("Rivers carry sand to the sea, and the tide returns some of it to the shore every evening. "
@@ -90,3 +90,32 @@ def test_sample_texts_continues_every_prompt_reproducibly():
     assert sample_texts(model, tokenizer, prompts, tokens=20, batch_size=2, seed=3) == first
     assert sample_texts(model, tokenizer, prompts, tokens=20, batch_size=2, seed=4) != first
     assert tokenizer.padding_side == side  # restored
+
+
+def test_copying_sequences_repeat_the_passage_after_the_gap():
+    sequences = [torch.arange(100) + 1000 * i for i in range(3)] + [torch.arange(10)]  # the last one is too short
+    out = copying_sequences(sequences, passage=(5, 20), gap=(30, 60), seed=1)
+    assert len(out) == 3  # 10 tokens cannot hold a passage of ≥ 5, a gap of ≥ 30 and the repeat
+    for ids, made in zip(sequences[:3], out, strict=True):
+        length = next(p for p in range(5, 21) if torch.equal(made[-p:], ids[:p]) and made.shape[0] - 2 * p >= 30
+                      and torch.equal(made[:-p], ids[: made.shape[0] - p]))
+        assert 30 <= made.shape[0] - 2 * length <= 60
+    assert all(torch.equal(a, b) for a, b in zip(out, copying_sequences(sequences, passage=(5, 20), gap=(30, 60),
+                                                                         seed=1), strict=True))
+
+
+def test_coarse_kl_against_the_full_kl_in_float64():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.log_softmax(3 * torch.randn(5, 40, generator=gen, dtype=torch.float64), -1)
+    q = torch.log_softmax(3 * torch.randn(5, 40, generator=gen, dtype=torch.float64), -1)
+    full = (p.exp() * (p - q)).sum(-1)  # (5,)
+    # every token kept: the rest bucket is empty (its mass clamped to ~1e-7) and the KL is the full one
+    torch.testing.assert_close(coarse_kl(_coarse_teacher(p, 40), q), full, rtol=0, atol=1e-5)
+    # fewer tokens: the divergence of coarsened distributions, never above the full one, and by hand for k = 3
+    coarse = coarse_kl(_coarse_teacher(p, 3), q)
+    assert bool((coarse <= full + 1e-12).all()) and bool((coarse < full).any())
+    top = p.topk(3, -1).indices
+    pk, qk = p.exp().gather(-1, top), q.exp().gather(-1, top)
+    pr, qr = 1 - pk.sum(-1), 1 - qk.sum(-1)
+    by_hand = (pk * (pk.log() - qk.log())).sum(-1) + pr * (pr.log() - qr.log())
+    torch.testing.assert_close(coarse, by_hand, rtol=1e-10, atol=1e-12)

@@ -20,6 +20,7 @@ row KL against softmax on the held-out capture (:func:`~linattn.evaluate.capture
 
 from __future__ import annotations
 
+import argparse
 import copy
 import inspect
 import json
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from ..data import load_text
+from ..distill import load_feature_maps
 from ..errors import LinearAttentionError
 from .models import _gguf_in, _is_causal_lm, load_model
 
@@ -114,7 +116,7 @@ def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any) -> tuple[Any
     prompted by the train text's paragraphs; ``fitted`` stays as it was. Returns the copy and what it took."""
     from .. import hf
     from ..data import paragraphs
-    from .end_to_end import fit_end_to_end, sample_texts
+    from .end_to_end import copying_sequences, fit_end_to_end, sample_texts
 
     train = load_text("train") if args.text is None else open(args.text, encoding="utf-8").read()
     starts = [" ".join(paragraph.split()[:20]) for paragraph in paragraphs(train)]
@@ -123,12 +125,19 @@ def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any) -> tuple[Any
     begin = time.perf_counter()
     texts = sample_texts(model, tokenizer, prompts, tokens=args.end_to_end_tokens, seed=0)
     sampled = time.perf_counter() - begin
+    limit = args.end_to_end_tokens + 64  # prompt included
+    plain = [torch.as_tensor(tokenizer(text)["input_ids"][:limit]) for text in texts]
+    held = 2  # the last two samples, and the copying sequence of the last but one, are held out
+    copies = copying_sequences(plain, seed=0) if args.end_to_end_copies else []
+    train_copies, held_copies = copies[: max(0, len(copies) - 1)], copies[max(0, len(copies) - 1) :]
+    sequences = plain[:-held] + train_copies + plain[-held:] + held_copies
     tuned = copy.deepcopy(fitted)
     hf.linearize(model, tuned)
-    info = fit_end_to_end(model, tokenizer, texts, max_tokens=args.end_to_end_tokens + 64,
-                          steps=args.end_to_end_steps, progress=not args.quiet)
+    info = fit_end_to_end(model, tokenizer, sequences, max_tokens=limit, steps=args.end_to_end_steps,
+                          held_out=held + len(held_copies), progress=not args.quiet)
     model.set_attn_implementation("sdpa")
-    return tuned, {"samples": len(texts), "tokens": args.end_to_end_tokens, "sample_seconds": sampled,
+    return tuned, {"samples": len(texts), "copying_sequences": len(copies), "tokens": args.end_to_end_tokens,
+                   "sample_seconds": sampled,
                    "steps": args.end_to_end_steps, "best_held_out_kl": info["best_held_out"],
                    "history": info["history"]}
 
@@ -198,8 +207,9 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
         if map_name in ("hedgehog", "hedgehog+window"):
             with_window = map_name == "hedgehog+window"
             begin = time.perf_counter()
-            if args.fitted_maps and not with_window:
-                fitted, fit_tokens = args.fitted_maps, 0
+            saved = load_feature_maps(args.fitted_maps) if args.fitted_maps else None
+            if saved is not None and (saved.window is not None) == with_window:  # a file fitted with the window
+                fitted, fit_tokens = saved, 0  # serves the window row, one fitted without it the plain row
             else:
                 model.set_attn_implementation("sdpa")
                 fitted, fit_tokens = _fit(model, tokenizer, name, args, args.window if with_window else None)
@@ -299,7 +309,9 @@ def add_lm_arguments(parser: Any) -> None:
     add("--repeat-trials", type=int, default=4, help="causal LMs: repeated passages")
     add("--passage-tokens", type=int, default=128, help="causal LMs: tokens of the repeated passage")
     add("--gap-tokens", type=int, default=512, help="causal LMs: tokens between the passage and its repeat")
-    add("--fitted-maps", default=None, help="causal LMs: hedgehog maps saved earlier (skip the fit)")
+    add("--fitted-maps", default=None,
+        help="causal LMs: hedgehog maps saved earlier (skip the fit): maps fitted with the window serve the "
+             "hedgehog+window rows, others the hedgehog row")
     add("--no-metrics", action="store_true", help="causal LMs: skip the per-head rel. error / KL")
     add("--no-baselines", action="store_true", help="causal LMs: skip the softmax and window+sinks rows")
     add("--end-to-end-steps", type=int, default=0,
@@ -307,6 +319,9 @@ def add_lm_arguments(parser: Any) -> None:
     add("--end-to-end-samples", type=int, default=32,
         help="causal LMs: texts sampled from the model for the end-to-end stage (the last 2 held out)")
     add("--end-to-end-tokens", type=int, default=1024, help="causal LMs: tokens sampled per text")
+    add("--end-to-end-copies", action=argparse.BooleanOptionalAction, default=True,
+        help="causal LMs: also train on copying sequences built from the samples (a passage, other text, the "
+             "passage again)")
     add("--gamma", action="store_true",
         help="causal LMs: fit hedgehog+window with LoLCATs' per-head factor γ instead of the mass-preserving window")
 
