@@ -129,8 +129,11 @@ def test_compare_trains_the_window_maps_end_to_end_on_sampled_text(tiny_folder, 
                  str(tiny_folder / "heldout.txt"), "--window", "8", "--sinks", "1", "--passkey-lengths", "40",
                  "--passkey-trials", "1", "--repeat-trials", "1", "--passage-tokens", "12", "--gap-tokens", "40",
                  "--no-metrics", "--no-baselines", "--maps", "hedgehog+window", "--fitted-maps",
-                 str(tmp_path / "maps" / "hedgehog_window.safetensors"), "--out", str(again), "--quiet"])
+                 str(tmp_path / "maps" / "hedgehog_window.safetensors"), "--end-to-end-steps", "1",
+                 "--end-to-end-samples", "3", "--end-to-end-tokens", "20", "--save-maps", str(tmp_path / "new"),
+                 "--out", str(again), "--quiet"])
     assert code == 0
     result = json.loads((again / "results.json").read_text())
     assert result["fit_tokens"] == 0  # loaded, not fitted
     assert result["rows"][0]["perplexity"] == pytest.approx(fitted["perplexity"], rel=1e-6)
+    assert (tmp_path / "new" / "hedgehog_window_end_to_end.safetensors").is_file()  # a folder the fit never made

@@ -226,6 +226,7 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
                 result["end_to_end"] = {**info, "seconds": time.perf_counter() - begin}
                 configurations.append((label + ", end to end", tuned, {}))
                 if args.save_maps:
+                    os.makedirs(args.save_maps, exist_ok=True)  # also when the fit was loaded (--fitted-maps)
                     tuned.save(os.path.join(args.save_maps, "hedgehog_window_end_to_end.safetensors"))
         else:
             configurations.append((map_name, map_name, {"seed": 0} if map_name == "favor+" else {}))
