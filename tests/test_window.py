@@ -259,6 +259,7 @@ def test_bad_options_raise():
 def test_fit_with_window_loss_is_the_hybrid_row(causal, gamma, tmp_path):
     # the fitting loss must be the cross-entropy of softmax against the very rows linear_attention(window=) gives
     from linattn.distill import FittedFeatureMaps, _batch, _hybrid_loss, _prepare, _window_masks, load_feature_maps
+    from linattn.evaluate.metrics import softmax_weights
 
     q, k, _ = inputs(3, 24, 8, dtype=torch.float32, seed=12)
     fmap = linattn_fit(q, k, causal=causal, gamma=gamma)
@@ -273,7 +274,8 @@ def test_fit_with_window_loss_is_the_hybrid_row(causal, gamma, tmp_path):
         eye = torch.eye(24).expand(3, 24, 24)
         rows_hybrid = linear_attention(item["q"], item["k"], eye, feature_map=fmap, causal=causal, window=5, sinks=2,
                                        window_factor=fmap.window_factor, eps=0.0)
-    cross = -torch.special.xlogy(item["weights"], rows_hybrid).sum(-1)
+    target = softmax_weights(q, k, 8**-0.5, causal)  # the softmax rows, formed here independently of _batch
+    cross = -torch.special.xlogy(target, rows_hybrid).sum(-1)
     torch.testing.assert_close(loss, cross, rtol=2e-4, atol=2e-4)  # fp32 weights, logs of small weights
     # saved and loaded, the window options travel with the maps (format version 3)
     factors = [fmap.window_factor] if gamma else None
