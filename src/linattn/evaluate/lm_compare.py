@@ -89,11 +89,15 @@ def looks_causal(name: str | None) -> bool:
         return False
 
 
+def _train_text(args: Any) -> str:
+    return load_text("train") if args.text is None else open(args.text, encoding="utf-8").read()
+
+
 def _fit(model: Any, tokenizer: Any, name: str, args: Any, window: int | None) -> Any:
     from ..distill import fit_feature_map, fit_model_feature_maps
     from .capture import capture_attention
 
-    train = load_text("train") if args.text is None else open(args.text, encoding="utf-8").read()
+    train = _train_text(args)
     capture = capture_attention(model, tokenizer, train, max_tokens=args.fit_max_tokens or LM_FIT_TOKENS,
                                 model_name=name, orders=args.fit_orders)
     options: dict[str, Any] = {"progress": not args.quiet}
@@ -118,7 +122,7 @@ def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any) -> tuple[Any
     from ..data import paragraphs
     from .end_to_end import copying_sequences, fit_end_to_end, sample_texts
 
-    train = load_text("train") if args.text is None else open(args.text, encoding="utf-8").read()
+    train = _train_text(args)
     starts = [" ".join(paragraph.split()[:20]) for paragraph in paragraphs(train)]
     prompts = [starts[i % len(starts)] for i in range(args.end_to_end_samples)]
     model.set_attn_implementation("sdpa")
@@ -203,11 +207,11 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
 
     fitted = None
     configurations: list[tuple[str, Any, dict[str, Any]]] = []
+    saved = load_feature_maps(args.fitted_maps) if args.fitted_maps else None  # read once for every map row
     for map_name in wanted:
         if map_name in ("hedgehog", "hedgehog+window"):
             with_window = map_name == "hedgehog+window"
             begin = time.perf_counter()
-            saved = load_feature_maps(args.fitted_maps) if args.fitted_maps else None
             if saved is not None and (saved.window is not None) == with_window:  # a file fitted with the window
                 fitted, fit_tokens = saved, 0  # serves the window row, one fitted without it the plain row
             else:
