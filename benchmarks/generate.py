@@ -19,6 +19,7 @@ tokens and their ratio (flat = 1.0), wall and CPU, ms per layer step inside ``ge
 start and end.
 
     python benchmarks/generate.py --part step                  # ~10 s
+    python benchmarks/generate.py --part step --window 64      # the window hybrid's step (4 sinks)
     python benchmarks/generate.py --part generate              # SmolLM2, 4,096 tokens after 512: minutes on CPU
 
 Threads: ``--threads`` (default 1: the per-token work is small; more threads mostly add synchronisation).
@@ -27,6 +28,7 @@ Threads: ``--threads`` (default 1: the per-token work is small; more threads mos
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 
 from linattn import linear_attention
-from linattn.decode import DecodeStep
+from linattn.decode import DecodeStep, WindowDecodeStep, supports_window
 from linattn.feature_maps import create
 
 
@@ -59,18 +61,22 @@ def _step_times(heads: int, kv_heads: int, name: str, args: argparse.Namespace) 
     q = torch.randn(1, heads, 1, args.dim)
     k, v = torch.randn(1, kv_heads, 1, args.dim), torch.randn(1, kv_heads, 1, args.dim)
     context = (torch.randn(1, kv_heads, args.context, args.dim),) * 2
+    options = {"window": args.window, "sinks": args.sinks} if args.window else {}
     _, state = linear_attention(torch.randn(1, heads, args.context, args.dim), *context, feature_map=fmap,
-                                causal=True, return_state=True)
-    step = DecodeStep(fmap, state)
+                                causal=True, return_state=True, **options)
+    if args.window and not supports_window(fmap, state, options):  # log-space maps: linear_attention's path
+        return math.nan, math.nan, math.nan
+    step = WindowDecodeStep(fmap, state) if args.window else DecodeStep(fmap, state)
     module = torch.nn.Module()
     module.is_causal, module.layer_idx = True, 0  # type: ignore[assignment]
     module.linattn_feature_map = fmap
+    module.linattn_options = options
     cache = LinearAttentionCache()
     cache.update(*context, 0)  # the prefill goes through the function once
     hf.linattn_attention_forward(module, torch.randn(1, heads, args.context, args.dim), *context, None)
 
     def old() -> None:
-        linear_attention(q, k, v, feature_map=fmap, causal=True, initial_state=state, return_state=True)
+        linear_attention(q, k, v, feature_map=fmap, causal=True, initial_state=state, return_state=True, **options)
 
     def new() -> None:
         step(q, k, v)
@@ -89,8 +95,9 @@ def _step_times(heads: int, kv_heads: int, name: str, args: argparse.Namespace) 
 
 
 def step_part(args: argparse.Namespace) -> None:
+    hybrid = f", window {args.window} + {args.sinks} sinks (WindowDecodeStep)" if args.window else ""
     print(f"one layer's decode step, B=1, d={args.dim}, fp32, {torch.get_num_threads()} thread(s), median of "
-          f"{args.rounds} alternating rounds of {args.calls} calls (ms)")
+          f"{args.rounds} alternating rounds of {args.calls} calls (ms){hybrid}")
     print(f"{'H/Hkv':>7} {'map':>8} {'linear_attention':>17} {'DecodeStep':>11} {'hf attention':>13} {'speed-up':>9}")
     for heads, kv_heads in ((8, 8), (9, 3)):
         for name in args.step_maps:
@@ -177,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--context", type=int, default=512, help="tokens in the state before the timed step")
     parser.add_argument("--step-maps", nargs="+", default=["elu", "favor+", "hedgehog"])
+    parser.add_argument("--window", type=int, default=0, help="step the window hybrid with this window (0: none)")
+    parser.add_argument("--sinks", type=int, default=4, help="sinks of the window hybrid (with --window)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--model", default="smollm2")

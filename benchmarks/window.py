@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--map", default="elu", help="feature map of both paths (elu: F = D; hedgehog: F = 2D)")
     parser.add_argument("--factor", type=float, default=None, help="γ form with this factor (default: mass form)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
@@ -41,7 +42,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     form = "mass-preserving" if args.factor is None else f"γ={args.factor}"
-    print(f"threads={args.threads} B=1 H={args.heads} D={args.dim} W={args.window} S={args.sinks} form={form}")
+    print(f"threads={args.threads} B=1 H={args.heads} D={args.dim} map={args.map} W={args.window} S={args.sinks} "
+          f"form={form}")
     print(f"{'N':>6} {'plain fwd ms':>13} {'hybrid/plain fwd':>17} {'plain f+b ms':>13} {'hybrid/plain f+b':>17}")
     for n in args.n:
         gen = torch.Generator().manual_seed(0)
@@ -52,12 +54,12 @@ def main() -> None:
 
         def forward(options: dict, q=q, k=k, v=v) -> None:
             with torch.no_grad():
-                linear_attention(q, k, v, causal=True, form="chunked", **options)
+                linear_attention(q, k, v, feature_map=args.map, causal=True, form="chunked", **options)
 
         def training(options: dict, leaves=leaves, grad=grad) -> None:
             for leaf in leaves:
                 leaf.grad = None
-            linear_attention(*leaves, causal=True, form="chunked", **options).backward(grad)
+            linear_attention(*leaves, feature_map=args.map, causal=True, form="chunked", **options).backward(grad)
 
         rows = {}
         for name, fn in (("fwd", forward), ("f+b", training)):
@@ -81,7 +83,7 @@ def main() -> None:
         peaks = []
         for options in ({}, hybrid):
             def step(options: dict = options) -> None:
-                linear_attention(*leaves, causal=True, form="chunked", **options).sum().backward()
+                linear_attention(*leaves, feature_map=args.map, causal=True, form="chunked", **options).sum().backward()
             peaks.append(peak_memory(step, torch.device("cpu")))
         inputs = 3 * leaves[0].numel() * 4 / 2**20
         print(f"peak memory of forward+backward at N={n}: plain {peaks[0] / 2**20:.1f} MiB, hybrid "

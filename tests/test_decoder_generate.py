@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 import linattn.hf as hf  # noqa: E402
 from linattn import LinearAttentionError, linear_attention  # noqa: E402
-from linattn.decode import DecodeStep, supports  # noqa: E402
+from linattn.decode import DecodeStep, WindowDecodeStep, supports  # noqa: E402
 from linattn.feature_maps import create  # noqa: E402
 from linattn.hf_cache import LinearAttentionCache  # noqa: E402
 
@@ -162,6 +162,7 @@ def test_hybrid_generation_with_the_state_cache_equals_full_recompute(factor):
         recomputed = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0, use_cache=False,
                                     output_logits=True, return_dict_in_generate=True)
     assert isinstance(cached.past_key_values, LinearAttentionCache)
+    assert all(isinstance(layer.stepper, WindowDecodeStep) for layer in cached.past_key_values.layers)
     assert torch.equal(cached.sequences, recomputed.sequences)
     for ours, full in zip(cached.logits, recomputed.logits, strict=True):  # fp32 sums in another order
         torch.testing.assert_close(ours, full, rtol=1e-4, atol=1e-4)
@@ -173,7 +174,7 @@ def test_hybrid_generation_with_the_state_cache_equals_full_recompute(factor):
         for _ in range(40):
             step = model(input_ids=out.sequences[:, -1:], past_key_values=cache, use_cache=True)
             cache = step.past_key_values
-            sizes.append(sum(t.numel() for layer in cache.layers for t in _tensors(layer.state)))
+            sizes.append(cache.nbytes())  # the steppers' buffers while decoding
     assert sizes[0] > 0 and len(set(sizes)) == 1  # ring buffer of 8 keys and values, 2 sinks, fixed linear state
 
 

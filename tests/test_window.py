@@ -358,3 +358,65 @@ def test_fit_model_feature_maps_carries_window_and_per_layer_gamma(tmp_path):
         out = linear_attention(q[2 * layer : 2 * layer + 2], k[2 * layer : 2 * layer + 2], v[2 * layer : 2 * layer + 2],
                                feature_map=loaded.maps[layer], causal=True, **options)
         assert out.shape == (2, 16, 11) and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("factor", [None, "per-head"], ids=["mass", "gamma"])
+@pytest.mark.parametrize("map_name", ["elu", "hedgehog"])
+@pytest.mark.parametrize("window,sinks,prefill", [(4, 2, 1), (4, 2, 9), (1, 0, 5), (3, 5, 2), (6, 1, 6)])
+def test_window_decode_step_follows_the_float64_reference(window, sinks, prefill, map_name, factor):
+    """The lean hybrid step (linattn.decode.WindowDecodeStep): prefill by linear_attention, then token by token,
+    with GQA, a left-padded row and a masked stepped key, against the quadratic float64 definition; its state
+    equals linear_attention's after the same tokens, and a step on reordered batch rows (beam search) goes on."""
+    from linattn.decode import WindowDecodeStep, supports_window
+
+    batch, heads, kv_heads, n, d = 2, 4, 2, 16, 8
+    q, k, v = inputs(batch, heads, n, d, heads_kv=kv_heads, seed=prefill)
+    keep = torch.ones(batch, n, dtype=torch.bool)
+    keep[1, :2] = False  # left padding
+    keep[0, prefill + 2] = False  # a masked key among the stepped ones
+    gamma = torch.tensor([0.5, 1.0, 2.0, 0.7], dtype=torch.float64) if factor else None
+    if map_name == "elu":
+        fmap = create("elu")
+        phi_q = phi_k = elu1
+    else:
+        fmap = create("hedgehog", head_dim=d, num_heads=heads, init="random", seed=0).double()
+        phi_q, phi_k = (lambda x: fmap.features(x, is_query=True)), (lambda x: fmap.features(x, is_query=False))
+    options = {"window": window, "sinks": sinks, "window_factor": gamma}
+    _, state = linear_attention(q[..., :prefill, :], k[..., :prefill, :], v[..., :prefill, :], feature_map=fmap,
+                                causal=True, key_padding_mask=keep[:, :prefill], return_state=True, **options)
+    assert supports_window(fmap, state, options)
+    step = WindowDecodeStep(fmap, state, window_factor=gamma)
+    outs = [step(q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :], keep[:, t : t + 1])
+            for t in range(prefill, n)]
+    with torch.no_grad():
+        expected = hybrid_reference(q, k, v, phi_q, phi_k, window=window, sinks=sinks, causal=True,
+                                    keep=keep[:, None, :], factor=gamma)
+    # float64 in-place sums against the float64 quadratic definition: rounding only
+    torch.testing.assert_close(torch.cat(outs, dim=-2), expected[..., prefill:, :], rtol=1e-10, atol=1e-10)
+    _, full = linear_attention(q, k, v, feature_map=fmap, causal=True, key_padding_mask=keep, return_state=True,
+                               **options)
+    ours = step.state()
+    assert ours.num_tokens == full.num_tokens == n and ours.linear.num_tokens == full.linear.num_tokens
+    for name in ("keys", "values", "keep", "sink_keys", "sink_values", "sink_keep"):
+        assert torch.equal(getattr(ours, name), getattr(full, name)), name
+    torch.testing.assert_close(ours.linear.kv, full.linear.kv, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours.linear.k_sum, full.linear.k_sum, rtol=1e-10, atol=1e-10)
+    # beam search: the rows swapped, one more token each, against linear_attention from the swapped state
+    swap = torch.tensor([1, 0])
+    more = [x.index_select(0, swap) for x in inputs(batch, heads, 1, d, heads_kv=kv_heads, seed=99)]
+    stepped = step.index_select(0, swap)(*more)
+    again = linear_attention(*more, feature_map=fmap, causal=True, initial_state=full.index_select(0, swap),
+                             **options)
+    torch.testing.assert_close(stepped, again, rtol=1e-10, atol=1e-10)
+
+
+def test_window_decode_step_refuses_what_it_cannot_reproduce():
+    from linattn.decode import supports_window
+
+    q, k, v = inputs(1, 2, 6, 8)
+    _, state = linear_attention(q, k, v, causal=True, window=4, sinks=1, return_state=True)
+    _, plain = linear_attention(q, k, v, causal=True, return_state=True)
+    assert supports_window(create("elu"), state, {"window": 4, "sinks": 1, "eps": 1e-3})
+    assert not supports_window(create("elu"), state, {"window": 4, "min_denom": 1e-3})
+    assert not supports_window(favor_map(8)[0], state, {"window": 4})  # log-space: linear_attention's path
+    assert not supports_window(create("elu"), plain, {})

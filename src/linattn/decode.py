@@ -12,7 +12,16 @@ token, the feature maps and a handful of in-place ops:
 so a step agrees with ``linear_attention`` up to fp32 rounding (tests/test_decoder_generate.py).
 
 Only the plain state (:class:`~linattn.LinearAttentionState`), ``normalize=True``, no ``min_denom`` and a positive
-map qualify (:func:`supports`); anything else — e.g. a window hybrid's state — goes through ``linear_attention``.
+map qualify (:func:`supports`).
+
+:class:`WindowDecodeStep` does the same for the sliding-window hybrid (``window=W, sinks=S``, either scale form) with
+an ordinary (not log-space) map: one preallocated buffer of S sink slots and a ring of W slots holding each exact
+key, its value and its feature vector φ(k) (computed once, when the key arrives — the recurrent form recomputes
+φ of all W + S buffered keys every token), and the linear sums of the keys that have left the window. Per token:
+the key leaving the window enters the linear sums (a sink instead becomes a separate exact key), the new key takes
+its slot, and the output is the hybrid's (mass form: out = (φ(q)·S + M·A) / (φ(q)·z + M + eps), A the softmax
+average over the live exact keys, M = Σ_exact φ(q)·φ(k); γ form: the γ-weighted exact sums). Anything else —
+log-space maps, ``min_denom``, other options — goes through ``linear_attention`` (:func:`supports_window`).
 """
 
 from __future__ import annotations
@@ -24,10 +33,11 @@ from torch import nn
 
 from .errors import LinearAttentionError
 from .feature_maps import FeatureMap
-from .state import LinearAttentionState
+from .state import LinearAttentionState, WindowAttentionState
 
 # linear_attention options a step reproduces; any other option (window=, sinks=, min_denom=, ...) is left to it
 STEP_OPTIONS = frozenset({"eps", "chunk_size", "form"})
+WINDOW_STEP_OPTIONS = STEP_OPTIONS | {"window", "sinks", "window_factor", "softmax_scale"}
 
 
 def supports(fmap: nn.Module, state: Any, options: dict[str, Any]) -> bool:
@@ -104,7 +114,7 @@ class DecodeStep:
             kf = torch.exp(kf - finite[..., None, None])
         kf = kf.reshape(batch, heads, features)
         # S += φ(k) vᵀ and z += φ(k), in place
-        self.kv.view(self._flat).baddbmm_(kf.reshape(-1, features, 1), v.reshape(-1, 1, values))
+        self.kv.view(self._flat).addcmul_(kf.reshape(-1, features, 1), v.reshape(-1, 1, values))
         self.k_sum.add_(kf)
         self.num_tokens += 1
         qf = qf.reshape(-1, 1, features)  # (B·H, 1, F)
@@ -122,3 +132,179 @@ class DecodeStep:
     def index_select(self, dim: int, index: torch.Tensor) -> DecodeStep:
         """A step on the selected batch rows (beam search), as the state's ``index_select``."""
         return DecodeStep(self.fmap, self.state().index_select(dim, index), eps=self.eps)
+
+
+def supports_window(fmap: nn.Module, state: Any, options: dict[str, Any]) -> bool:
+    """Whether :class:`WindowDecodeStep` computes what ``linear_attention(..., **options)`` would from ``state``."""
+    return (
+        type(state) is WindowAttentionState
+        and state.linear.kv.dtype in (torch.float32, torch.float64)
+        and state.linear.kv.dim() == 4
+        and set(options) <= WINDOW_STEP_OPTIONS
+        and options.get("normalize", True)
+        and getattr(fmap, "positive", True) is not False
+        and not getattr(fmap, "log_space", False)
+    )
+
+
+class WindowDecodeStep:
+    """The causal window hybrid one token at a time, from a :class:`~linattn.WindowAttentionState` returned by
+    ``linear_attention(..., window=W, sinks=S, return_state=True)`` (see the module docstring).
+
+    Args:
+        fmap: the feature map the state was built with (an ordinary map: features, not log-features).
+        state: batch shape (B, H). Copied once into the step's buffers.
+        eps: the denominator's eps; window_factor: None (the mass form) or γ (a float, or one value per head);
+        softmax_scale: the exact part's score scale (default 1/√d), as given to ``linear_attention``.
+    """
+
+    def __init__(
+        self, fmap: nn.Module, state: WindowAttentionState, *, eps: float = 1e-6, window_factor: Any = None,
+        softmax_scale: float | None = None,
+    ) -> None:
+        linear = state.linear
+        if linear.kv.dim() != 4:
+            raise LinearAttentionError(
+                f"state: a decode step needs a state of batch shape (B, H), got kv of shape {tuple(linear.kv.shape)}"
+            )
+        self.fmap = fmap
+        self.features = fmap.features if isinstance(fmap, FeatureMap) else None
+        self.eps = float(eps)
+        batch, heads, features, values = linear.kv.shape
+        dim = state.keys.shape[-1]
+        self.scale = dim**-0.5 if softmax_scale is None else float(softmax_scale)
+        self.window, self.sinks, self.num_tokens = state.window, state.sinks, state.num_tokens
+        dtype, device = linear.kv.dtype, linear.kv.device
+        self.gamma, self.window_factor = None, window_factor
+        if window_factor is not None:
+            gamma = torch.as_tensor(window_factor, dtype=dtype, device=device)
+            self.gamma = torch.broadcast_to(gamma, (batch, heads)).reshape(-1, 1).clone()  # (B·H, 1)
+        self.kv = linear.kv.detach().clone(memory_format=torch.contiguous_format)
+        self.k_sum = linear.k_sum.detach().clone(memory_format=torch.contiguous_format)
+        self.shift = linear.shift.detach().clone()
+        slots = self.sinks + self.window  # sink slots first, then the ring (position p in slot S + p mod W)
+        self.keys = torch.zeros(batch * heads, slots, dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch * heads, slots, values, dtype=dtype, device=device)
+        self.key_features = torch.zeros(batch * heads, slots, features, dtype=dtype, device=device)
+        self.live = torch.zeros(batch * heads, slots, dtype=torch.bool, device=device)  # an exact key now
+        self._shape = (batch, heads, features, values)
+        with torch.no_grad():
+            ring = state.keys.shape[-2]
+            first = self.num_tokens - ring  # position of the oldest buffered key
+            if ring:
+                positions = torch.arange(first, self.num_tokens, device=device)
+                where = self.sinks + positions % self.window
+                self._fill(where, state.keys, state.values, state.keep, live=True)
+            sunk = state.sink_keys.shape[-2]
+            if sunk:
+                # a sink is a separate exact key once it has left the window (position < first)
+                self._fill(torch.arange(sunk, device=device), state.sink_keys, state.sink_values, state.sink_keep,
+                           live=torch.arange(sunk, device=device) < first)
+
+    def _map(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        if self.features is not None:
+            return self.features(x, is_query=is_query)
+        return self.fmap(x)
+
+    def _fill(self, where: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor,
+              live: bool | torch.Tensor) -> None:
+        """Writes buffered keys (B, H, L, ·) with their keep flags (B, H, L) into slots ``where`` (L,)."""
+        keep = keep.reshape(-1, keep.shape[-1])
+        kf = self._map(keys.to(self.keys.dtype), False)
+        self.keys[:, where] = keys.reshape(-1, *keys.shape[-2:]).to(self.keys.dtype)
+        self.values[:, where] = values.reshape(-1, *values.shape[-2:]).to(self.keys.dtype)
+        self.key_features[:, where] = kf.reshape(-1, *kf.shape[-2:]).masked_fill(~keep.unsqueeze(-1), 0.0)
+        self.live[:, where] = keep & live if isinstance(live, bool) else keep & live.to(keep.device)
+
+    @torch.no_grad()
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
+        """q (B, H, 1, d), k (B, Hkv, 1, d), v (B, Hkv, 1, Dv), keep (B, 1) bool or None → out (B, H, 1, Dv).
+
+        Inference only (no gradient flows through a step); output in q's dtype, the buffers in the state's."""
+        batch, heads, features, values = self._shape
+        out_dtype, dtype = q.dtype, self.kv.dtype
+        if q.dtype != dtype or k.dtype != dtype or v.dtype != dtype:
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        group = heads // k.shape[1]
+        if group > 1:  # grouped-query attention: (B, Hkv, 1, ·) → (B, H, 1, ·) without a copy
+            k = k.unsqueeze(2).expand(batch, k.shape[1], group, 1, k.shape[-1]).reshape(batch, heads, 1, -1)
+            v = v.unsqueeze(2).expand(batch, v.shape[1], group, 1, values).reshape(batch, heads, 1, values)
+        qf = self._map(q, True).reshape(-1, 1, features)  # (B·H, 1, F)
+        kf = self._map(k, False).reshape(-1, features)
+        v = v.reshape(-1, values)
+        kept = None
+        if keep is not None:
+            kept = keep.reshape(batch, 1).expand(batch, heads).reshape(-1)  # (B·H,)
+            kf = kf.masked_fill(~kept.unsqueeze(-1), 0.0)
+            v = v.masked_fill(~kept.unsqueeze(-1), 0.0)
+        t, window, sinks = self.num_tokens, self.window, self.sinks
+        slot = sinks + t % window
+        if t >= window:  # key t − W leaves the window: a sink stays exact, any other key enters the linear sums
+            if t - window < sinks:
+                self.live[:, t - window] = self.live[:, slot]
+            else:
+                old = self.key_features[:, slot]
+                self.kv.view(-1, features, values).addcmul_(old.unsqueeze(-1), self.values[:, slot].unsqueeze(-2))
+                self.k_sum.view(-1, features).add_(old)
+        self.keys[:, slot] = k.reshape(-1, k.shape[-1])
+        self.values[:, slot] = v
+        self.key_features[:, slot] = kf
+        self.live[:, slot] = True if kept is None else kept
+        if t < sinks:  # also a sink: exact by its own slot once it has left the window
+            self.keys[:, t], self.values[:, t], self.key_features[:, t] = self.keys[:, slot], v, kf
+            self.live[:, t] = False
+        self.num_tokens = t + 1
+        lin_num = torch.bmm(qf, self.kv.view(-1, features, values)).squeeze(1)  # (B·H, Dv)
+        lin_den = torch.bmm(qf, self.k_sum.view(-1, features, 1)).view(-1)
+        scores = torch.bmm(q.reshape(-1, 1, q.shape[-1]), self.keys.transpose(1, 2)).squeeze(1).mul_(self.scale)
+        dead = ~self.live
+        scores.masked_fill_(dead, float("-inf"))  # (B·H, S + W)
+        # the row maximum; −inf (no live key) becomes the lowest finite number, so e^{−inf − top} = 0
+        top = scores.amax(-1, keepdim=True).clamp_(min=-torch.finfo(dtype).max)
+        probs = scores.sub_(top).exp_()
+        win_num = torch.bmm(probs.unsqueeze(1), self.values).squeeze(1)
+        win_den = probs.sum(-1)  # ≥ 1 (the maximum's own term) when a key is live, else 0
+        if self.gamma is None:
+            weights = torch.bmm(qf, self.key_features.transpose(1, 2)).squeeze(1)  # (B·H, S + W)
+            mass = weights.masked_fill_(dead, 0.0).sum(-1)
+            num = lin_num.addcmul_((mass / win_den.clamp_(min=1.0)).unsqueeze(-1), win_num)
+            den = lin_den.add_(mass)
+        else:
+            num = lin_num.addcmul_(self.gamma, win_num)
+            den = lin_den.addcmul_(self.gamma.view(-1), win_den)
+        den = den.add_(self.eps)
+        if self.eps <= 0:  # no visible key and eps = 0: output 0, not 0/0 (as finalize)
+            den = torch.where(den == 0, 1.0, den)
+        out = num.div_(den.unsqueeze(-1)).view(batch, heads, 1, values)
+        return out if out_dtype == dtype else out.to(out_dtype)
+
+    def state(self) -> WindowAttentionState:
+        """The state after every token stepped (new tensors: the step may go on)."""
+        batch, heads, features, values = self._shape
+        t, window, sinks = self.num_tokens, self.window, self.sinks
+        ring = min(window, t)
+        where = sinks + torch.arange(t - ring, t, device=self.keys.device) % window  # oldest first
+        sunk = min(sinks, t)
+
+        def rows(x: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
+            picked = x[:, index]
+            return picked.reshape(batch, heads, *picked.shape[1:]).clone()
+
+        keep = self.live[:, where]
+        sink_keep = self.live[:, :sunk].clone()
+        # a sink still in the window is not yet live in its own slot: its keep flag is its ring slot's
+        in_ring = [p for p in range(sunk) if p >= t - ring]
+        if in_ring:
+            sink_keep[:, in_ring] = self.live[:, [sinks + p % window for p in in_ring]]
+        linear = LinearAttentionState(self.kv.clone(), self.k_sum.clone(), self.shift.clone(), max(0, t - window))
+        return WindowAttentionState(
+            linear, rows(self.keys, where), rows(self.values, where), keep.reshape(batch, heads, -1).clone(),
+            rows(self.keys, slice(0, sunk)), rows(self.values, slice(0, sunk)),
+            sink_keep.reshape(batch, heads, -1).clone(), window, sinks, t,
+        )
+
+    def index_select(self, dim: int, index: torch.Tensor) -> WindowDecodeStep:
+        """A step on the selected batch rows (beam search), as the state's ``index_select``."""
+        return WindowDecodeStep(self.fmap, self.state().index_select(dim, index), eps=self.eps,
+                                window_factor=self.window_factor, softmax_scale=self.scale)

@@ -46,7 +46,7 @@ class StateLayer(CacheLayerMixin):
         super().__init__()
         self.state: Any = None
         self.seen = 0
-        self.stepper: Any = None  # a linattn.decode.DecodeStep while decoding token by token
+        self.stepper: Any = None  # a linattn.decode DecodeStep / WindowDecodeStep while decoding token by token
         self.owner: Any = None  # the LinearAttentionCache holding this layer
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -192,7 +192,7 @@ def install(model: Any) -> None:
 def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            keep: torch.Tensor | None, options: dict[str, Any]) -> torch.Tensor:
     """Causal attention of this call's q, k, v (B, H|Hkv, N, ·) after the keys in ``layer``'s state; updates it."""
-    from .decode import DecodeStep, supports
+    from .decode import DecodeStep, WindowDecodeStep, supports, supports_window
     from .functional import linear_attention
 
     if layer.stepper is not None and q.shape[-2] == 1:
@@ -204,4 +204,9 @@ def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: to
     layer.state = state
     if supports(fmap, state, options):  # token-by-token from here on: the lean step
         layer.stepper = DecodeStep(fmap, state, eps=options.get("eps", 1e-6))
+    elif supports_window(fmap, state, options):  # the window hybrid's lean step
+        layer.stepper = WindowDecodeStep(
+            fmap, state, eps=options.get("eps", 1e-6), window_factor=options.get("window_factor"),
+            softmax_scale=options.get("softmax_scale"),
+        )
     return out

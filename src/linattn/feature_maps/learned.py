@@ -87,8 +87,15 @@ class LearnedProjectionMap(FeatureMap):
         index = 0 if is_query or self.tied else 1
         weight = self.weight[index].to(x.dtype)  # (H, m, d)
         bias = self.bias[index].to(x.dtype)  # (H, m)
-        if self.mirrored:  # z and −z from one matmul: (H, 2m, d)
+        if self.mirrored:
+            if x.numel() < weight.numel():  # few rows (decoding): negate the output, not a copy of the weights
+                z = self._project(x, weight, bias)
+                return torch.cat((z, z.neg()), dim=-1)
+            # z and −z from one matmul: (H, 2m, d)
             weight, bias = torch.cat((weight, -weight), dim=-2), torch.cat((bias, -bias), dim=-1)
+        return self._project(x, weight, bias)
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         if self.num_heads is None:
             return x @ weight[0].transpose(0, 1) + bias[0]
         if x.dim() < 3 or x.shape[-3] != self.num_heads:
