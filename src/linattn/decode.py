@@ -40,6 +40,26 @@ STEP_OPTIONS = frozenset({"eps", "chunk_size", "form"})
 WINDOW_STEP_OPTIONS = STEP_OPTIONS | {"window", "sinks", "window_factor", "softmax_scale"}
 
 
+class _Step:
+    """What both decode steps share: the feature map of one token."""
+
+    fmap: nn.Module
+    features: Any
+
+    def _map(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        if self.features is not None:
+            return self.features(x, is_query=is_query)
+        return self.fmap(x)
+
+
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query attention: (B, Hkv, 1, ·) → (B, H, 1, ·), each key/value head serving H / Hkv query heads."""
+    group = heads // x.shape[1]
+    if group == 1:
+        return x
+    return x.unsqueeze(2).expand(x.shape[0], x.shape[1], group, 1, x.shape[-1]).reshape(x.shape[0], heads, 1, -1)
+
+
 def supports(fmap: nn.Module, state: Any, options: dict[str, Any]) -> bool:
     """Whether :class:`DecodeStep` computes what ``linear_attention(..., **options)`` would from ``state``."""
     return (
@@ -51,7 +71,7 @@ def supports(fmap: nn.Module, state: Any, options: dict[str, Any]) -> bool:
     )
 
 
-class DecodeStep:
+class DecodeStep(_Step):
     """Causal linear attention one token at a time, from a state returned by ``linear_attention``.
 
     Args:
@@ -78,10 +98,6 @@ class DecodeStep:
         self._flat = (batch * heads, features, values)
         self._scratch = torch.empty(batch, heads, 1, dtype=self.kv.dtype, device=self.kv.device)
 
-    def _map(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        if self.features is not None:
-            return self.features(x, is_query=is_query)
-        return self.fmap(x)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,10 +109,7 @@ class DecodeStep:
         out_dtype = q.dtype
         dtype = self.kv.dtype
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        group = heads // k.shape[1]
-        if group > 1:  # grouped-query attention: (B, Hkv, 1, ·) → (B, H, 1, ·) without a copy
-            k = k.unsqueeze(2).expand(batch, k.shape[1], group, 1, k.shape[-1]).reshape(batch, heads, 1, -1)
-            v = v.unsqueeze(2).expand(batch, v.shape[1], group, 1, values).reshape(batch, heads, 1, values)
+        k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
         qf = self._map(q, True)  # (B, H, 1, F)
         kf = self._map(k, False)  # (B, H, 1, F)
         if keep is not None:
@@ -147,7 +160,7 @@ def supports_window(fmap: nn.Module, state: Any, options: dict[str, Any]) -> boo
     )
 
 
-class WindowDecodeStep:
+class WindowDecodeStep(_Step):
     """The causal window hybrid one token at a time, from a :class:`~linattn.WindowAttentionState` returned by
     ``linear_attention(..., window=W, sinks=S, return_state=True)`` (see the module docstring).
 
@@ -177,7 +190,7 @@ class WindowDecodeStep:
         dtype, device = linear.kv.dtype, linear.kv.device
         self.gamma, self.window_factor = None, window_factor
         if window_factor is not None:
-            gamma = torch.as_tensor(window_factor, dtype=dtype, device=device)
+            gamma = torch.as_tensor(window_factor, dtype=dtype, device=device).detach()
             self.gamma = torch.broadcast_to(gamma, (batch, heads)).reshape(-1, 1).clone()  # (B·H, 1)
         self.kv = linear.kv.detach().clone(memory_format=torch.contiguous_format)
         self.k_sum = linear.k_sum.detach().clone(memory_format=torch.contiguous_format)
@@ -201,10 +214,6 @@ class WindowDecodeStep:
                 self._fill(torch.arange(sunk, device=device), state.sink_keys, state.sink_values, state.sink_keep,
                            live=torch.arange(sunk, device=device) < first)
 
-    def _map(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        if self.features is not None:
-            return self.features(x, is_query=is_query)
-        return self.fmap(x)
 
     def _fill(self, where: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor,
               live: bool | torch.Tensor) -> None:
@@ -226,10 +235,7 @@ class WindowDecodeStep:
         out_dtype, dtype = q.dtype, self.kv.dtype
         if q.dtype != dtype or k.dtype != dtype or v.dtype != dtype:
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        group = heads // k.shape[1]
-        if group > 1:  # grouped-query attention: (B, Hkv, 1, ·) → (B, H, 1, ·) without a copy
-            k = k.unsqueeze(2).expand(batch, k.shape[1], group, 1, k.shape[-1]).reshape(batch, heads, 1, -1)
-            v = v.unsqueeze(2).expand(batch, v.shape[1], group, 1, values).reshape(batch, heads, 1, values)
+        k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
         qf = self._map(q, True).reshape(-1, 1, features)  # (B·H, 1, F)
         kf = self._map(k, False).reshape(-1, features)
         v = v.reshape(-1, values)
