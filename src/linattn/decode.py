@@ -37,7 +37,7 @@ from .state import LinearAttentionState, WindowAttentionState
 
 # linear_attention options a step reproduces; any other option (window=, sinks=, min_denom=, ...) is left to it
 STEP_OPTIONS = frozenset({"eps", "chunk_size", "form"})
-WINDOW_STEP_OPTIONS = STEP_OPTIONS | {"window", "sinks", "window_factor", "softmax_scale"}
+WINDOW_STEP_OPTIONS = STEP_OPTIONS | frozenset({"window", "sinks", "window_factor", "softmax_scale"})
 
 
 class _Step:
@@ -60,15 +60,19 @@ def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.unsqueeze(2).expand(x.shape[0], x.shape[1], group, 1, x.shape[-1]).reshape(x.shape[0], heads, 1, -1)
 
 
-def supports(fmap: nn.Module, state: Any, options: dict[str, Any]) -> bool:
-    """Whether :class:`DecodeStep` computes what ``linear_attention(..., **options)`` would from ``state``."""
+def _qualifies(fmap: nn.Module, kv: torch.Tensor, options: dict[str, Any], allowed: frozenset[str]) -> bool:
+    """What both steps need: fp32/fp64 sums, only options they reproduce, normalised output, a positive map."""
     return (
-        type(state) is LinearAttentionState
-        and state.kv.dtype in (torch.float32, torch.float64)
-        and set(options) <= STEP_OPTIONS
+        kv.dtype in (torch.float32, torch.float64)
+        and set(options) <= allowed
         and options.get("normalize", True)
         and getattr(fmap, "positive", True) is not False
     )
+
+
+def supports(fmap: nn.Module, state: Any, options: dict[str, Any]) -> bool:
+    """Whether :class:`DecodeStep` computes what ``linear_attention(..., **options)`` would from ``state``."""
+    return type(state) is LinearAttentionState and _qualifies(fmap, state.kv, options, STEP_OPTIONS)
 
 
 class DecodeStep(_Step):
@@ -97,7 +101,6 @@ class DecodeStep(_Step):
         batch, heads, features, values = self.kv.shape
         self._flat = (batch * heads, features, values)
         self._scratch = torch.empty(batch, heads, 1, dtype=self.kv.dtype, device=self.kv.device)
-
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,11 +154,8 @@ def supports_window(fmap: nn.Module, state: Any, options: dict[str, Any]) -> boo
     """Whether :class:`WindowDecodeStep` computes what ``linear_attention(..., **options)`` would from ``state``."""
     return (
         type(state) is WindowAttentionState
-        and state.linear.kv.dtype in (torch.float32, torch.float64)
         and state.linear.kv.dim() == 4
-        and set(options) <= WINDOW_STEP_OPTIONS
-        and options.get("normalize", True)
-        and getattr(fmap, "positive", True) is not False
+        and _qualifies(fmap, state.linear.kv, options, WINDOW_STEP_OPTIONS)
         and not getattr(fmap, "log_space", False)
     )
 
@@ -214,7 +214,6 @@ class WindowDecodeStep(_Step):
                 self._fill(torch.arange(sunk, device=device), state.sink_keys, state.sink_values, state.sink_keep,
                            live=torch.arange(sunk, device=device) < first)
 
-
     def _fill(self, where: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor,
               live: bool | torch.Tensor) -> None:
         """Writes buffered keys (B, H, L, ·) with their keep flags (B, H, L) into slots ``where`` (L,)."""
@@ -223,7 +222,7 @@ class WindowDecodeStep(_Step):
         self.keys[:, where] = keys.reshape(-1, *keys.shape[-2:]).to(self.keys.dtype)
         self.values[:, where] = values.reshape(-1, *values.shape[-2:]).to(self.keys.dtype)
         self.key_features[:, where] = kf.reshape(-1, *kf.shape[-2:]).masked_fill(~keep.unsqueeze(-1), 0.0)
-        self.live[:, where] = keep & live if isinstance(live, bool) else keep & live.to(keep.device)
+        self.live[:, where] = keep & live
 
     @torch.no_grad()
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -297,7 +296,7 @@ class WindowDecodeStep(_Step):
             picked = x[:, index]
             return picked.reshape(batch, heads, *picked.shape[1:]).clone()
 
-        keep = self.live[:, where]
+        keep = self.live[:, where]  # indexing by a tensor copies
         sink_keep = self.live[:, :sunk].clone()
         # a sink still in the window is not yet live in its own slot: its keep flag is its ring slot's
         in_ring = [p for p in range(sunk) if p >= t - ring]
@@ -305,9 +304,9 @@ class WindowDecodeStep(_Step):
             sink_keep[:, in_ring] = self.live[:, [sinks + p % window for p in in_ring]]
         linear = LinearAttentionState(self.kv.clone(), self.k_sum.clone(), self.shift.clone(), max(0, t - window))
         return WindowAttentionState(
-            linear, rows(self.keys, where), rows(self.values, where), keep.reshape(batch, heads, -1).clone(),
+            linear, rows(self.keys, where), rows(self.values, where), keep.reshape(batch, heads, -1),
             rows(self.keys, slice(0, sunk)), rows(self.values, slice(0, sunk)),
-            sink_keep.reshape(batch, heads, -1).clone(), window, sinks, t,
+            sink_keep.reshape(batch, heads, -1), window, sinks, t,
         )
 
     def index_select(self, dim: int, index: torch.Tensor) -> WindowDecodeStep:

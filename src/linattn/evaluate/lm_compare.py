@@ -141,9 +141,8 @@ def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any) -> tuple[Any
                           held_out=held + len(held_copies), progress=not args.quiet)
     model.set_attn_implementation("sdpa")
     return tuned, {"samples": len(texts), "copying_sequences": len(copies), "tokens": args.end_to_end_tokens,
-                   "sample_seconds": sampled,
-                   "steps": args.end_to_end_steps, "best_held_out_kl": info["best_held_out"],
-                   "history": info["history"]}
+                   "sample_seconds": sampled, "steps": args.end_to_end_steps,
+                   "best_held_out_kl": info["best_held_out"], "history": info["history"]}
 
 
 def _row(model: Any, tokenizer: Any, heldout: str, args: Any) -> dict[str, Any]:
