@@ -70,8 +70,19 @@ def test_cache_size_is_constant_over_1000_generated_tokens():
     assert sizes[0] == sizes[1] == 2 * 4 * (4 * 8 * 8 + 4 * 8 + 4 + 4)
 
 
-def test_left_padded_batch_equals_each_row_alone():
-    model = hf.linearize(tiny_llama(), "favor+", num_features=16, seed=2)
+PADDED = {
+    "favor+": ("favor+", {"num_features": 16, "seed": 2}),
+    # the window hybrid with sinks: each row's sinks are its own first tokens (the lean step, stacked per row)
+    "elu+window+sinks": ("elu", {"window": 4, "sinks": 2}),
+    # a log-space map with the window: no lean step, each row on its own state (RowSteps)
+    "favor+window+sinks": ("favor+", {"num_features": 16, "seed": 2, "window": 3, "sinks": 3}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PADDED))
+def test_left_padded_batch_equals_each_row_alone(name):
+    fmap, options = PADDED[name]
+    model = hf.linearize(tiny_llama(), fmap, **options)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(1, 60, (3, 9), generator=gen)
     mask = torch.ones(3, 9, dtype=torch.long)
@@ -85,6 +96,12 @@ def test_left_padded_batch_equals_each_row_alone():
             alone = model.generate(ids[row : row + 1, 9 - length :], max_new_tokens=12, do_sample=False,
                                    pad_token_id=0)
             assert torch.equal(batch[row, 9:], alone[0, length:])
+        # one forward pass without a cache, positions counted from each row's first token as generate does: each
+        # row's logits are its own, padding or not (other batch shapes in the projections and MLP: fp32 rounding)
+        logits = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        for row, length in enumerate(lengths):
+            torch.testing.assert_close(logits[row, 9 - length :], model(ids[row : row + 1, 9 - length :]).logits[0],
+                                       rtol=1e-5, atol=1e-5)
 
 
 def test_beam_search_reorders_the_states():

@@ -410,6 +410,52 @@ def test_window_decode_step_follows_the_float64_reference(window, sinks, prefill
     torch.testing.assert_close(stepped, again, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("factor", [None, "per-head"], ids=["mass", "gamma"])
+@pytest.mark.parametrize("window,sinks", [(4, 2), (3, 5), (6, 1)])
+def test_stacked_step_gives_each_left_padded_row_its_own_sinks(window, sinks, factor):
+    """WindowDecodeStep.stack: rows prefilled alone (without their padding), stepped as one left-padded batch, give
+    each row the float64 reference of the row alone — its own first S tokens as sinks — through the steps where
+    a row's leaving key or new key is one of its sinks; state() is refused while a row's sinks are in its window
+    and exact after; index_select (beam search) keeps each row's own sinks."""
+    from linattn.decode import WindowDecodeStep
+
+    heads, kv_heads, n, d = 4, 2, 24, 8
+    pads = [0, 3, 1]
+    q, k, v = inputs(len(pads), heads, n, d, heads_kv=kv_heads, seed=7)
+    gamma = torch.tensor([0.5, 1.0, 2.0, 0.7], dtype=torch.float64) if factor else None
+    options = {"window": window, "sinks": sinks, "window_factor": gamma}
+    prefill = 4  # the batch's prompt length: rows of 4, 1 and 3 tokens
+    steps = []
+    for row, pad in enumerate(pads):
+        _, state = linear_attention(q[row : row + 1, :, pad:prefill], k[row : row + 1, :, pad:prefill],
+                                    v[row : row + 1, :, pad:prefill], feature_map=create("elu"), causal=True,
+                                    return_state=True, **options)
+        steps.append(WindowDecodeStep(create("elu"), state, window_factor=gamma))
+    step = WindowDecodeStep.stack(steps, pads)
+    outs = []
+    for t in range(prefill, n):
+        outs.append(step(q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :]))
+        if t + 1 - window - max(pads) < sinks:
+            with pytest.raises(LinearAttentionError, match="left-padded"):
+                step.state()
+    got = torch.cat(outs, dim=-2)
+    for row, pad in enumerate(pads):
+        with torch.no_grad():
+            alone = hybrid_reference(*(x[row : row + 1, :, pad:] for x in (q, k, v)), elu1, elu1, window=window,
+                                     sinks=sinks, causal=True, factor=gamma)
+        torch.testing.assert_close(got[row : row + 1], alone[..., prefill - pad :, :], rtol=1e-10, atol=1e-10)
+    # past the sink phase the position-counted state is exact: one more token from it, against the step's
+    more = inputs(len(pads), heads, 1, d, heads_kv=kv_heads, seed=98)
+    state = step.state()
+    picked = torch.tensor([2, 1, 1])
+    stepped = step.index_select(0, picked)(*(x.index_select(0, picked) for x in more))
+    again = linear_attention(*(x.index_select(0, picked) for x in more), feature_map=create("elu"), causal=True,
+                             initial_state=state.index_select(0, picked), **options)
+    torch.testing.assert_close(stepped, again, rtol=1e-10, atol=1e-10)
+    with pytest.raises(LinearAttentionError, match="pads"):
+        WindowDecodeStep.stack(steps, [0, 0, 0])
+
+
 def test_window_decode_step_refuses_what_it_cannot_reproduce():
     from linattn.decode import supports_window
 

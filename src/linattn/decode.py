@@ -26,6 +26,7 @@ log-space maps, ``min_denom``, other options — goes through ``linear_attention
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -99,6 +100,7 @@ class DecodeStep(_Step):
         self.shift = state.shift.detach().clone()
         self.num_tokens = state.num_tokens
         batch, heads, features, values = self.kv.shape
+        self.batch_size = batch
         self._flat = (batch * heads, features, values)
         self._scratch = torch.empty(batch, heads, 1, dtype=self.kv.dtype, device=self.kv.device)
 
@@ -201,6 +203,10 @@ class WindowDecodeStep(_Step):
         self.key_features = torch.zeros(batch * heads, slots, features, dtype=dtype, device=device)
         self.live = torch.zeros(batch * heads, slots, dtype=torch.bool, device=device)  # an exact key now
         self._shape = (batch, heads, features, values)
+        self.batch_size = batch
+        # rows of a left-padded batch (see stack): the padding of each (B·H,) row, None when no row is padded
+        self.offsets: torch.Tensor | None = None
+        self._max_offset = 0
         with torch.no_grad():
             ring = state.keys.shape[-2]
             first = self.num_tokens - ring  # position of the oldest buffered key
@@ -245,19 +251,25 @@ class WindowDecodeStep(_Step):
             v = v.masked_fill(~kept.unsqueeze(-1), 0.0)
         t, window, sinks = self.num_tokens, self.window, self.sinks
         slot = sinks + t % window
+        per_row = self.offsets is not None and t - window - self._max_offset < sinks  # see stack
         if t >= window:  # key t − W leaves the window: a sink stays exact, any other key enters the linear sums
-            if t - window < sinks:
+            if per_row:
+                self._leave_rows(t, slot)
+            elif t - window < sinks:
                 self.live[:, t - window] = self.live[:, slot]
             else:
                 old = self.key_features[:, slot]
                 self.kv.view(-1, features, values).addcmul_(old.unsqueeze(-1), self.values[:, slot].unsqueeze(-2))
                 self.k_sum.view(-1, features).add_(old)
-        self.keys[:, slot] = k.reshape(-1, k.shape[-1])
+        k = k.reshape(-1, k.shape[-1])
+        self.keys[:, slot] = k
         self.values[:, slot] = v
         self.key_features[:, slot] = kf
         self.live[:, slot] = True if kept is None else kept
-        if t < sinks:  # also a sink: exact by its own slot once it has left the window
-            self.keys[:, t], self.values[:, t], self.key_features[:, t] = self.keys[:, slot], v, kf
+        if per_row:
+            self._sink_rows(t, k, v, kf)
+        elif t < sinks:  # also a sink: exact by its own slot once it has left the window
+            self.keys[:, t], self.values[:, t], self.key_features[:, t] = k, v, kf
             self.live[:, t] = False
         self.num_tokens = t + 1
         lin_num = torch.bmm(qf, self.kv.view(-1, features, values)).squeeze(1)  # (B·H, Dv)
@@ -284,10 +296,81 @@ class WindowDecodeStep(_Step):
         out = num.div_(den.unsqueeze(-1)).view(batch, heads, 1, values)
         return out if out_dtype == dtype else out.to(out_dtype)
 
+    def _leave_rows(self, t: int, slot: int) -> None:
+        """Key t − W leaves the window when rows are padded by different amounts (see :meth:`stack`): for row r it
+        is its own token t − W − pad_r, a sink when that is < S (it stays exact), else it enters the linear sums
+        (padding: its zero features add nothing)."""
+        _, _, features, values = self._shape
+        assert self.offsets is not None
+        local = t - self.window - self.offsets  # (B·H,)
+        sink = (local >= 0) & (local < self.sinks)
+        old = self.key_features[:, slot].masked_fill(sink.unsqueeze(-1), 0.0)
+        self.kv.view(-1, features, values).addcmul_(old.unsqueeze(-1), self.values[:, slot].unsqueeze(-2))
+        self.k_sum.view(-1, features).add_(old)
+        rows = sink.nonzero().squeeze(-1)
+        if rows.numel():
+            self.live[rows, local[rows]] = self.live[rows, slot]
+
+    def _sink_rows(self, t: int, k: torch.Tensor, v: torch.Tensor, kf: torch.Tensor) -> None:
+        """The new key (B·H, ·) is also a sink of the rows whose own position t − pad_r is < S."""
+        assert self.offsets is not None
+        local = t - self.offsets
+        rows = (local < self.sinks).nonzero().squeeze(-1)
+        if rows.numel():
+            at = local[rows]
+            self.keys[rows, at], self.values[rows, at] = k[rows], v[rows]
+            self.key_features[rows, at] = kf[rows]
+            self.live[rows, at] = False
+
+    @classmethod
+    def stack(cls, steps: list[WindowDecodeStep], pads: list[int]) -> WindowDecodeStep:
+        """One step for a left-padded batch from one-row steps built on each row alone (its tokens without the
+        padding): row r was padded by ``pads[r]`` positions, so every ``num_tokens + pads[r]`` is the batch's
+        length. Each row keeps its own first S tokens as sinks — what it would have generating alone — where a
+        :class:`~linattn.WindowAttentionState` of the padded batch counts sinks by position (the first S
+        positions, padding for a padded row). ``state()`` is refused until every row's sinks have left its window;
+        ``index_select`` works."""
+        if not steps or len(steps) != len(pads) or any(step.batch_size != 1 for step in steps):
+            raise LinearAttentionError("steps/pads: need one one-row WindowDecodeStep per pad count")
+        first = steps[0]
+        total = first.num_tokens + pads[0]
+        if any(step.num_tokens + pad != total or pad < 0 for step, pad in zip(steps, pads, strict=True)):
+            raise LinearAttentionError(f"pads: each row's tokens + its padding must equal the batch length; got "
+                                       f"tokens {[step.num_tokens for step in steps]} and pads {pads}")
+        _, heads, features, values = first._shape
+        new = copy.copy(first)
+        sinks, window = first.sinks, first.window
+
+        def rows(name: str) -> torch.Tensor:
+            parts = []
+            for step, pad in zip(steps, pads, strict=True):
+                x = getattr(step, name)
+                # ring slot S + p mod W of a row's own position p is slot S + (p + pad) mod W of the batch's
+                parts.append(torch.cat([x[:, :sinks], x[:, sinks:].roll(pad % window, dims=1)], dim=1))
+            return torch.cat(parts)
+
+        new.keys, new.values, new.key_features, new.live = (rows(n) for n in ("keys", "values", "key_features", "live"))
+        new.kv = torch.cat([step.kv for step in steps])
+        new.k_sum = torch.cat([step.k_sum for step in steps])
+        new.shift = torch.cat([step.shift for step in steps])
+        if first.gamma is not None:
+            new.gamma = torch.cat([step.gamma for step in steps if step.gamma is not None])
+        new.num_tokens, new.batch_size, new._shape = total, len(steps), (len(steps), heads, features, values)
+        new.offsets = torch.tensor(pads, device=first.kv.device).repeat_interleave(heads)  # (B·H,)
+        new._max_offset = max(pads)
+        return new
+
     def state(self) -> WindowAttentionState:
         """The state after every token stepped (new tensors: the step may go on)."""
         batch, heads, features, values = self._shape
         t, window, sinks = self.num_tokens, self.window, self.sinks
+        if self.offsets is not None and bool((self.offsets > 0).any()) and t - window - self._max_offset < sinks:
+            # (once every row's sinks have left the window, the sink slots hold them and the state below is exact)
+            raise LinearAttentionError(
+                "state: this step's rows were left-padded by different amounts and keep their own first tokens as "
+                "sinks, which a WindowAttentionState (sinks = the first positions) cannot hold while a row's sinks "
+                "are still in its window; continue one token per call, or prefill the rows without padding"
+            )
         ring = min(window, t)
         where = sinks + torch.arange(t - ring, t, device=self.keys.device) % window  # oldest first
         sunk = min(sinks, t)
@@ -310,6 +393,20 @@ class WindowDecodeStep(_Step):
         )
 
     def index_select(self, dim: int, index: torch.Tensor) -> WindowDecodeStep:
-        """A step on the selected batch rows (beam search), as the state's ``index_select``."""
-        return WindowDecodeStep(self.fmap, self.state().index_select(dim, index), eps=self.eps,
-                                window_factor=self.window_factor, softmax_scale=self.scale)
+        """A step on the selected batch rows (beam search; ``dim`` 0, the batch), its buffers indexed."""
+        if dim != 0:
+            raise LinearAttentionError(f"dim: a decode step selects batch rows (dim 0), got {dim}")
+        _, heads, features, values = self._shape
+        index = index.to(self.kv.device)
+        rows = (index.unsqueeze(-1) * heads + torch.arange(heads, device=index.device)).reshape(-1)  # (B'·H,)
+        new = copy.copy(self)
+        new.kv, new.k_sum, new.shift = (x.index_select(0, index) for x in (self.kv, self.k_sum, self.shift))
+        new.keys, new.values, new.key_features, new.live = (
+            x.index_select(0, rows) for x in (self.keys, self.values, self.key_features, self.live)
+        )
+        if self.gamma is not None:
+            new.gamma = self.gamma.index_select(0, rows)
+        if self.offsets is not None:
+            new.offsets = self.offsets.index_select(0, rows)
+        new.batch_size, new._shape = index.numel(), (index.numel(), heads, features, values)
+        return new

@@ -72,6 +72,31 @@ def _feature_map_of(module: nn.Module, head_dim: int) -> nn.Module:
     return fmap
 
 
+def left_pads(keep: torch.Tensor | None, options: dict[str, Any]) -> list[int] | None:
+    """Each row's padding when ``keep`` (B, N) is left padding of some row and the options keep sinks beside a
+    window, else None. ``sinks=S`` counts positions (the first S, padding included), so such a batch needs its rows
+    run on their own to give each row what it gives alone: its own first S tokens as sinks."""
+    if keep is None or keep.dim() != 2 or not options.get("window") or not options.get("sinks"):
+        return None
+    kept = keep.sum(-1)  # (B,)
+    pads = keep.shape[-1] - kept
+    if not bool((pads > 0).any()) or bool((kept == 0).any()):
+        return None
+    if not torch.equal(keep, torch.arange(keep.shape[-1], device=keep.device) >= pads.unsqueeze(-1)):
+        return None  # not left padding (a hole, or right padding): positions are what the caller asked for
+    return [int(p) for p in pads.tolist()]
+
+
+def by_rows(pads: list[int], run: Any, *tensors: torch.Tensor) -> torch.Tensor:
+    """``run`` on each row's tensors (B, H, N, ·) without its ``pads[r]`` leading positions; the outputs, zero at
+    the padding, stacked back to (B, H, N, ·)."""
+    outs = []
+    for row, pad in enumerate(pads):
+        out = run(*(x[row : row + 1, :, pad:] for x in tensors))
+        outs.append(torch.nn.functional.pad(out, (0, 0, pad, 0)))
+    return torch.cat(outs)
+
+
 def _keep_from_dense_mask(mask: torch.Tensor, num_queries: int, causal: bool) -> torch.Tensor:
     """A 4-D mask (B, 1|H, Nq, Nk), bool or additive, as a key padding mask (B, Nk) — if it is one.
 
@@ -153,7 +178,12 @@ def linattn_attention_forward(
         # queries in front; their outputs are discarded, and query t still sees keys ≤ its own position only
         filler = query[..., :1, :].expand(*query.shape[:-2], num_keys - num_queries, head_dim)
         query = torch.cat([filler, query], dim=-2)  # (B, H, Nk, d)
-    out = linear_attention(query, key, value, feature_map=fmap, causal=causal, key_padding_mask=keep, **options)
+    pads = left_pads(keep, options)
+    if pads is not None:  # a left-padded batch with sinks: each row on its own, its sinks its own first tokens
+        out = by_rows(pads, lambda q, k, v: linear_attention(q, k, v, feature_map=fmap, causal=causal, **options),
+                      query, key, value)
+    else:
+        out = linear_attention(query, key, value, feature_map=fmap, causal=causal, key_padding_mask=keep, **options)
     out = out[..., -num_queries:, :]  # (B, H, Nq, dv)
     return out.transpose(1, 2).contiguous(), None  # (B, Nq, H, dv)
 

@@ -89,9 +89,10 @@ class StateLayer(CacheLayerMixin):
         return 0 if state is None else sum(t.numel() * t.element_size() for t in _tensors(state))
 
     def _select(self, index: torch.Tensor) -> None:
-        state = self.current_state()
-        if state is not None:
-            self.state = state.index_select(0, index.to(_device_of(state)))
+        if self.stepper is not None:  # the step's own buffers, indexed (no round trip through a state)
+            self.stepper = self.stepper.index_select(0, index)
+        elif self.state is not None:
+            self.state = self.state.index_select(0, index.to(_device_of(self.state)))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select(beam_idx)
@@ -100,9 +101,8 @@ class StateLayer(CacheLayerMixin):
         self._select(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        state = self.current_state()
-        if state is not None:
-            batch = _batch_of(state)
+        if self.stepper is not None or self.state is not None:
+            batch = self.stepper.batch_size if self.stepper is not None else _batch_of(self.state)
             self._select(torch.arange(batch).repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -123,13 +123,20 @@ class StateLayer(CacheLayerMixin):
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
-    """The tensors of an opaque state (a dataclass or a plain object), nested one level in lists/tuples."""
-    if dataclasses.is_dataclass(state):
-        values: list[Any] = [getattr(state, f.name) for f in dataclasses.fields(state)]
-    else:
-        values = list(vars(state).values())
-    flat = [x for v in values for x in (v if isinstance(v, list | tuple) else [v])]
-    return [t for t in flat if isinstance(t, torch.Tensor)]
+    """The tensors of an opaque state (a dataclass or a plain object's attributes), through nested dataclasses
+    (a window state's linear part) and lists/tuples (the states of a row-by-row step)."""
+    def walk(x: Any) -> list[torch.Tensor]:
+        if isinstance(x, torch.Tensor):
+            return [x]
+        if isinstance(x, list | tuple):
+            return [t for item in x for t in walk(item)]
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return [t for f in dataclasses.fields(x) for t in walk(getattr(x, f.name))]
+        return []
+
+    values = [getattr(state, f.name) for f in dataclasses.fields(state)] if dataclasses.is_dataclass(state) \
+        else list(vars(state).values())
+    return [t for v in values for t in walk(v)]
 
 
 def _device_of(state: Any) -> torch.device:
@@ -197,6 +204,12 @@ def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: to
 
     if layer.stepper is not None and q.shape[-2] == 1:
         return layer.stepper(q, k, v, keep)
+    if layer.stepper is None and layer.state is None:
+        from .hf import left_pads
+
+        pads = left_pads(keep, options)
+        if pads is not None:  # a left-padded prompt and sinks: each row on its own, its sinks its own first tokens
+            return _prefill_rows(layer, fmap, q, k, v, pads, options)
     out, state = linear_attention(
         q, k, v, feature_map=fmap, causal=True, key_padding_mask=keep, initial_state=layer.current_state(),
         return_state=True, **options,
@@ -210,3 +223,63 @@ def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: to
             softmax_scale=options.get("softmax_scale"),
         )
     return out
+
+
+def _prefill_rows(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pads: list[int],
+                  options: dict[str, Any]) -> torch.Tensor:
+    """The first call of a left-padded batch with sinks: each row alone, then one step for the batch."""
+    from .decode import WindowDecodeStep, supports_window
+    from .functional import linear_attention
+    from .hf import by_rows
+
+    states: list[Any] = []
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, state = linear_attention(q, k, v, feature_map=fmap, causal=True, return_state=True, **options)
+        states.append(state)
+        return out
+
+    out = by_rows(pads, run, q, k, v)
+    if all(supports_window(fmap, state, options) for state in states):
+        steps = [WindowDecodeStep(fmap, state, eps=options.get("eps", 1e-6), window_factor=options.get("window_factor"),
+                                  softmax_scale=options.get("softmax_scale")) for state in states]
+        layer.stepper = WindowDecodeStep.stack(steps, pads)
+    else:
+        layer.stepper = RowSteps(fmap, states, options)
+    return out
+
+
+class RowSteps:
+    """Each row of a left-padded batch decoded on its own window state (its sinks are its own first tokens):
+    ``linear_attention`` per row and token — the path of maps the lean :class:`~linattn.decode.WindowDecodeStep`
+    does not take (log-space maps, other options)."""
+
+    def __init__(self, fmap: Any, states: list[Any], options: dict[str, Any]) -> None:
+        self.fmap, self.states, self.options = fmap, list(states), options
+        self.batch_size = len(self.states)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
+        from .functional import linear_attention
+
+        outs = []
+        for row, state in enumerate(self.states):
+            out, self.states[row] = linear_attention(
+                q[row : row + 1], k[row : row + 1], v[row : row + 1], feature_map=self.fmap, causal=True,
+                key_padding_mask=None if keep is None else keep[row : row + 1], initial_state=state,
+                return_state=True, **self.options,
+            )
+            outs.append(out)
+        return torch.cat(outs)
+
+    def state(self) -> Any:
+        raise LinearAttentionError(
+            "state: the rows of this left-padded batch keep their own first tokens as sinks, which one "
+            "WindowAttentionState (sinks = the first positions) cannot hold; continue one token per call, or "
+            "prefill the rows without padding"
+        )
+
+    def index_select(self, dim: int, index: torch.Tensor) -> RowSteps:
+        if dim != 0:
+            raise LinearAttentionError(f"dim: a decode step selects batch rows (dim 0), got {dim}")
+        return RowSteps(self.fmap, [self.states[i] for i in index.tolist()], self.options)
