@@ -66,7 +66,7 @@ def _step_times(heads: int, kv_heads: int, name: str, args: argparse.Namespace) 
                                 causal=True, return_state=True, **options)
     if args.window and not supports_window(fmap, state, options):  # log-space maps: linear_attention's path
         return math.nan, math.nan, math.nan
-    step = WindowDecodeStep(fmap, state) if args.window else DecodeStep(fmap, state)
+    step = WindowDecodeStep(fmap, state, kv_heads=kv_heads) if args.window else DecodeStep(fmap, state)
     module = torch.nn.Module()
     module.is_causal, module.layer_idx = True, 0  # type: ignore[assignment]
     module.linattn_feature_map = fmap

@@ -385,7 +385,7 @@ def test_window_decode_step_follows_the_float64_reference(window, sinks, prefill
     _, state = linear_attention(q[..., :prefill, :], k[..., :prefill, :], v[..., :prefill, :], feature_map=fmap,
                                 causal=True, key_padding_mask=keep[:, :prefill], return_state=True, **options)
     assert supports_window(fmap, state, options)
-    step = WindowDecodeStep(fmap, state, window_factor=gamma)
+    step = WindowDecodeStep(fmap, state, window_factor=gamma, kv_heads=kv_heads)  # keys/values once per kv head
     outs = [step(q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :], keep[:, t : t + 1])
             for t in range(prefill, n)]
     with torch.no_grad():
@@ -454,6 +454,8 @@ def test_stacked_step_gives_each_left_padded_row_its_own_sinks(window, sinks, fa
     torch.testing.assert_close(stepped, again, rtol=1e-10, atol=1e-10)
     with pytest.raises(LinearAttentionError, match="pads"):
         WindowDecodeStep.stack(steps, [0, 0, 0])
+    with pytest.raises(LinearAttentionError, match="kv_heads"):
+        WindowDecodeStep(create("elu"), state, kv_heads=3)
 
 
 def test_window_decode_step_refuses_what_it_cannot_reproduce():

@@ -171,11 +171,14 @@ class WindowDecodeStep(_Step):
         state: batch shape (B, H). Copied once into the step's buffers.
         eps: the denominator's eps; window_factor: None (the mass form) or γ (a float, or one value per head);
         softmax_scale: the exact part's score scale (default 1/√d), as given to ``linear_attention``.
+        kv_heads: grouped-query attention: the number of key/value heads the steps will get (each serving
+            H / kv_heads query heads, the state's keys repeated per group as ``linear_attention`` keeps them); the
+            step then holds each exact key and value once per key/value head. Default: H (one per query head).
     """
 
     def __init__(
         self, fmap: nn.Module, state: WindowAttentionState, *, eps: float = 1e-6, window_factor: Any = None,
-        softmax_scale: float | None = None,
+        softmax_scale: float | None = None, kv_heads: int | None = None,
     ) -> None:
         linear = state.linear
         if linear.kv.dim() != 4:
@@ -186,6 +189,10 @@ class WindowDecodeStep(_Step):
         self.features = fmap.features if isinstance(fmap, FeatureMap) else None
         self.eps = float(eps)
         batch, heads, features, values = linear.kv.shape
+        kv_heads = heads if kv_heads is None else int(kv_heads)
+        if kv_heads < 1 or heads % kv_heads:
+            raise LinearAttentionError(f"kv_heads: must divide the state's {heads} heads, got {kv_heads}")
+        self.kv_heads, self.group = kv_heads, heads // kv_heads
         dim = state.keys.shape[-1]
         self.scale = dim**-0.5 if softmax_scale is None else float(softmax_scale)
         self.window, self.sinks, self.num_tokens = state.window, state.sinks, state.num_tokens
@@ -198,8 +205,9 @@ class WindowDecodeStep(_Step):
         self.k_sum = linear.k_sum.detach().clone(memory_format=torch.contiguous_format)
         self.shift = linear.shift.detach().clone()
         slots = self.sinks + self.window  # sink slots first, then the ring (position p in slot S + p mod W)
-        self.keys = torch.zeros(batch * heads, slots, dim, dtype=dtype, device=device)
-        self.values = torch.zeros(batch * heads, slots, values, dtype=dtype, device=device)
+        # exact keys and values once per key/value head (B·Hkv rows); features and flags per query head (B·H rows)
+        self.keys = torch.zeros(batch * kv_heads, slots, dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch * kv_heads, slots, values, dtype=dtype, device=device)
         self.key_features = torch.zeros(batch * heads, slots, features, dtype=dtype, device=device)
         self.live = torch.zeros(batch * heads, slots, dtype=torch.bool, device=device)  # an exact key now
         self._shape = (batch, heads, features, values)
@@ -225,8 +233,9 @@ class WindowDecodeStep(_Step):
         """Writes buffered keys (B, H, L, ·) with their keep flags (B, H, L) into slots ``where`` (L,)."""
         keep = keep.reshape(-1, keep.shape[-1])
         kf = self._map(keys.to(self.keys.dtype), False)
-        self.keys[:, where] = keys.reshape(-1, *keys.shape[-2:]).to(self.keys.dtype)
-        self.values[:, where] = values.reshape(-1, *values.shape[-2:]).to(self.keys.dtype)
+        grouped = keys[:, :: self.group], values[:, :: self.group]  # the state repeats each key/value head
+        self.keys[:, where] = grouped[0].reshape(-1, *keys.shape[-2:]).to(self.keys.dtype)
+        self.values[:, where] = grouped[1].reshape(-1, *values.shape[-2:]).to(self.keys.dtype)
         self.key_features[:, where] = kf.reshape(-1, *kf.shape[-2:]).masked_fill(~keep.unsqueeze(-1), 0.0)
         self.live[:, where] = keep & live
 
@@ -240,15 +249,19 @@ class WindowDecodeStep(_Step):
         out_dtype, dtype = q.dtype, self.kv.dtype
         if q.dtype != dtype or k.dtype != dtype or v.dtype != dtype:
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
+        kv_heads, group = self.kv_heads, self.group
+        if k.shape[1] != kv_heads:
+            if kv_heads != heads:
+                raise LinearAttentionError(f"k: this step holds {kv_heads} key/value heads, got {k.shape[1]}")
+            k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
         qf = self._map(q, True).reshape(-1, 1, features)  # (B·H, 1, F)
-        kf = self._map(k, False).reshape(-1, features)
-        v = v.reshape(-1, values)
+        kf = self._map(_repeat_heads(k, heads), False).reshape(-1, features)  # per query head: per-head maps
+        k, v = k.reshape(-1, k.shape[-1]), v.reshape(-1, values)  # (B·Hkv, ·)
         kept = None
         if keep is not None:
             kept = keep.reshape(batch, 1).expand(batch, heads).reshape(-1)  # (B·H,)
             kf = kf.masked_fill(~kept.unsqueeze(-1), 0.0)
-            v = v.masked_fill(~kept.unsqueeze(-1), 0.0)
+            v = v.masked_fill(~kept[::group].unsqueeze(-1), 0.0)
         t, window, sinks = self.num_tokens, self.window, self.sinks
         slot = sinks + t % window
         per_row = self.offsets is not None and t - window - self._max_offset < sinks  # see stack
@@ -259,9 +272,8 @@ class WindowDecodeStep(_Step):
                 self.live[:, t - window] = self.live[:, slot]
             else:
                 old = self.key_features[:, slot]
-                self.kv.view(-1, features, values).addcmul_(old.unsqueeze(-1), self.values[:, slot].unsqueeze(-2))
+                self.kv.view(-1, features, values).addcmul_(old.unsqueeze(-1), self._values_at(slot).unsqueeze(-2))
                 self.k_sum.view(-1, features).add_(old)
-        k = k.reshape(-1, k.shape[-1])
         self.keys[:, slot] = k
         self.values[:, slot] = v
         self.key_features[:, slot] = kf
@@ -274,13 +286,15 @@ class WindowDecodeStep(_Step):
         self.num_tokens = t + 1
         lin_num = torch.bmm(qf, self.kv.view(-1, features, values)).squeeze(1)  # (B·H, Dv)
         lin_den = torch.bmm(qf, self.k_sum.view(-1, features, 1)).view(-1)
-        scores = torch.bmm(q.reshape(-1, 1, q.shape[-1]), self.keys.transpose(1, 2)).squeeze(1).mul_(self.scale)
+        # (B·Hkv, group, d) queries against each key/value head's keys: (B·H, S + W) scores
+        scores = torch.bmm(q.reshape(-1, group, q.shape[-1]), self.keys.transpose(1, 2)).view(-1, self.keys.shape[1])
+        scores.mul_(self.scale)
         dead = ~self.live
         scores.masked_fill_(dead, float("-inf"))  # (B·H, S + W)
         # the row maximum; −inf (no live key) becomes the lowest finite number, so e^{−inf − top} = 0
         top = scores.amax(-1, keepdim=True).clamp_(min=-torch.finfo(dtype).max)
         probs = scores.sub_(top).exp_()
-        win_num = torch.bmm(probs.unsqueeze(1), self.values).squeeze(1)
+        win_num = torch.bmm(probs.view(-1, group, probs.shape[-1]), self.values).view(-1, values)
         win_den = probs.sum(-1)  # ≥ 1 (the maximum's own term) when a key is live, else 0
         if self.gamma is None:
             weights = torch.bmm(qf, self.key_features.transpose(1, 2)).squeeze(1)  # (B·H, S + W)
@@ -296,6 +310,11 @@ class WindowDecodeStep(_Step):
         out = num.div_(den.unsqueeze(-1)).view(batch, heads, 1, values)
         return out if out_dtype == dtype else out.to(out_dtype)
 
+    def _values_at(self, slot: int) -> torch.Tensor:
+        """The values in ``slot``, one row per query head (B·H, Dv)."""
+        x = self.values[:, slot]
+        return x if self.group == 1 else x.repeat_interleave(self.group, dim=0)
+
     def _leave_rows(self, t: int, slot: int) -> None:
         """Key t − W leaves the window when rows are padded by different amounts (see :meth:`stack`): for row r it
         is its own token t − W − pad_r, a sink when that is < S (it stays exact), else it enters the linear sums
@@ -305,20 +324,21 @@ class WindowDecodeStep(_Step):
         local = t - self.window - self.offsets  # (B·H,)
         sink = (local >= 0) & (local < self.sinks)
         old = self.key_features[:, slot].masked_fill(sink.unsqueeze(-1), 0.0)
-        self.kv.view(-1, features, values).addcmul_(old.unsqueeze(-1), self.values[:, slot].unsqueeze(-2))
+        self.kv.view(-1, features, values).addcmul_(old.unsqueeze(-1), self._values_at(slot).unsqueeze(-2))
         self.k_sum.view(-1, features).add_(old)
         rows = sink.nonzero().squeeze(-1)
         if rows.numel():
             self.live[rows, local[rows]] = self.live[rows, slot]
 
     def _sink_rows(self, t: int, k: torch.Tensor, v: torch.Tensor, kf: torch.Tensor) -> None:
-        """The new key (B·H, ·) is also a sink of the rows whose own position t − pad_r is < S."""
+        """The new key (k, v: B·Hkv rows; kf: B·H rows) is also a sink of the rows whose own position t − pad_r
+        is < S."""
         assert self.offsets is not None
         local = t - self.offsets
         rows = (local < self.sinks).nonzero().squeeze(-1)
         if rows.numel():
-            at = local[rows]
-            self.keys[rows, at], self.values[rows, at] = k[rows], v[rows]
+            at, grouped = local[rows], rows // self.group  # query-head row b·H + h holds key/value row b·Hkv + h // g
+            self.keys[grouped, at], self.values[grouped, at] = k[grouped], v[grouped]
             self.key_features[rows, at] = kf[rows]
             self.live[rows, at] = False
 
@@ -377,6 +397,8 @@ class WindowDecodeStep(_Step):
 
         def rows(x: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
             picked = x[:, index]
+            if x.shape[0] != batch * heads:  # keys/values: each key/value head repeated for its query heads
+                return picked.reshape(batch, self.kv_heads, *picked.shape[1:]).repeat_interleave(self.group, dim=1)
             return picked.reshape(batch, heads, *picked.shape[1:]).clone()
 
         keep = self.live[:, where]  # indexing by a tensor copies
@@ -399,11 +421,11 @@ class WindowDecodeStep(_Step):
         _, heads, features, values = self._shape
         index = index.to(self.kv.device)
         rows = (index.unsqueeze(-1) * heads + torch.arange(heads, device=index.device)).reshape(-1)  # (B'·H,)
+        grouped = (index.unsqueeze(-1) * self.kv_heads + torch.arange(self.kv_heads, device=index.device)).reshape(-1)
         new = copy.copy(self)
         new.kv, new.k_sum, new.shift = (x.index_select(0, index) for x in (self.kv, self.k_sum, self.shift))
-        new.keys, new.values, new.key_features, new.live = (
-            x.index_select(0, rows) for x in (self.keys, self.values, self.key_features, self.live)
-        )
+        new.keys, new.values = self.keys.index_select(0, grouped), self.values.index_select(0, grouped)
+        new.key_features, new.live = self.key_features.index_select(0, rows), self.live.index_select(0, rows)
         if self.gamma is not None:
             new.gamma = self.gamma.index_select(0, rows)
         if self.offsets is not None:

@@ -220,7 +220,7 @@ def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: to
     elif supports_window(fmap, state, options):  # the window hybrid's lean step
         layer.stepper = WindowDecodeStep(
             fmap, state, eps=options.get("eps", 1e-6), window_factor=options.get("window_factor"),
-            softmax_scale=options.get("softmax_scale"),
+            softmax_scale=options.get("softmax_scale"), kv_heads=k.shape[1],
         )
     return out
 
@@ -242,7 +242,7 @@ def _prefill_rows(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor
     out = by_rows(pads, run, q, k, v)
     if all(supports_window(fmap, state, options) for state in states):
         steps = [WindowDecodeStep(fmap, state, eps=options.get("eps", 1e-6), window_factor=options.get("window_factor"),
-                                  softmax_scale=options.get("softmax_scale")) for state in states]
+                                  softmax_scale=options.get("softmax_scale"), kv_heads=k.shape[1]) for state in states]
         layer.stepper = WindowDecodeStep.stack(steps, pads)
     else:
         layer.stepper = RowSteps(fmap, states, options)
