@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from linattn import LinearAttentionError  # noqa: E402
 from linattn.evaluate.lm_compare import looks_causal, window_sink_attention  # noqa: E402
 
 
@@ -137,3 +138,34 @@ def test_compare_trains_the_window_maps_end_to_end_on_sampled_text(tiny_folder, 
     assert result["fit_tokens"] == 0  # loaded, not fitted
     assert result["rows"][0]["perplexity"] == pytest.approx(fitted["perplexity"], rel=1e-6)
     assert (tmp_path / "new" / "hedgehog_window_end_to_end.safetensors").is_file()  # a folder the fit never made
+
+
+def test_end_to_end_texts_are_written_once_and_read_back(tiny_folder, tmp_path):
+    from linattn.cli import main
+
+    texts = tmp_path / "texts.json"
+
+    def run(out: str, tokens: str = "20") -> dict:
+        code = main(["compare", str(tiny_folder), str(tiny_folder / "train.txt"), "--heldout",
+                     str(tiny_folder / "heldout.txt"), "--window", "8", "--sinks", "1", "--passkey-lengths", "40",
+                     "--passkey-trials", "1", "--repeat-trials", "1", "--passage-tokens", "12", "--gap-tokens", "40",
+                     "--steps", "1", "--fit-max-tokens", "128", "--fit-orders", "1", "--no-metrics", "--no-baselines",
+                     "--maps", "hedgehog+window", "--end-to-end-steps", "2", "--end-to-end-samples", "3",
+                     "--end-to-end-tokens", tokens, "--end-to-end-texts", str(texts), "--out", str(tmp_path / out),
+                     "--quiet"])
+        assert code == 0
+        return json.loads((tmp_path / out / "results.json").read_text())
+
+    first = run("first")
+    saved = json.loads(texts.read_text())
+    assert len(saved["texts"]) == 3 and saved["tokens"] == 20
+    # edited texts are what the second run trains on: its end-to-end row differs from the first run's
+    texts.write_text(json.dumps({**saved, "texts": [t[::-1] for t in saved["texts"]]}))
+    second = run("second")
+    rows = [{row["name"]: row for row in r["rows"]}["hedgehog fitted with window, end to end"] for r in (first, second)]
+    assert rows[0]["perplexity"] != rows[1]["perplexity"]
+    texts.write_text(json.dumps(saved))
+    third = {row["name"]: row["perplexity"] for row in run("third")["rows"]}  # the same texts: the same rows
+    assert third == pytest.approx({row["name"]: row["perplexity"] for row in first["rows"]}, rel=1e-6)
+    with pytest.raises(LinearAttentionError, match="another model, other prompts or another length"):
+        run("fourth", tokens="21")

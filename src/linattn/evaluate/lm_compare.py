@@ -115,6 +115,29 @@ def _fit(model: Any, tokenizer: Any, name: str, args: Any, window: int | None) -
     return fit_model_feature_maps(capture, kind="hedgehog", **options), capture.num_tokens
 
 
+def _sampled(model: Any, tokenizer: Any, prompts: list[str], args: Any, sample_texts: Any) -> list[str]:
+    """The end-to-end stage's texts: sampled (seed 0), or read from ``--end-to-end-texts`` when that file was
+    written for the same model, prompts and length (a run writes it when it is missing)."""
+    settings = {"model": str(getattr(model.config, "_name_or_path", "")), "prompts": prompts,
+                "tokens": args.end_to_end_tokens, "seed": 0}
+    path = getattr(args, "end_to_end_texts", None)
+    if path and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        if {key: saved.get(key) for key in settings} != settings:
+            raise LinearAttentionError(
+                f"--end-to-end-texts: {path} holds texts sampled for another model, other prompts or another "
+                "length; pass another path (it is written when missing) or remove it"
+            )
+        return list(saved["texts"])
+    texts = sample_texts(model, tokenizer, prompts, tokens=args.end_to_end_tokens, seed=0)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({**settings, "texts": texts}, f, ensure_ascii=False)
+    return texts
+
+
 def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any) -> tuple[Any, dict[str, Any]]:
     """A copy of ``fitted`` trained end to end (:mod:`.end_to_end`) on texts sampled from the model itself,
     prompted by the train text's paragraphs; ``fitted`` stays as it was. Returns the copy and what it took."""
@@ -127,7 +150,7 @@ def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any) -> tuple[Any
     prompts = [starts[i % len(starts)] for i in range(args.end_to_end_samples)]
     model.set_attn_implementation("sdpa")
     begin = time.perf_counter()
-    texts = sample_texts(model, tokenizer, prompts, tokens=args.end_to_end_tokens, seed=0)
+    texts = _sampled(model, tokenizer, prompts, args, sample_texts)
     sampled = time.perf_counter() - begin
     limit = args.end_to_end_tokens + 64  # prompt included
     plain = [torch.as_tensor(tokenizer(text)["input_ids"][:limit]) for text in texts]
@@ -323,6 +346,9 @@ def add_lm_arguments(parser: Any) -> None:
     add("--end-to-end-samples", type=int, default=32,
         help="causal LMs: texts sampled from the model for the end-to-end stage (the last 2 held out)")
     add("--end-to-end-tokens", type=int, default=1024, help="causal LMs: tokens sampled per text")
+    add("--end-to-end-texts", default=None,
+        help="causal LMs: a JSON file of the end-to-end stage's sampled texts: read when it was written for the same "
+             "model, prompts and --end-to-end-tokens, else sampled and written there (sampling is minutes)")
     add("--end-to-end-copies", action=argparse.BooleanOptionalAction, default=True,
         help="causal LMs: also train on copying sequences built from the samples (a passage, other text, the "
              "passage again)")
