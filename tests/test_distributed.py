@@ -55,21 +55,28 @@ def _bounds(split: list[int], rank: int) -> tuple[int, int]:
 
 def _compare(rank: int, world: int, *, causal: bool, feature_map: Any, split: list[int] | None = None,
              mask: torch.Tensor | None = None, kv_heads: int = 4, validate: bool = True, seed: int = 0,
-             **options: Any) -> dict[str, float]:
-    """Max abs differences (output, dq, dk, dv, map parameters) between this rank's slice and single-process."""
+             gate: torch.Tensor | None = None, **options: Any) -> dict[str, float]:
+    """Max abs differences (output, dq, dk, dv, map parameters, the log-gate) between this rank's slice and
+    single-process. ``gate``: per-token log-decays (..., N) of the whole sequence, sliced like the tokens."""
     split = split or SPLITS[world]
     q, k, v, weight = _inputs(seed, kv_heads=kv_heads, n=sum(split))
     start, end = _bounds(split, rank)
     fmap_ref = copy.deepcopy(feature_map) if isinstance(feature_map, torch.nn.Module) else feature_map
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = linattn.linear_attention(*leaves, causal=causal, feature_map=fmap_ref, key_padding_mask=mask, **options)
+    gate_leaf = gate.clone().requires_grad_() if gate is not None else None
+    ref = linattn.linear_attention(*leaves, causal=causal, feature_map=fmap_ref, key_padding_mask=mask,
+                                   log_gate=gate_leaf, **options)
     (ref * weight).sum().backward()
     parts = [x[..., start:end, :].clone().requires_grad_() for x in (q, k, v)]
+    part_gate = gate[..., start:end].clone().requires_grad_() if gate is not None else None
     part_mask = mask[..., start:end] if mask is not None else None
     out = context_parallel_attention(*parts, group=GROUP, causal=causal, feature_map=feature_map,
-                                     key_padding_mask=part_mask, validate=validate, **options)
+                                     key_padding_mask=part_mask, validate=validate, log_gate=part_gate, **options)
     (out * weight[..., start:end, :]).sum().backward()
     errors = {"out": (out - ref[..., start:end, :]).abs().max().item()}
+    if part_gate is not None and gate_leaf is not None:
+        assert part_gate.grad is not None and gate_leaf.grad is not None
+        errors["d_gate"] = (part_gate.grad - gate_leaf.grad[..., start:end]).abs().max().item()
     for name, part, leaf in zip("qkv", parts, leaves, strict=True):
         assert part.grad is not None and leaf.grad is not None
         errors[f"d{name}"] = (part.grad - leaf.grad[..., start:end, :]).abs().max().item()
@@ -80,6 +87,16 @@ def _compare(rank: int, world: int, *, causal: bool, feature_map: Any, split: li
             dist.all_reduce(total, group=GROUP)  # each rank holds its share of the map's gradient
             errors[f"d_map.{name}"] = (total - param_ref.grad).abs().max().item()
     return errors
+
+
+def _gate(world: int, heads: int | None = None, seed: int = 5) -> torch.Tensor:
+    """Per-token log-decays ≤ 0 of the whole sequence: (2, 1, N) shared by the heads, or (2, H, N) per head."""
+    shape = (2, heads or 1, sum(SPLITS[world]))
+    return -torch.nn.functional.softplus(torch.randn(*shape, generator=torch.Generator().manual_seed(seed),
+                                                     dtype=torch.float64))
+
+
+RATES = torch.tensor([0.9, 0.5, 0.99, 0.75], dtype=torch.float64)  # one decay per query head
 
 
 def _mask(world: int, seed: int = 1) -> torch.Tensor:
@@ -124,10 +141,10 @@ def _low_precision_case(rank: int, world: int, dtype: torch.dtype) -> dict[str, 
     return {"excess": max(0.0, err - 2 * err_single - torch.finfo(dtype).eps * exact.abs().max().item())}
 
 
-def _layer_case(rank: int, world: int, causal: bool) -> dict[str, float]:
+def _layer_case(rank: int, world: int, causal: bool, **options: Any) -> dict[str, float]:
     """ContextParallel(LinearAttention) against the unwrapped layer on the whole sequence, with GQA."""
     torch.manual_seed(11)
-    layer = LinearAttention(16, 4, num_kv_heads=2, causal=causal, dtype=torch.float64)
+    layer = LinearAttention(16, 4, num_kv_heads=2, causal=causal, dtype=torch.float64, **options)
     wrapped = ContextParallel(copy.deepcopy(layer), GROUP)
     x = torch.randn(2, sum(SPLITS[world]), 16, dtype=torch.float64)
     start, end = _bounds(SPLITS[world], rank)
@@ -195,6 +212,12 @@ def _raises(rank: int, world: int, kind: str) -> dict[str, float]:
         options["key_padding_mask"] = torch.ones(3, dtype=torch.long)  # not a bool mask: rejected locally
     elif kind in ("eps_inline", "eps_inline_noncausal") and bad:  # validate=False: sizes agree, options not
         options["eps"] = 1e-3
+    elif kind == "per_feature_gate":  # (..., N, F): not split across ranks
+        options["log_gate"] = torch.zeros(*part[0].shape[:-1], 8, dtype=torch.float64)
+    elif kind == "decay_differs" and bad:  # one rank without the decay the others use
+        options["decay"] = None
+    elif kind == "decay_differs":
+        options["decay"] = 0.9
     if kind == "eps_inline_noncausal":
         options["causal"] = False  # the all-reduce path: the header travels as summed pieces and squares
     validate = not kind.startswith("eps_inline")
@@ -242,9 +265,20 @@ def cases(world: int) -> dict[str, Callable[[int, int], dict[str, float]]]:
         "float16": lambda r, w: _low_precision_case(r, w, torch.float16),
         "layer_causal": lambda r, w: _layer_case(r, w, True),
         "layer_noncausal": lambda r, w: _layer_case(r, w, False),
+        # per-head decays, gates computed from each slice's tokens, the per-head output norm
+        "layer_causal_decay_token_gate_norm": lambda r, w: _layer_case(
+            r, w, True, decay="retnet", gate="token", output_norm=True),
         "collectives": _count_collectives,
+        # decays: each slice's decayed sums and its total log-decay cross the ranks
+        "causal_elu_decay_per_head_mask_gqa": lambda r, w: _compare(
+            r, w, causal=True, feature_map=elu, decay=RATES, mask=_mask(w), kv_heads=2),
+        "causal_favor_log_gate_and_decay_inline_header": lambda r, w: _compare(
+            r, w, causal=True, feature_map=favor, gate=_gate(w), decay=0.95, validate=False),
+        "causal_hedgehog_log_gate_per_head_small_chunks": lambda r, w: _compare(
+            r, w, causal=True, feature_map=_hedgehog(), gate=_gate(w, heads=4), chunk_size=4),
     }
-    for kind in ("empty", "value_dim", "feature_map", "local_error", "eps_inline", "eps_inline_noncausal"):
+    for kind in ("empty", "value_dim", "feature_map", "local_error", "eps_inline", "eps_inline_noncausal",
+                 "per_feature_gate", "decay_differs"):
         table[f"raises_{kind}"] = lambda r, w, kind=kind: _raises(r, w, kind)
     # the group must still work after the errors above
     table["causal_elu_after_errors"] = lambda r, w: _compare(r, w, causal=True, feature_map=elu, seed=4)
@@ -314,6 +348,8 @@ RAISES = {
     "raises_local_error": "key_padding_mask",
     "raises_eps_inline": "eps differs",
     "raises_eps_inline_noncausal": "eps differs",
+    "raises_per_feature_gate": "per-feature gates",
+    "raises_decay_differs": "decay differs",
 }
 
 
@@ -413,3 +449,10 @@ def test_summed_header_pieces_detect_any_disagreement() -> None:
     summed = sum(_exchange.header_moments(h, torch.float32, torch.device("cpu")) for h in headers)
     with pytest.raises(linattn.LinearAttentionError, match="eps differs"):
         _exchange.check_moments(summed, headers[0], 5, 0)
+
+
+@pytest.mark.parametrize(("options", "match"), [({"window": 4}, "window"), ({"gate": "feature"}, "per-feature")],
+                         ids=["window", "feature-gate"])
+def test_context_parallel_refuses_what_it_does_not_split(options: dict, match: str) -> None:
+    with pytest.raises(linattn.LinearAttentionError, match=match):
+        ContextParallel(LinearAttention(16, 4, causal=True, **options))

@@ -37,13 +37,14 @@ from . import _exchange
 
 
 def _weighted_sum(
-    kv: torch.Tensor, k_sum: torch.Tensor, log_weight: torch.Tensor
+    kv: torch.Tensor, k_sum: torch.Tensor, log_weight: torch.Tensor, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Σ_j e^{lw_j} (S_j, z_j) kept at log-scale M = max_j lw_j; -inf log-weights drop out (empty: M = -inf)."""
+    """Σ_j e^{lw_j} (S_j, z_j) kept at log-scale M = max_j lw_j, or at ``scale`` (≥ every lw_j) when given; -inf
+    log-weights drop out (empty: M = -inf)."""
     # M rounded to the state dtype before the weights are formed against it, so that the sums are exact at the
     # scale the state records (with decays, M is no longer one of the fp32 shifts; at |M| ≈ 640 an fp32 ulp of M
     # would otherwise be a 3e-5 relative error of the sums)
-    top = log_weight.amax(0).to(kv.dtype).to(torch.float64)  # (...)
+    top = (log_weight.amax(0) if scale is None else scale.to(torch.float64)).to(kv.dtype).to(torch.float64)  # (...)
     weight = scale_between(log_weight, top.unsqueeze(0)).to(kv.dtype)  # (W, ...), every factor ≤ 1 (+ 1 ulp)
     # multiply-and-sum over all W slices, zero weights included: the gathered tensor stays in this rank's graph,
     # so every rank runs the backward collective
@@ -65,7 +66,8 @@ def combine_prefix(
     ``kv`` (W, ..., F, Dv), ``k_sum`` (W, ..., F), ``shift`` (W, ...): each slice's sums at log-scale shift
     (true sums = kv·e^shift, -inf for a slice with no visible key). ``log_decay`` (W, ...) ≤ 0: a slice's total
     log-decay Σ g_t over its tokens (scalar decays), so that slice j reaches slice ``rank`` scaled by
-    e^{Σ_{j<i<rank} g_i}. Returns (kv, k_sum, shift) of the combined state, shift = max_j of the scales.
+    e^{Σ_{j<i<rank} g_i}. Returns (kv, k_sum, shift) of the combined state, shift = max_j of the scales (with
+    decays: of the undecayed ones, the scale of ``linear_attention``'s own state after those tokens).
     """
     world = kv.shape[0]
     before = torch.arange(world, device=kv.device) < rank  # (W,)
@@ -78,7 +80,12 @@ def combine_prefix(
         suffix = inside.flip(0).cumsum(0).flip(0)  # Σ_{i ≥ j, i < rank} g_i
         log_weight = log_weight + torch.cat([suffix[1:], torch.zeros_like(suffix[:1])])
     log_weight = torch.where(before.view(index_shape), log_weight, NEG_INF)
-    return _weighted_sum(kv, k_sum, log_weight)
+    scale = None
+    if log_decay is not None:
+        # at the largest undecayed scale, max_j shift_j, as linear_attention's state after the same tokens: it
+        # reads (and adds eps) at the scale a state carries, so the same scale gives the same outputs
+        scale = torch.where(before.view(index_shape), shift.to(torch.float64), NEG_INF).amax(0)
+    return _weighted_sum(kv, k_sum, log_weight, scale)
 
 
 def combine_others(
@@ -107,17 +114,36 @@ def _rank_and_world(group: Any) -> tuple[int, int]:
 
 
 def _slice_summary(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmap: Any, mask: Any, options: dict[str, Any]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmap: Any, mask: Any, options: dict[str, Any],
+    log_decay: torch.Tensor | None = None,
 ) -> LinearAttentionState:
     """The own slice's sums (q-head layout, as linear_attention's initial_state wants them).
 
     One query token stands in for q: it fixes the head layout (grouped-query attention) and the dtype checks, and
     its output (1×F×Dv work) is discarded. Non-causal, so the sums sit at the slice's maximal log-scale.
+
+    With a decay (``log_decay`` g, (..., H, N) fp64) key j reaches the end of the slice weighted by
+    w_j = e^{Σ_{j<i<N} g_i} (the last key 1, so no weight underflows them all): the values carry w_j and one more
+    column holds w_j itself, so that the non-causal sums are Σ φ(k_j)(w_j v_j)ᵀ and, in that column, Σ w_j φ(k_j).
+    The weights are per query head, so grouped key/value heads are repeated first.
     """
+    if log_decay is None:
+        _, state = linear_attention(
+            q[..., :1, :], k, v, causal=False, feature_map=fmap, key_padding_mask=mask, return_state=True, **options
+        )
+        return state
+    suffix = log_decay.flip(-1).cumsum(-1).flip(-1)  # Σ_{i ≥ j} g_i, a suffix sum in fp64
+    weight = torch.cat([suffix[..., 1:], torch.zeros_like(suffix[..., :1])], dim=-1).exp().to(v.dtype)
+    if k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    weight = weight.unsqueeze(-1)  # (..., H, N, 1)
+    weighted = torch.cat([v * weight, weight.expand(*v.shape[:-1], 1)], dim=-1)  # (..., H, N, Dv + 1)
     _, state = linear_attention(
-        q[..., :1, :], k, v, causal=False, feature_map=fmap, key_padding_mask=mask, return_state=True, **options
+        q[..., :1, :], k, weighted, causal=False, feature_map=fmap, key_padding_mask=mask, return_state=True,
+        **options,
     )
-    return state
+    return LinearAttentionState(state.kv[..., :-1], state.kv[..., -1], state.shift, state.num_tokens)
 
 
 def context_parallel_attention(
@@ -133,6 +159,8 @@ def context_parallel_attention(
     eps: float = 1e-6,
     min_denom: float | None = None,
     chunk_size: int | None = None,
+    decay: Any = None,
+    log_gate: torch.Tensor | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Linear attention over a sequence split across the ranks of ``group``: this rank's slice of the output.
@@ -152,6 +180,11 @@ def context_parallel_attention(
     header into the one all-gather (empty slices and disagreeing options still raise on every rank; shapes that
     change the state size must then agree — gloo aborts the process otherwise).
 
+    ``decay`` (γ, a float or one per query head) and ``log_gate`` (this rank's slice of the per-token log-decays,
+    (..., N_r)), causal only, as in :func:`linattn.linear_attention`: each slice's summary is then its decayed sums
+    plus its total log-decay (B·H more numbers), and slice j reaches rank r scaled by the decays of the slices in
+    between (:func:`combine_prefix`). Per-feature gates (``log_gate`` (..., N_r, F)) are not split yet and raise.
+
     Every rank of the group must make the same calls in the same order, and every rank must run backward through
     every call whose output needs a gradient (as with DDP). Random feature maps must be equal on every rank (seed
     them, or pass one module): the header carries a checksum of the map and a mismatch raises.
@@ -168,6 +201,7 @@ def context_parallel_attention(
     options: dict[str, Any] = {"normalize": normalize, "eps": eps, "min_denom": min_denom}
     fmap: Any = None
     state: LinearAttentionState | None = None
+    total_decay: torch.Tensor | None = None
     error: LinearAttentionError | None = None
     # local checks run before any collective and are reported in the header: a rank that raised alone would leave
     # the others waiting in the collective
@@ -175,7 +209,15 @@ def context_parallel_attention(
         fmap = resolve_feature_map(feature_map, q.shape[-1], device=q.device)
         if q.shape[-2] > 0 and k.shape[-2] > 0:
             _validate.check_options(chunk_size, eps, min_denom, "auto", FORMS)
-            state = _slice_summary(q, k, v, fmap, key_padding_mask, options)
+            log_decay, per_feature = _validate.log_decay(decay, log_gate, q, k.shape[:-1], causal)
+            if per_feature is not None:
+                raise LinearAttentionError(
+                    "log_gate: per-feature gates (..., N, F) are not split across ranks yet (their summary would "
+                    "need a per-feature total decay); pass one log-decay per token (..., N), or run on one process"
+                )
+            state = _slice_summary(q, k, v, fmap, key_padding_mask, options, log_decay)
+            if log_decay is not None:
+                total_decay = log_decay.sum(-1).to(state.shift.dtype)  # (..., H): the slice's Σ g
     except LinearAttentionError as raised:
         error = raised
     batch = q.shape[:-2].numel()
@@ -199,7 +241,7 @@ def context_parallel_attention(
             "min_denom": _exchange.float_bits(-1.0 if min_denom is None else min_denom),
             "mask": int(key_padding_mask is not None),
             "log_space": int(bool(getattr(fmap, "log_space", False))),
-            "decay": 0,
+            "decay": int(decay is not None or log_gate is not None),
             "feature_map": _exchange.fingerprint(fmap) if fmap is not None else 0,
         }
     )
@@ -215,7 +257,10 @@ def context_parallel_attention(
         )
     assert state is not None
     # (..., F, Dv) + (..., F) + (...) flattened into one (P,) payload
-    payload = torch.cat([state.kv.reshape(-1), state.k_sum.reshape(-1), state.shift.reshape(-1)])
+    parts = [state.kv.reshape(-1), state.k_sum.reshape(-1), state.shift.reshape(-1)]
+    if total_decay is not None:  # (...) after the shifts: the slice's total log-decay
+        parts.append(total_decay.reshape(-1))
+    payload = torch.cat(parts)
     if not causal and not getattr(fmap, "log_space", False):
         total_tokens = int(table[:, _exchange.FIELDS.index("k_tokens")].sum()) if validate else None
         return _noncausal_all_reduce(q, k, v, payload, state, header, total_tokens, rank, world, group, fmap,
@@ -230,10 +275,14 @@ def context_parallel_attention(
     size_kv, size_k = state.kv.numel(), state.k_sum.numel()
     kv = gathered[:, :size_kv].reshape(world, *state.kv.shape)  # (W, ..., F, Dv)
     k_sum = gathered[:, size_kv : size_kv + size_k].reshape(world, *state.k_sum.shape)  # (W, ..., F)
-    shift = gathered[:, size_kv + size_k :].reshape(world, *rows)  # (W, ...)
+    size_rows = state.shift.numel()
+    shift = gathered[:, size_kv + size_k : size_kv + size_k + size_rows].reshape(world, *rows)  # (W, ...)
+    log_decays = None
+    if total_decay is not None:
+        log_decays = gathered[:, size_kv + size_k + size_rows :].reshape(world, *rows)  # (W, ...)
     tokens = table[:, _exchange.FIELDS.index("k_tokens")].cpu()
     if causal:
-        combined = combine_prefix(kv, k_sum, shift, rank)
+        combined = combine_prefix(kv, k_sum, shift, rank, log_decay=log_decays)
         prefix_tokens = int(tokens[:rank].sum())
     else:
         combined = combine_others(kv, k_sum, shift, rank)
@@ -248,6 +297,8 @@ def context_parallel_attention(
         key_padding_mask=key_padding_mask,
         initial_state=initial,
         chunk_size=chunk_size,
+        decay=decay,
+        log_gate=log_gate,
         **options,
     )
     return out

@@ -24,6 +24,9 @@ class ContextParallel(nn.Module):
     layer's parameters are used as they are (``self.layer``), so data-parallel wrappers (DDP, ``fully_shard``)
     go around the model as usual; its state_dict keys gain the prefix ``layer.``.
 
+    Decays (``decay=``) and per-token gates (``gate="token"``) go across ranks (each rank computes its slice's
+    gates); the window hybrid and per-feature gates raise here.
+
     ``validate``: ``"first"`` (default) exchanges the shape header in a separate small all-gather on the first
     call only, later calls use one collective; ``True``/``False`` on every call (see
     :func:`context_parallel_attention`).
@@ -35,6 +38,16 @@ class ContextParallel(nn.Module):
             raise LinearAttentionError(
                 f"layer: expected a linattn.nn.LinearAttention, got {type(layer).__name__}; for other layers call "
                 "linattn.distributed.context_parallel_attention in their forward"
+            )
+        if layer.options.get("window") is not None:
+            raise LinearAttentionError(
+                "layer: the sliding-window hybrid (window=) is not split across ranks yet (its window would need the "
+                "previous rank's last keys); use a layer without window=, or run it on one process"
+            )
+        if layer.gate_kind not in (None, "token"):
+            raise LinearAttentionError(
+                f"layer: gate={layer.gate_kind!r} gives per-feature gates, which are not split across ranks yet; use "
+                "gate='token' (one log-decay per token and head) or decay=, or run it on one process"
             )
         if validate not in (True, False, "first"):
             raise LinearAttentionError(f"validate: expected True, False or 'first', got {validate!r}")
@@ -65,9 +78,14 @@ class ContextParallel(nn.Module):
                 feature_map=layer.feature_map,
                 key_padding_mask=key_padding_mask,
                 validate=validate,
+                decay=layer._rates(x.device),
+                log_gate=layer._log_gate(x),  # this slice's gates: computed from its own tokens
                 **layer.options,
             )
-        return layer.out_proj(out.transpose(1, 2).flatten(-2))  # (B, H, N_r, D) → (B, N_r, H·D) → (B, N_r, E)
+        out = out.transpose(1, 2).flatten(-2)  # (B, H, N_r, D) → (B, N_r, H·D)
+        if layer.output_norm is not None:  # as in LinearAttention: per head, per token
+            out = layer.output_norm(out.flatten(0, 1)).view_as(out)
+        return layer.out_proj(out)  # (B, N_r, E)
 
     def extra_repr(self) -> str:
         return f"validate={self.validate!r}"
