@@ -22,6 +22,9 @@ the key leaving the window enters the linear sums (a sink instead becomes a sepa
 its slot, and the output is the hybrid's (mass form: out = (φ(q)·S + M·A) / (φ(q)·z + M + eps), A the softmax
 average over the live exact keys, M = Σ_exact φ(q)·φ(k); γ form: the γ-weighted exact sums). Anything else —
 log-space maps, ``min_denom``, other options — goes through ``linear_attention`` (:func:`supports_window`).
+With grouped-query attention (``kv_heads=``) the exact keys and values are held once per key/value head.
+:meth:`WindowDecodeStep.stack` joins one-row steps into the step of a left-padded batch in which each row keeps its
+own first S tokens as sinks.
 """
 
 from __future__ import annotations
