@@ -206,13 +206,17 @@ def _tensors(state):
             yield from _tensors(value)
 
 
-def test_fitted_window_options_reach_every_layer():
+@pytest.mark.parametrize("given", ["object", "saved file"])
+def test_fitted_window_options_reach_every_layer(given, tmp_path):
+    """Maps fitted with the window in place bring W, S and γ to linearize — also from the file save() wrote."""
     from linattn.distill import FittedFeatureMaps
 
     maps = [create("hedgehog", head_dim=8, num_heads=4, init="random", seed=i) for i in range(2)]
     gammas = [torch.full((4,), 0.5 + i) for i in range(2)]
     fitted = FittedFeatureMaps("tiny", "hedgehog", 2, 4, 8, maps=maps, window=8, sinks=2, window_factors=gammas)
-    model = hf.linearize(tiny_llama(), fitted)
+    if given == "saved file":
+        fitted.save(str(tmp_path / "maps.safetensors"))
+    model = hf.linearize(tiny_llama(), fitted if given == "object" else tmp_path / "maps.safetensors")
     options = [module.linattn_options for module in hf.attention_modules(model)]
     assert [o["window"] for o in options] == [8, 8] and [o["sinks"] for o in options] == [2, 2]
     assert all(torch.equal(o["window_factor"], g) for o, g in zip(options, gammas, strict=True))

@@ -286,6 +286,10 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
     A model with ``generate`` then generates with a :class:`~linattn.hf_cache.LinearAttentionCache`.
     """
     register()
+    if isinstance(feature_maps, str | os.PathLike) and os.path.isfile(feature_maps):
+        from .distill import load_feature_maps
+
+        feature_maps = load_feature_maps(os.fspath(feature_maps))  # before the options: a file carries its window
     attention_options, options = _split_options(dict(options), feature_maps)
     modules = attention_modules(model)
     if not modules:
@@ -298,10 +302,6 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
         config.hidden_size // heads if config is not None and heads else None
     )
     maps: list[nn.Module]
-    if isinstance(feature_maps, str | os.PathLike) and os.path.isfile(feature_maps):
-        from .distill import load_feature_maps
-
-        feature_maps = load_feature_maps(os.fspath(feature_maps))
     if isinstance(feature_maps, str):
         if head_dim is None:
             raise LinearAttentionError("model: config has no head_dim / hidden_size and num_attention_heads")
