@@ -103,7 +103,6 @@ class DecodeStep(_Step):
         self.shift = state.shift.detach().clone()
         self.num_tokens = state.num_tokens
         batch, heads, features, values = self.kv.shape
-        self.batch_size = batch
         self._flat = (batch * heads, features, values)
         self._scratch = torch.empty(batch, heads, 1, dtype=self.kv.dtype, device=self.kv.device)
 
@@ -145,6 +144,10 @@ class DecodeStep(_Step):
         if self.eps <= 0:  # no visible key and eps = 0: output 0, not 0/0 (as finalize); eps > 0 keeps den > 0
             den = torch.where(den == 0, 1.0, den)
         return (num / den).view(batch, heads, 1, values).to(out_dtype)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.kv.shape[0])
 
     def state(self) -> LinearAttentionState:
         """The state after every token stepped (shares the step's tensors: clone before stepping further)."""
@@ -214,7 +217,6 @@ class WindowDecodeStep(_Step):
         self.key_features = torch.zeros(batch * heads, slots, features, dtype=dtype, device=device)
         self.live = torch.zeros(batch * heads, slots, dtype=torch.bool, device=device)  # an exact key now
         self._shape = (batch, heads, features, values)
-        self.batch_size = batch
         # rows of a left-padded batch (see stack): the padding of each (B·H,) row, None when no row is padded
         self.offsets: torch.Tensor | None = None
         self._max_offset = 0
@@ -274,9 +276,7 @@ class WindowDecodeStep(_Step):
             elif t - window < sinks:
                 self.live[:, t - window] = self.live[:, slot]
             else:
-                old = self.key_features[:, slot]
-                self.kv.view(-1, features, values).addcmul_(old.unsqueeze(-1), self._values_at(slot).unsqueeze(-2))
-                self.k_sum.view(-1, features).add_(old)
+                self._enter_linear(slot, self.key_features[:, slot])
         self.keys[:, slot] = k
         self.values[:, slot] = v
         self.key_features[:, slot] = kf
@@ -313,22 +313,26 @@ class WindowDecodeStep(_Step):
         out = num.div_(den.unsqueeze(-1)).view(batch, heads, 1, values)
         return out if out_dtype == dtype else out.to(out_dtype)
 
-    def _values_at(self, slot: int) -> torch.Tensor:
-        """The values in ``slot``, one row per query head (B·H, Dv)."""
-        x = self.values[:, slot]
-        return x if self.group == 1 else x.repeat_interleave(self.group, dim=0)
+    @property
+    def batch_size(self) -> int:
+        return self._shape[0]
+
+    def _enter_linear(self, slot: int, features: torch.Tensor) -> None:
+        """The key in ``slot``, with ``features`` (B·H, F) (zero where it does not enter), into the linear sums."""
+        _, _, width, values = self._shape
+        x = self.values[:, slot]  # (B·Hkv, Dv): one row per query head below
+        x = x if self.group == 1 else x.repeat_interleave(self.group, dim=0)
+        self.kv.view(-1, width, values).addcmul_(features.unsqueeze(-1), x.unsqueeze(-2))
+        self.k_sum.view(-1, width).add_(features)
 
     def _leave_rows(self, t: int, slot: int) -> None:
         """Key t − W leaves the window when rows are padded by different amounts (see :meth:`stack`): for row r it
         is its own token t − W − pad_r, a sink when that is < S (it stays exact), else it enters the linear sums
         (padding: its zero features add nothing)."""
-        _, _, features, values = self._shape
         assert self.offsets is not None
         local = t - self.window - self.offsets  # (B·H,)
         sink = (local >= 0) & (local < self.sinks)
-        old = self.key_features[:, slot].masked_fill(sink.unsqueeze(-1), 0.0)
-        self.kv.view(-1, features, values).addcmul_(old.unsqueeze(-1), self._values_at(slot).unsqueeze(-2))
-        self.k_sum.view(-1, features).add_(old)
+        self._enter_linear(slot, self.key_features[:, slot].masked_fill(sink.unsqueeze(-1), 0.0))
         rows = sink.nonzero().squeeze(-1)
         if rows.numel():
             self.live[rows, local[rows]] = self.live[rows, slot]
@@ -378,7 +382,7 @@ class WindowDecodeStep(_Step):
         new.shift = torch.cat([step.shift for step in steps])
         if first.gamma is not None:
             new.gamma = torch.cat([step.gamma for step in steps if step.gamma is not None])
-        new.num_tokens, new.batch_size, new._shape = total, len(steps), (len(steps), heads, features, values)
+        new.num_tokens, new._shape = total, (len(steps), heads, features, values)
         new.offsets = torch.tensor(pads, device=first.kv.device).repeat_interleave(heads)  # (B·H,)
         new._max_offset = max(pads)
         return new
@@ -433,5 +437,5 @@ class WindowDecodeStep(_Step):
             new.gamma = self.gamma.index_select(0, rows)
         if self.offsets is not None:
             new.offsets = self.offsets.index_select(0, rows)
-        new.batch_size, new._shape = index.numel(), (index.numel(), heads, features, values)
+        new._shape = (index.numel(), heads, features, values)
         return new

@@ -134,9 +134,7 @@ def _tensors(state: Any) -> list[torch.Tensor]:
             return [t for f in dataclasses.fields(x) for t in walk(getattr(x, f.name))]
         return []
 
-    values = [getattr(state, f.name) for f in dataclasses.fields(state)] if dataclasses.is_dataclass(state) \
-        else list(vars(state).values())
-    return [t for v in values for t in walk(v)]
+    return walk(state) if dataclasses.is_dataclass(state) else walk(list(vars(state).values()))
 
 
 def _device_of(state: Any) -> torch.device:
@@ -199,7 +197,7 @@ def install(model: Any) -> None:
 def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            keep: torch.Tensor | None, options: dict[str, Any]) -> torch.Tensor:
     """Causal attention of this call's q, k, v (B, H|Hkv, N, ·) after the keys in ``layer``'s state; updates it."""
-    from .decode import DecodeStep, WindowDecodeStep, supports, supports_window
+    from .decode import DecodeStep, supports, supports_window
     from .functional import linear_attention
 
     if layer.stepper is not None and q.shape[-2] == 1:
@@ -218,11 +216,16 @@ def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: to
     if supports(fmap, state, options):  # token-by-token from here on: the lean step
         layer.stepper = DecodeStep(fmap, state, eps=options.get("eps", 1e-6))
     elif supports_window(fmap, state, options):  # the window hybrid's lean step
-        layer.stepper = WindowDecodeStep(
-            fmap, state, eps=options.get("eps", 1e-6), window_factor=options.get("window_factor"),
-            softmax_scale=options.get("softmax_scale"), kv_heads=k.shape[1],
-        )
+        layer.stepper = _window_step(fmap, state, options, k.shape[1])
     return out
+
+
+def _window_step(fmap: Any, state: Any, options: dict[str, Any], kv_heads: int) -> Any:
+    """The lean window step from ``state`` with the call's options."""
+    from .decode import WindowDecodeStep
+
+    return WindowDecodeStep(fmap, state, eps=options.get("eps", 1e-6), window_factor=options.get("window_factor"),
+                            softmax_scale=options.get("softmax_scale"), kv_heads=kv_heads)
 
 
 def _prefill_rows(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pads: list[int],
@@ -241,8 +244,7 @@ def _prefill_rows(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor
 
     out = by_rows(pads, run, q, k, v)
     if all(supports_window(fmap, state, options) for state in states):
-        steps = [WindowDecodeStep(fmap, state, eps=options.get("eps", 1e-6), window_factor=options.get("window_factor"),
-                                  softmax_scale=options.get("softmax_scale"), kv_heads=k.shape[1]) for state in states]
+        steps = [_window_step(fmap, state, options, k.shape[1]) for state in states]
         layer.stepper = WindowDecodeStep.stack(steps, pads)
     else:
         layer.stepper = RowSteps(fmap, states, options)
@@ -256,7 +258,10 @@ class RowSteps:
 
     def __init__(self, fmap: Any, states: list[Any], options: dict[str, Any]) -> None:
         self.fmap, self.states, self.options = fmap, list(states), options
-        self.batch_size = len(self.states)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.states)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  keep: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,6 +36,13 @@ from ..state import LinearAttentionState
 from . import _exchange
 
 
+def _after(g: torch.Tensor, dim: int) -> torch.Tensor:
+    """Σ_{i > j} g_i along ``dim`` for every j (0 for the last): a suffix sum, never a difference of two long
+    cumulative sums."""
+    suffix = g.flip(dim).cumsum(dim).flip(dim)  # Σ_{i ≥ j} g_i
+    return torch.cat([suffix.narrow(dim, 1, g.shape[dim] - 1), torch.zeros_like(suffix.narrow(dim, 0, 1))], dim=dim)
+
+
 def _weighted_sum(
     kv: torch.Tensor, k_sum: torch.Tensor, log_weight: torch.Tensor, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,8 +84,7 @@ def combine_prefix(
         # decay from the end of slice j to the start of slice `rank`: the sum of g_i over j < i < rank, formed in
         # fp64 as a suffix sum of the slices in between (never a difference of two long cumulative sums)
         inside = torch.where(before.view(index_shape), log_decay.to(torch.float64), 0.0)
-        suffix = inside.flip(0).cumsum(0).flip(0)  # Σ_{i ≥ j, i < rank} g_i
-        log_weight = log_weight + torch.cat([suffix[1:], torch.zeros_like(suffix[:1])])
+        log_weight = log_weight + _after(inside, 0)  # Σ_{j < i < rank} g_i
     log_weight = torch.where(before.view(index_shape), log_weight, NEG_INF)
     scale = None
     if log_decay is not None:
@@ -132,8 +138,7 @@ def _slice_summary(
             q[..., :1, :], k, v, causal=False, feature_map=fmap, key_padding_mask=mask, return_state=True, **options
         )
         return state
-    suffix = log_decay.flip(-1).cumsum(-1).flip(-1)  # Σ_{i ≥ j} g_i, a suffix sum in fp64
-    weight = torch.cat([suffix[..., 1:], torch.zeros_like(suffix[..., :1])], dim=-1).exp().to(v.dtype)
+    weight = _after(log_decay, -1).exp().to(v.dtype)  # in fp64, then the values' dtype
     if k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
