@@ -11,9 +11,10 @@ warm-up call), so that clocks and neighbours affect all alike. Candidates:
     linattn_torch    the pure-PyTorch chunked form (backend="torch"), up to --torch-max tokens
     fla_chunk        fla's chunk_linear_attn on the same features, when the fla package is importable
 
-Also the decoding step (B=1, H=32, D=128: one token against the carried state) through linear_attention and
-through the fused kernel alone. Prints a table, writes CSV (--csv). No network, no install: run from the repo with
-``PYTHONPATH=src python3 benchmarks/gpu.py`` (scripts/gpu_check.sh does, with the CUDA checks first).
+Also the decoding step (B=1, H=32, D=128: one token against the carried state) through linear_attention, through
+the fused kernel alone, and through DecodeStep (fused kernel, state in place; and in torch ops), eager and as the
+steps of 32 layers captured in one CUDA graph. Prints a table, writes CSV (--csv). No network, no install: run from
+the repo with ``PYTHONPATH=src python3 benchmarks/gpu.py`` (scripts/gpu_check.sh does, with the CUDA checks first).
 
 ``--smoke`` runs the same code on CPU tensors at toy sizes under TRITON_INTERPRET=1 (SDPA's default backend,
 wall-clock timing): tests/test_triton.py uses it so that the script works when a GPU is there for it.
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 import linattn
 from linattn.backends import causal_attention
+from linattn.decode import DecodeStep
 
 Call = Callable[[], Any]
 
@@ -62,9 +64,10 @@ def _fla() -> Callable[..., Any] | None:
         return None
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # fla takes (B, N, H, D) and normalises by the running key sum itself
-        out = chunk_linear_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=1.0, normalize=True)
-        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+        # fla takes (B, N, H, D), given to it in that layout (made outside the timing), and normalises by the
+        # running key sum itself
+        out = chunk_linear_attn(q, k, v, scale=1.0, normalize=True)
+        return out[0] if isinstance(out, tuple) else out
 
     return run
 
@@ -88,6 +91,21 @@ def candidates(n: int, args: argparse.Namespace) -> dict[str, Callable[..., torc
 
 
 FEATURE_INPUTS = ("linattn_kernels", "fla_chunk")  # these take elu+1 features, made once outside the timing
+TOKEN_MAJOR = ("fla_chunk",)  # this one takes (B, N, H, D)
+
+
+def agreement(runs: dict[str, Callable[..., torch.Tensor]], feats: list[torch.Tensor]) -> str:
+    """Relative difference of the outputs of the feature-taking candidates (same features, same normaliser):
+    shows that the timed calls compute the same thing."""
+    with torch.no_grad():
+        ours = runs["linattn_kernels"](*feats).float()
+        notes = []
+        for name in TOKEN_MAJOR:
+            if name in runs:
+                theirs = runs[name](*[x.transpose(1, 2).contiguous() for x in feats]).transpose(1, 2).float()
+                difference = ((ours - theirs).norm() / ours.norm()).item()
+                notes.append(f"{name} vs linattn_kernels: rel. difference {difference:.2e}")
+    return "; ".join(notes)
 
 
 def _sync() -> None:
@@ -117,16 +135,22 @@ def time_length(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     grad = torch.randn(shape, device=DEVICE, dtype=args.dtype)
     runs = candidates(n, args)
     calls: dict[tuple[str, str], Call] = {}
+    token_major = [x.transpose(1, 2).contiguous() for x in feats] if any(n in runs for n in TOKEN_MAJOR) else []
+    grad_token_major = grad.transpose(1, 2).contiguous() if token_major else grad
     for name, fn in runs.items():
         base = feats if name in FEATURE_INPUTS else raw
+        base = token_major if name in TOKEN_MAJOR else base
         leaves = [x.detach().requires_grad_() for x in base]
 
         def forward(fn: Callable[..., torch.Tensor] = fn, base: list[torch.Tensor] = base) -> None:
             with torch.no_grad():
                 fn(*base)
 
-        def training(fn: Callable[..., torch.Tensor] = fn, leaves: list[torch.Tensor] = leaves) -> None:
-            fn(*leaves).backward(grad)
+        def training(
+            fn: Callable[..., torch.Tensor] = fn, leaves: list[torch.Tensor] = leaves,
+            upstream: torch.Tensor = grad_token_major if name in TOKEN_MAJOR else grad,
+        ) -> None:
+            fn(*leaves).backward(upstream)
             for leaf in leaves:
                 leaf.grad = None
 
@@ -152,6 +176,13 @@ def time_length(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
             if key not in failed:
                 times[key].append(_timed(call))
     rows = []
+    if n == args.lengths[0]:
+        try:
+            note = agreement(runs, feats)
+        except Exception as error:  # a candidate that fails is reported in the table; this is only a check
+            note = f"agreement not checked: {type(error).__name__}: {str(error)[:120]}"
+        if note:
+            print(f"  {note}", flush=True)
     for (name, mode), samples in times.items():
         row: dict[str, Any] = {"N": n, "candidate": name, "mode": mode}
         if (name, mode) in failed:
@@ -167,29 +198,65 @@ def time_length(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+LAYERS = 32  # decoding steps of as many layers captured in one CUDA graph (a model's step is one graph)
+
+
 def time_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
     """µs per decoding step (one token, B=1, H=32, D=128, 4k tokens already in the state), wall clock over
-    --steps calls (what a decoder waits for, launch overhead included)."""
+    --steps calls (what a decoder waits for, launch overhead included). Eager rows: one layer's step per call.
+    Graph rows: the steps of LAYERS layers (each its own DecodeStep and state) captured in one CUDA graph and
+    replayed; µs per layer step = replay time / LAYERS (the GPU's time, the Python launch cost gone)."""
     shape = (1, args.heads, 1, args.dim)
     prompt = [torch.randn(1, args.heads, args.prompt, args.dim, device=DEVICE, dtype=args.dtype) for _ in range(3)]
     step = [torch.randn(shape, device=DEVICE, dtype=args.dtype) for _ in range(3)]
     rows = []
     with torch.no_grad():
         _, state = linattn.linear_attention(*prompt, causal=True, backend="triton", return_state=True)
+        _sync()
         host = linattn.backends.triton.load()
+        fmap = linattn.feature_maps.create("elu", head_dim=args.dim)
         feats = [_features(step[0]).float(), _features(step[1]).float(), step[2].float()]
-        calls: dict[str, Call] = {
-            "linattn_step": lambda: linattn.linear_attention(
+
+        def steps(fused: bool, count: int) -> list[DecodeStep]:
+            made = [DecodeStep(fmap, state) for _ in range(count)]
+            for made_step in made:
+                if not fused:
+                    made_step._kernel = None  # the same step in torch ops
+            return made
+
+        fused_step, torch_step = steps(True, 1)[0], steps(False, 1)[0]
+        calls: dict[str, tuple[Call, int]] = {
+            "linattn_step": (lambda: linattn.linear_attention(
                 *step, causal=True, backend="triton", initial_state=state, return_state=True
-            ),
-            "linattn_torch_step": lambda: linattn.linear_attention(
+            ), 1),
+            "linattn_torch_step": (lambda: linattn.linear_attention(
                 *step, causal=True, backend="torch", initial_state=state, return_state=True
-            ),
-            "kernel_step": lambda: host.recurrent_step(
+            ), 1),
+            "kernel_step": (lambda: host.recurrent_step(
                 *feats, state.kv, state.k_sum, args.dtype, True, 1e-6, None
-            ),
+            ), 1),
+            "DecodeStep": (lambda: fused_step(*step), 1),
+            "DecodeStep_torch_ops": (lambda: torch_step(*step), 1),
         }
-        for name, call in calls.items():
+        kept: list[Any] = []
+        if DEVICE == "cuda":
+            for name, fused in (("DecodeStep_graph", True), ("DecodeStep_torch_ops_graph", False)):
+                layers = steps(fused, LAYERS)
+                for layer in layers:  # warm-up: the kernel is compiled and loaded before the capture
+                    layer(*step)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for layer in layers:
+                        layer(*step)
+                torch.cuda.synchronize()
+                print(f"  captured {name}", flush=True)
+                kept.append((graph, layers))  # the graph writes the layers' states: they must outlive it
+                calls[name] = (graph.replay, LAYERS)
+        for name, (call, per_call) in calls.items():
+            call()
+            _sync()  # a failure is reported at the candidate that caused it
+            print(f"  warm {name}", flush=True)
             for _ in range(args.steps // 10):
                 call()
             _sync()
@@ -199,9 +266,10 @@ def time_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for _ in range(args.steps):
                     call()
                 _sync()
-                samples.append((time.perf_counter() - start) / args.steps * 1e6)
+                samples.append((time.perf_counter() - start) / (args.steps * per_call) * 1e6)
             rows.append({"N": 1, "candidate": name, "mode": "decode", "ms": statistics.median(samples) / 1e3,
-                         "spread": f"{min(samples):.1f}-{max(samples):.1f} us", "peak_GiB": 0.0, "note": "",
+                         "spread": f"{min(samples):.1f}-{max(samples):.1f} us", "peak_GiB": 0.0,
+                         "note": "",
                          "flash/this": float("nan")})
     return rows
 
@@ -218,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="decoding steps per timed round")
     parser.add_argument("--csv", default="gpu_benchmark.csv")
     parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes, under TRITON_INTERPRET=1")
+    parser.add_argument("--decode-only", action="store_true", help="only the decoding step")
     args = parser.parse_args(argv)
     args.dtype = torch.bfloat16
     global DEVICE
@@ -234,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name}  torch {torch.__version__}  triton {triton.__version__}  B={args.batch} H={args.heads} "
           f"D={args.dim} {str(args.dtype)[6:]} causal, median of {args.rounds} alternating rounds")
     rows = []
-    for n in args.lengths:
+    for n in [] if args.decode_only else args.lengths:
         started = time.perf_counter()
         found = time_length(n, args)
         rows += found

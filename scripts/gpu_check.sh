@@ -3,6 +3,7 @@
 # Needs only python3 with torch (CUDA) and triton; nothing is installed: the repository runs from src/.
 #   bash scripts/gpu_check.sh            # results in $OUT if set (the device tool's folder), else benchmarks/results
 #   LENGTHS="2048 8192" bash scripts/gpu_check.sh   # fewer lengths
+#   TUNE=1 bash scripts/gpu_check.sh     # also every kernel under every launch configuration (+2 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="src:tests${PYTHONPATH:+:$PYTHONPATH}"
@@ -22,5 +23,10 @@ checks=${PIPESTATUS[0]}
 timeout 240 python3 benchmarks/gpu.py --csv "$results/gpu_benchmark.csv" ${LENGTHS:+--lengths $LENGTHS} 2>&1 \
     | tee "$results/gpu_benchmark.txt"
 bench=${PIPESTATUS[0]}
+
+# 3. (TUNE=1) each kernel alone under the launch configurations worth trying, and the backward's host-side work
+if [ "${TUNE:-0}" = 1 ]; then
+    timeout 150 python3 benchmarks/gpu_tune.py --csv "$results/gpu_tune.csv" 2>&1 | tee "$results/gpu_tune.txt"
+fi
 echo "checks exit $checks, benchmark exit $bench; results in $results"
 exit $(( checks != 0 || bench != 0 ))

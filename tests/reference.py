@@ -37,13 +37,13 @@ def reference_attention(
         v = torch.repeat_interleave(v, group, dim=-3)
     phi_q = phi_q or phi
     weights = torch.einsum("...tf,...jf->...tj", phi_q(q), phi(k))  # (..., Nq, Nk)
-    allowed = torch.ones(weights.shape[-2:], dtype=torch.bool)
+    allowed = torch.ones(weights.shape[-2:], dtype=torch.bool, device=weights.device)
     if causal:
         allowed = torch.tril(allowed)
     allowed = allowed.expand(weights.shape)
     if keep is not None:
         allowed = allowed & keep.unsqueeze(-2)
-    weights = torch.where(allowed, weights, torch.zeros((), dtype=weights.dtype))
+    weights = torch.where(allowed, weights, weights.new_zeros(()))
     num = torch.einsum("...tj,...jd->...td", weights, v)
     den = weights.sum(-1)
     if prefix_k is not None:

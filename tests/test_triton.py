@@ -157,6 +157,22 @@ def test_gpu_benchmark_script_runs(tmp_path: object) -> None:
     assert ("kernel_step", "decode") in modes
 
 
+def test_gpu_tuning_script_runs(tmp_path: object) -> None:
+    """benchmarks/gpu_tune.py --smoke: every kernel launched as the tuning sweep launches it, and the backward's
+    preparation pass, in the interpreter (the timings mean nothing here)."""
+    pytest.importorskip("triton")
+    csv_path = os.path.join(str(tmp_path), "tune.csv")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.join(ROOT, "src"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_tune.py"), "--smoke", "--csv", csv_path]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(csv_path) as handle:
+        rows = handle.read().splitlines()[1:]
+    assert {row.split(",")[0] for row in rows} == {"forward", "dq", "dk", "dv", "backward prep"}
+    assert not [row for row in rows if row.split(",")[-1]], "a variant failed"
+
+
 def test_features_of_different_widths_are_refused_before_any_kernel() -> None:
     from linattn.backends import causal_attention
 

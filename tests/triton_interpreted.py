@@ -165,3 +165,79 @@ def test_forcing_triton_on_wide_features_lists_the_reason() -> None:
     q = k = v = torch.randn(1, 1, 10, 72)
     with pytest.raises(LinearAttentionError, match=r"F=72 > 64 for fp32 inputs"):
         linattn.linear_attention(q, k, v, causal=True, backend="triton")
+
+
+@pytest.mark.parametrize("map_name", ["elu", "hedgehog"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_decode_step_runs_the_kernel_in_place(map_name: str, dtype: torch.dtype) -> None:
+    """DecodeStep on the kernel (the state updated in place; elu + 1 made in the kernel from raw q, k; any other
+    ordinary map made before it) against the same step in torch ops and against one call over the whole sequence,
+    with grouped-query heads and Dv ≠ F: the kernel's fp32 sums against torch's, a few ulps per token."""
+    from linattn.decode import DecodeStep
+    from linattn.feature_maps import create
+
+    generator = torch.Generator().manual_seed(12)
+    fmap = create(map_name, head_dim=16)
+    q = torch.randn(2, 4, 30, 16, generator=generator).to(dtype)
+    k = torch.randn(2, 2, 30, 16, generator=generator).to(dtype)
+    v = torch.randn(2, 2, 30, 40, generator=generator).to(dtype)
+    with torch.no_grad():
+        _, state = linattn.linear_attention(q[..., :20, :], k[..., :20, :], v[..., :20, :], feature_map=fmap,
+                                            causal=True, backend="torch", return_state=True)
+        fused, plain = DecodeStep(fmap, state), DecodeStep(fmap, state)
+        assert fused._kernel is not None and fused._kernel.elu == (map_name == "elu")
+        plain._kernel = None  # the same step in torch ops
+        kv_storage = fused.kv.data_ptr()
+        outs, expected_outs = [], []
+        for t in range(20, 30):
+            args = (q[..., t:t + 1, :], k[..., t:t + 1, :], v[..., t:t + 1, :])
+            outs.append(fused(*args))
+            expected_outs.append(plain(*args))
+        whole = linattn.linear_attention(q, k, v, feature_map=fmap, causal=True, backend="torch")
+    out = torch.cat(outs, dim=-2)
+    assert out.dtype == dtype and fused.kv.data_ptr() == kv_storage  # written in place, no new state
+    assert fused.num_tokens == plain.num_tokens == 30
+    tol = TOL[dtype]
+    assert rel_error(out, torch.cat(expected_outs, dim=-2)) < tol
+    assert rel_error(out, whole[..., 20:, :]) < tol
+    assert rel_error(fused.kv, plain.kv) < 1e-6 and rel_error(fused.k_sum, plain.k_sum) < 1e-6
+    # a padding mask takes the torch ops (the masked token must enter nothing)
+    keep = torch.tensor([[True], [False]])
+    before = fused.kv.clone()
+    with torch.no_grad():
+        fused(q[..., :1, :], k[..., :1, :], v[..., :1, :], keep=keep)
+    assert torch.equal(fused.kv[1], before[1]) and not torch.equal(fused.kv[0], before[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_elu_made_in_the_kernels_equals_elu_made_before(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """feature_map="elu" on the triton backend hands the raw q, k to the kernels (elu + 1 made on load, dQ and dK
+    taken through it on store); the same map as a subclass (not fused) makes the features first. Output and
+    gradients agree: both round the features to the input dtype once, so they differ by the fp32 rounding of the
+    exponential. fp32: some queries so negative that elu + 1 sits at its floor (fp32's smallest normal)."""
+    from linattn import backends
+    from linattn.feature_maps.elementwise import EluFeatureMap
+
+    class Unfused(EluFeatureMap):
+        pass
+
+    flags: list[bool] = []
+    original = backends.causal_attention
+
+    def recording(*args: object, elu: bool = False, **kwargs: object) -> object:
+        flags.append(elu)
+        return original(*args, elu=elu, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backends, "causal_attention", recording)
+    inputs = _inputs((1, 2, 100, 16), 24, dtype, seed=14)
+    if dtype == torch.float32:
+        with torch.no_grad():
+            inputs[0][0, 0, :5] = -100.0  # features at the floor (exp underflows)
+    results = []
+    for fmap in (EluFeatureMap(), Unfused()):
+        out = linattn.linear_attention(*inputs, feature_map=fmap, causal=True, backend="triton")
+        results.append([out, *_grads(out, inputs, seed=15)])
+    assert flags == [True, False]
+    for fused, unfused in zip(*results, strict=True):
+        assert fused.dtype == unfused.dtype == dtype
+        assert rel_error(fused, unfused) < (1e-5 if dtype == torch.float32 else 2e-3)

@@ -105,6 +105,7 @@ class DecodeStep(_Step):
         batch, heads, features, values = self.kv.shape
         self._flat = (batch * heads, features, values)
         self._scratch = torch.empty(batch, heads, 1, dtype=self.kv.dtype, device=self.kv.device)
+        self._kernel = _step_kernel(fmap, self.kv, self.log_space, self.eps)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,6 +116,8 @@ class DecodeStep(_Step):
         batch, heads, features, values = self.kv.shape
         out_dtype = q.dtype
         dtype = self.kv.dtype
+        if self._kernel is not None and keep is None:
+            return self._fused(q, k, v)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
         qf = self._map(q, True)  # (B, H, 1, F)
@@ -145,6 +148,25 @@ class DecodeStep(_Step):
             den = torch.where(den == 0, 1.0, den)
         return (num / den).view(batch, heads, 1, values).to(out_dtype)
 
+    def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The step as one Triton kernel (CUDA): the state updated in place; elu + 1 made in the kernel from the raw
+        projections, any other ordinary map made here in fp32 first."""
+        assert self._kernel is not None
+        batch, heads, features, values = self.kv.shape
+        k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
+        elu, out_dtype = self._kernel.elu, q.dtype
+        if not elu:
+            q = self._map(q.to(self.kv.dtype), True)
+            k = self._map(k.to(self.kv.dtype), False)
+        out = torch.empty(batch, heads, 1, values, dtype=out_dtype, device=q.device)  # the kernel rounds once
+        kv, k_sum = self.kv.view(self._flat), self.k_sum.view(-1, features)
+        self._kernel.launch_step(
+            q.contiguous(), k.contiguous(), v.contiguous(), kv, k_sum, out, kv, k_sum,
+            normalize=True, eps=self.eps, min_denom=None, elu=elu,
+        )
+        self.num_tokens += 1
+        return out
+
     @property
     def batch_size(self) -> int:
         return int(self.kv.shape[0])
@@ -156,6 +178,29 @@ class DecodeStep(_Step):
     def index_select(self, dim: int, index: torch.Tensor) -> DecodeStep:
         """A step on the selected batch rows (beam search), as the state's ``index_select``."""
         return DecodeStep(self.fmap, self.state().index_select(dim, index), eps=self.eps)
+
+
+class _StepKernel:
+    """The Triton decoding kernel for :class:`DecodeStep`, and whether it makes the elu + 1 features itself."""
+
+    def __init__(self, elu: bool) -> None:
+        from .backends import triton as triton_backend
+
+        self.launch_step = triton_backend.load().launch_step
+        self.elu = elu
+
+
+def _step_kernel(fmap: nn.Module, kv: torch.Tensor, log_space: bool, eps: float) -> _StepKernel | None:
+    """The fused kernel when it computes this step: an fp32 state on a CUDA device (or on CPU under
+    TRITON_INTERPRET=1), triton importable, an ordinary map, F and Dv within the kernels' sizes, eps > 0."""
+    from .backends import triton as triton_backend
+    from .feature_maps.elementwise import EluFeatureMap
+
+    on_device = kv.device.type == "cuda" or (kv.device.type == "cpu" and triton_backend.interpreting())
+    if (not on_device or kv.dtype != torch.float32 or log_space or eps <= 0
+            or max(kv.shape[-2:]) > triton_backend.MAX_DIM or triton_backend.import_error() is not None):
+        return None
+    return _StepKernel(elu=type(fmap) is EluFeatureMap)
 
 
 def supports_window(fmap: nn.Module, state: Any, options: dict[str, Any]) -> bool:

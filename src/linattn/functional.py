@@ -271,7 +271,24 @@ def linear_attention(
 
     out_dtype = q.dtype
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    run = _run_form
+    if window is None:  # (the hybrid resolves its own forms: forms/hybrid.py)
+        if form == "auto":
+            long_keys = k.shape[-2] > NONCAUSAL_CHUNKED_ABOVE
+            form = "chunked" if causal or chunk_size is not None or long_keys else "global"
+        if form == "recurrent" and not causal:
+            raise LinearAttentionError("form='recurrent' is the causal token-by-token form; pass causal=True")
+        if form == "global" and causal:
+            raise LinearAttentionError("form='global' is non-causal; pass causal=False, or form='chunked'")
+        if backend != "torch":  # imported here: the triton backend is optional
+            from .backends import select_backend
+
+            run = select_backend(
+                backend, q, causal=causal, form=form, log_space=log_space, chunk_size=chunk_size, dtype=out_dtype,
+                torch_run=_run_form,
+            )
+    if run is _run_form:  # the triton backend takes q, k, v in the caller's dtype (it may make elu + 1 itself)
+        q, k, v = q.to(compute), k.to(compute), v.to(compute)
     if group > 1:  # (..., Hkv, N, D) → (..., H, N, D)
         k = k.repeat_interleave(group, dim=-3)
         v = v.repeat_interleave(group, dim=-3)
@@ -299,25 +316,10 @@ def linear_attention(
                 state.kv * carry[..., None, None], state.k_sum * carry[..., None], carry * 0, state.num_tokens
             )
 
-    if form == "auto":
-        long_keys = k.shape[-2] > NONCAUSAL_CHUNKED_ABOVE
-        form = "chunked" if causal or chunk_size is not None or long_keys else "global"
-    if form == "recurrent" and not causal:
-        raise LinearAttentionError("form='recurrent' is the causal token-by-token form; pass causal=True")
-    if form == "global" and causal:
-        raise LinearAttentionError("form='global' is non-causal; pass causal=False, or form='chunked'")
     options: dict[str, Any] = {"normalize": normalize, "eps": eps, "min_denom": min_denom}
 
     # under torch.autocast the GEMMs below would run in bf16/fp16 again: the fp32 accumulation is the point
     guard = torch.autocast(q.device.type, enabled=False) if _autocast_on(q.device.type) else nullcontext()
-    run = _run_form
-    if backend != "torch":  # imported here: the triton backend is optional
-        from .backends import select_backend
-
-        run = select_backend(
-            backend, q, causal=causal, form=form, log_space=log_space, chunk_size=chunk_size, dtype=out_dtype,
-            torch_run=_run_form,
-        )
     with guard:
         out, final = run(
             fmap, q, k, v, keep=keep, state=state, form=form, causal=causal, chunk_size=chunk_size,

@@ -71,6 +71,7 @@ def _triton_run(dtype: torch.dtype, *, forced: bool, torch_run: RunForm) -> RunF
         **rest: Any,
     ) -> tuple[torch.Tensor, LinearAttentionState | None]:
         from .. import _validate
+        from ..feature_maps.elementwise import EluFeatureMap
         from ..functional import _key_features, _query_features
 
         # arguments and options the kernels do not know (added to the core later) make a call uncovered unless None
@@ -78,6 +79,15 @@ def _triton_run(dtype: torch.dtype, *, forced: bool, torch_run: RunForm) -> RunF
         extra = {name: value for name, value in rest.items() if name not in known}
         kernel_options = {name: options[name] for name in ("normalize", "eps", "min_denom")}
         extra.update({name: value for name, value in options.items() if name not in kernel_options})
+        # q, k, v arrive in the caller's dtype: elu + 1 is made in the kernels from them (no feature tensor is
+        # written); any other map runs here in fp32, as on the torch backend
+        if type(fmap) is EluFeatureMap and keep is None and q.dtype == dtype:
+            found = triton_backend.shape_reasons(q.shape[-1], v.shape[-1], dtype, extra)
+            if not found:
+                _validate.check_state_features(state, q.shape[-1], rest["map_name"])
+                return causal_attention(q, k.to(dtype), v.to(dtype), state=state, dtype=dtype, elu=True,
+                                        **kernel_options)
+        q, k, v = q.float(), k.float(), v.float()
         qf = _query_features(fmap, q, False)
         kf, _ = _key_features(fmap, k, keep, False, True, None)  # ordinary map: masked keys are zeroed
         found = triton_backend.shape_reasons(kf.shape[-1], v.shape[-1], dtype, extra)
@@ -103,8 +113,10 @@ def causal_attention(
     normalize: bool,
     eps: float,
     min_denom: float | None,
+    elu: bool = False,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
-    """Causal linear attention on ordinary features with the triton kernels; the state as the torch forms give it."""
+    """Causal linear attention on ordinary features with the triton kernels; the state as the torch forms give it.
+    ``elu``: ``qf``, ``kf`` are the raw projections, the kernels make the elu + 1 features."""
     if qf.shape != kf.shape or v.shape[:-1] != kf.shape[:-1]:  # the kernels index all three with one (R, N)
         raise LinearAttentionError(
             f"query features {tuple(qf.shape)}, key features {tuple(kf.shape)} and values {tuple(v.shape)}: the "
@@ -121,8 +133,8 @@ def causal_attention(
     tensors = (qf, kf, v, kv0, k_sum0)
     tracking = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
     if not tracking and n <= RECURRENT_MAX_TOKENS:
-        out, kv, k_sum = host.recurrent_step(*tensors, dtype, normalize, eps, min_denom)
+        out, kv, k_sum = host.recurrent_step(*tensors, dtype, normalize, eps, min_denom, elu)
     else:
-        out, kv, k_sum = host.TritonCausalFunction.apply(*tensors, dtype, normalize, eps, min_denom)
+        out, kv, k_sum = host.TritonCausalFunction.apply(*tensors, dtype, normalize, eps, min_denom, elu)
     shift = torch.zeros(batch, dtype=kv.dtype, device=kv.device)
     return out, LinearAttentionState(kv, k_sum, shift, seen + n)
