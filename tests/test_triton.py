@@ -139,38 +139,35 @@ def test_options_added_later_make_a_call_uncovered() -> None:
     assert handed and handed[0]["decay"] == 0.9 and handed[0]["options"] == call["options"]
 
 
-def test_gpu_benchmark_script_runs(tmp_path: object) -> None:
-    """benchmarks/gpu.py --smoke: the GPU timing script's code on CPU tensors in the interpreter, every candidate
-    and the decoding step, so that it works the first time a GPU runs it (its timings mean nothing here)."""
+def _smoke_rows(script: str, tmp_path: object) -> list[list[str]]:
+    """Run benchmarks/<script> --smoke (CPU tensors, the interpreter) and return its CSV rows (header dropped)."""
     pytest.importorskip("triton")
-    csv_path = os.path.join(str(tmp_path), "gpu.csv")
+    csv_path = os.path.join(str(tmp_path), "smoke.csv")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.join(ROOT, "src"),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    command = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--smoke", "--csv", csv_path]
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--smoke", "--csv", csv_path]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(csv_path) as handle:
-        lines = handle.read().splitlines()
-    modes = {tuple(line.split(",")[1:3]) for line in lines[1:]}
+        return [line.split(",") for line in handle.read().splitlines()[1:]]
+
+
+def test_gpu_benchmark_script_runs(tmp_path: object) -> None:
+    """benchmarks/gpu.py --smoke: the GPU timing script's code on CPU tensors in the interpreter, every candidate
+    and the decoding step, so that it works the first time a GPU runs it (its timings mean nothing here)."""
+    modes = {tuple(row[1:3]) for row in _smoke_rows("gpu.py", tmp_path)}
     for candidate in ("sdpa_flash", "linattn", "linattn_kernels", "linattn_torch"):
         assert {(candidate, "fwd"), (candidate, "fwd+bwd")} <= modes, candidate
-    assert ("kernel_step", "decode") in modes
+    for step in ("kernel_step", "DecodeStep", "DecodeStep_torch_ops"):
+        assert (step, "decode") in modes, step
 
 
 def test_gpu_tuning_script_runs(tmp_path: object) -> None:
     """benchmarks/gpu_tune.py --smoke: every kernel launched as the tuning sweep launches it, and the backward's
     preparation pass, in the interpreter (the timings mean nothing here)."""
-    pytest.importorskip("triton")
-    csv_path = os.path.join(str(tmp_path), "tune.csv")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.join(ROOT, "src"),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    command = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_tune.py"), "--smoke", "--csv", csv_path]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    with open(csv_path) as handle:
-        rows = handle.read().splitlines()[1:]
-    assert {row.split(",")[0] for row in rows} == {"forward", "dq", "dk", "dv", "backward prep"}
-    assert not [row for row in rows if row.split(",")[-1]], "a variant failed"
+    rows = _smoke_rows("gpu_tune.py", tmp_path)
+    assert {row[0] for row in rows} == {"forward", "dq", "dk", "dv", "backward prep"}
+    assert not [row for row in rows if row[-1]], "a variant failed"
 
 
 def test_features_of_different_widths_are_refused_before_any_kernel() -> None:

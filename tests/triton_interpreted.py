@@ -241,3 +241,15 @@ def test_elu_made_in_the_kernels_equals_elu_made_before(monkeypatch: pytest.Monk
     for fused, unfused in zip(*results, strict=True):
         assert fused.dtype == unfused.dtype == dtype
         assert rel_error(fused, unfused) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_fp16_backward_out_of_range_is_an_error() -> None:
+    """fp16: a query whose elu + 1 features underflow to 0 has denominator eps, and ∂L/∂out / eps is beyond fp16's
+    range: the backward says so (and what to use) instead of handing back NaN gradients; bf16 has the range."""
+    inputs = _inputs((1, 1, 70, 16), 16, torch.float16, seed=16)
+    with torch.no_grad():
+        inputs[0][0, 0, 3] = -100.0  # φ(q_3) = 0 in fp16: den_3 = eps
+    out = linattn.linear_attention(*inputs, causal=True, backend="triton")
+    assert bool(torch.isfinite(out).all())
+    with pytest.raises(LinearAttentionError, match="beyond fp16's range"):
+        out.backward(torch.ones_like(out))

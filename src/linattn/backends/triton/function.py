@@ -15,6 +15,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from ...errors import LinearAttentionError
 from . import kernels
 
 CHUNK = kernels.CHUNK
@@ -157,6 +158,14 @@ class TritonCausalFunction(torch.autograd.Function):
                 grad_out, out, den, grad_num, grad_den, rows * n, values, min_denom or 0.0,
                 BT=PREP_TOKENS, BVF=tiles.size, HAS_MIN=min_denom is not None, num_warps=4,
             )
+            if dtype == torch.float16 and not bool(torch.isfinite(grad_num).all()):
+                # g / d over fp16's 65504: a query whose features nearly vanish (d ≈ eps). bf16 and fp32 have the
+                # range; an inf here would turn every gradient of the row to NaN
+                raise LinearAttentionError(
+                    "backend='triton' with fp16 inputs: ∂L/∂out divided by the normaliser is beyond fp16's range "
+                    "(or ∂L/∂out is not finite): some query's features nearly vanish, so its denominator is about "
+                    "eps. Use bf16 inputs, or backend='torch' (fp32 throughout)"
+                )
         else:
             grad_num = grad_out.to(dtype).contiguous()  # (R, N, Dv)
         grad_kv_n = (grad_kv.reshape(rows, features, values).float().contiguous() if grad_kv is not None
