@@ -12,7 +12,9 @@ token, the feature maps and a handful of in-place ops:
 so a step agrees with ``linear_attention`` up to fp32 rounding (tests/test_decoder_generate.py).
 
 Only the plain state (:class:`~linattn.LinearAttentionState`), ``normalize=True``, no ``min_denom`` and a positive
-map qualify (:func:`supports`).
+map qualify (:func:`supports`). On a CUDA device with triton installed, an ordinary map's step (no padding mask) is
+one launch of the Triton decoding kernel on the state in place, elu + 1 made inside it (8.9 µs per layer step at
+H = 32, d = 128 on an H200 in a CUDA graph: docs/benchmarks.md).
 
 :class:`WindowDecodeStep` does the same for the sliding-window hybrid (``window=W, sinks=S``, either scale form) with
 an ordinary (not log-space) map: one preallocated buffer of S sink slots and a ring of W slots holding each exact
