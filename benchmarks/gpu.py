@@ -94,15 +94,17 @@ FEATURE_INPUTS = ("linattn_kernels", "fla_chunk")  # these take elu+1 features, 
 TOKEN_MAJOR = ("fla_chunk",)  # this one takes (B, N, H, D)
 
 
-def agreement(runs: dict[str, Callable[..., torch.Tensor]], feats: list[torch.Tensor]) -> str:
-    """Relative difference of the outputs of the feature-taking candidates (same features, same normaliser):
-    shows that the timed calls compute the same thing."""
+def agreement(
+    runs: dict[str, Callable[..., torch.Tensor]], feats: list[torch.Tensor], token_major: list[torch.Tensor]
+) -> str:
+    """Relative difference of the outputs of the feature-taking candidates (same features, same normaliser; the
+    token-major ones get ``token_major``, the same features in (B, N, H, D)): the timed calls compute the same."""
     with torch.no_grad():
         ours = runs["linattn_kernels"](*feats).float()
         notes = []
         for name in TOKEN_MAJOR:
             if name in runs:
-                theirs = runs[name](*[x.transpose(1, 2).contiguous() for x in feats]).transpose(1, 2).float()
+                theirs = runs[name](*token_major).transpose(1, 2).float()
                 difference = ((ours - theirs).norm() / ours.norm()).item()
                 notes.append(f"{name} vs linattn_kernels: rel. difference {difference:.2e}")
     return "; ".join(notes)
@@ -178,7 +180,7 @@ def time_length(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     if n == args.lengths[0]:
         try:
-            note = agreement(runs, feats)
+            note = agreement(runs, feats, token_major)
         except Exception as error:  # a candidate that fails is reported in the table; this is only a check
             note = f"agreement not checked: {type(error).__name__}: {str(error)[:120]}"
         if note:
@@ -219,8 +221,8 @@ def time_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         def steps(fused: bool, count: int) -> list[DecodeStep]:
             made = [DecodeStep(fmap, state) for _ in range(count)]
-            for made_step in made:
-                if not fused:
+            if not fused:
+                for made_step in made:
                     made_step._kernel = None  # the same step in torch ops
             return made
 
@@ -268,8 +270,7 @@ def time_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
                 _sync()
                 samples.append((time.perf_counter() - start) / (args.steps * per_call) * 1e6)
             rows.append({"N": 1, "candidate": name, "mode": "decode", "ms": statistics.median(samples) / 1e3,
-                         "spread": f"{min(samples):.1f}-{max(samples):.1f} us", "peak_GiB": 0.0,
-                         "note": "",
+                         "spread": f"{min(samples):.1f}-{max(samples):.1f} us", "peak_GiB": 0.0, "note": "",
                          "flash/this": float("nan")})
     return rows
 

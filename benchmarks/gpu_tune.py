@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     def prep() -> None:
         kernels.backward_prep_kernel[(triton.cdiv(rows * n, function.PREP_TOKENS),)](
             g, out, den_full, dnum, gden, rows * n, dim, 0.0, BT=function.PREP_TOKENS, BVF=size, HAS_MIN=False,
-            num_warps=4)
+            num_warps=function.PREP_WARPS)
 
     ms = do_bench(prep, warmup=5, rep=30)
     results.append({"kernel": "backward prep", "ms": ms})

@@ -57,6 +57,7 @@ class Tiles:
 DECODE_VALUE_BLOCK = 32  # decoding: each program walks its row's state in (size × 32) fp32 slices
 DECODE_WARPS = 4
 PREP_TOKENS = 32  # tokens per program of the backward's preparation kernel
+PREP_WARPS = 4
 
 
 def configs(dtype: torch.dtype) -> list[Tiles]:
@@ -156,7 +157,7 @@ class TritonCausalFunction(torch.autograd.Function):
             grad_den = torch.empty(rows, n, device=qr.device)
             kernels.backward_prep_kernel[(triton.cdiv(rows * n, PREP_TOKENS),)](
                 grad_out, out, den, grad_num, grad_den, rows * n, values, min_denom or 0.0,
-                BT=PREP_TOKENS, BVF=tiles.size, HAS_MIN=min_denom is not None, num_warps=4,
+                BT=PREP_TOKENS, BVF=tiles.size, HAS_MIN=min_denom is not None, num_warps=PREP_WARPS,
             )
             if dtype == torch.float16 and not bool(torch.isfinite(grad_num).all()):
                 # g / d over fp16's 65504: a query whose features nearly vanish (d ≈ eps). bf16 and fp32 have the
@@ -274,7 +275,7 @@ def compile_specs(
         "HAS_MIN": True, "PRECISION": precision, "STATE_PRECISION": state_precision, "ELU": True,
         "BT": PREP_TOKENS,
     }
-    launches = {"decode": {"num_warps": DECODE_WARPS}, "prep": {"num_warps": 4}}
+    launches = {"decode": {"num_warps": DECODE_WARPS}, "prep": {"num_warps": PREP_WARPS}}
     specs = []
     for name, kernel in _KERNELS.items():
         signature: dict[str, str] = {}

@@ -39,19 +39,23 @@ def _divisor(den, eps, min_denom, HAS_MIN: tl.constexpr):
 
 
 @triton.jit
-def _elu_features(x, mask):
-    """elu(x) + 1 of a tile of raw projections, as EluFeatureMap computes it (exp(min(x, 0)) + max(x, 0) in fp32,
-    the exponential floored at fp32's smallest normal), 0 outside ``mask``, rounded once to x's dtype."""
+def _elu_plus_one(x):
+    """elu(x) + 1 in fp32 as EluFeatureMap computes it: exp(min(x, 0)) + max(x, 0), the exponential floored at fp32's
+    smallest normal."""
     xf = x.to(tl.float32)
-    phi = tl.maximum(tl.exp(tl.minimum(xf, 0.0)), 1.1754943508222875e-38) + tl.maximum(xf, 0.0)
-    return tl.where(mask, phi, 0.0).to(x.dtype)
+    return tl.maximum(tl.exp(tl.minimum(xf, 0.0)), 1.1754943508222875e-38) + tl.maximum(xf, 0.0)
+
+
+@triton.jit
+def _elu_features(x, mask):
+    """elu(x) + 1 of a tile of raw projections, 0 outside ``mask``, rounded once to x's dtype."""
+    return tl.where(mask, _elu_plus_one(x), 0.0).to(x.dtype)
 
 
 @triton.jit
 def _elu_slope(x):
     """d(elu(x) + 1)/dx = min(elu(x) + 1, 1), in fp32 (EluFeatureMap's backward)."""
-    xf = x.to(tl.float32)
-    return tl.minimum(tl.maximum(tl.exp(tl.minimum(xf, 0.0)), 1.1754943508222875e-38) + tl.maximum(xf, 0.0), 1.0)
+    return tl.minimum(_elu_plus_one(x), 1.0)
 
 
 @triton.jit
@@ -146,7 +150,7 @@ def chunk_dq_kernel(
         if ELU:
             dq *= _elu_slope(tl.load(Q + row * N * F + (start + t)[:, None] * F + f[None, :], mask=tf_mask, other=0.0))
         tl.store(DQ + row * N * F + (start + t)[:, None] * F + f[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=tm[:, None] & fm[None, :])
+                 mask=tf_mask)
         state += tl.dot(tl.trans(k), v, input_precision=PRECISION)
         k_sum += tl.sum(k.to(tl.float32), axis=0)
 
@@ -193,7 +197,7 @@ def chunk_dk_kernel(
         if ELU:
             dk *= _elu_slope(tl.load(K + row * N * F + (start + t)[:, None] * F + f[None, :], mask=tf_mask, other=0.0))
         tl.store(DK + row * N * F + (start + t)[:, None] * F + f[None, :], dk.to(DK.dtype.element_ty),
-                 mask=tm[:, None] & fm[None, :])
+                 mask=tf_mask)
         d_state += tl.dot(tl.trans(q), do, input_precision=PRECISION)
         if NORMALIZE:
             d_sum += tl.sum(q.to(tl.float32) * gd[:, None], axis=0)
