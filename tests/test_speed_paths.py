@@ -103,6 +103,45 @@ def test_function_gradcheck(with_ref, min_denom):
     assert torch.autograd.gradcheck(run, inputs, atol=1e-7, fast_mode=True)
 
 
+@pytest.mark.parametrize("early, blank", [(4, 0), (4, 6), (2, 1), (10, 3)], ids=["lag4", "lag4-blank6", "lag2-blank1",
+                                                                                  "all-head"])
+def test_lagged_keys_and_values_equal_a_shifted_copy(early, blank):
+    """k_head / v_head read K and V E rows late ([head; K[:N−E]], the first ``blank`` key rows zero) block by block
+    (blocks of 6 rows, chunks of 3: the head and the blank rows span several blocks) — the same outputs, final state
+    and gradients as the Function on the shifted copies, in float64; the last E rows of K and V get zero gradient."""
+    generator = torch.Generator().manual_seed(5)
+    n, features, values = 10, 3, 2
+    early = min(early, n)  # a head longer than the sequence: every row read is the head's
+
+    def make(*shape, positive=True):
+        x = torch.rand(*shape, generator=generator, dtype=torch.float64)
+        return (x + 0.1 if positive else x - 0.5).requires_grad_()
+
+    qf, kf, v = make(2, n, features), make(2, n, features), make(2, n, values, positive=False)
+    k_head, v_head = make(2, early, features), make(2, early, values, positive=False)
+    state0 = make(2, features, values + 1)
+    args = (None, state0, None, 3, 6, True, 0.0, None, True)
+    got = causal_fn.CausalChunkedFunction.apply(qf, kf, v, *args, k_head, v_head, blank)
+    shifted_k = torch.cat([k_head, kf[:, : n - early]], 1).clone()
+    shifted_k[:, :blank] = 0.0
+    shifted_v = torch.cat([v_head, v[:, : n - early]], 1)
+    want = causal_fn.CausalChunkedFunction.apply(qf, shifted_k, shifted_v, *args)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    weights = [torch.randn(x.shape, generator=generator, dtype=torch.float64) for x in want]
+    leaves = (qf, kf, v, k_head, v_head, state0)
+    grads_got = torch.autograd.grad([(w * x).sum() for w, x in zip(weights, got, strict=True)], leaves)
+    grads_want = torch.autograd.grad([(w * x).sum() for w, x in zip(weights, want, strict=True)], leaves)
+    for a, b in zip(grads_got, grads_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert not grads_got[1][:, n - early :].any() and not grads_got[2][:, n - early :].any()
+
+    def run(qf, kf, v, k_head, v_head):
+        return causal_fn.CausalChunkedFunction.apply(qf, kf, v, *args, k_head, v_head, blank)
+
+    assert torch.autograd.gradcheck(run, (qf, kf, v, k_head, v_head), atol=1e-7, fast_mode=True)
+
+
 def test_gradcheck_through_the_public_api(tiny_blocks):
     q, k, v = (x.requires_grad_() for x in _inputs((1, 2, 9), 3, 2, seed=4))
     log_map = LogExp(3, 5).double()

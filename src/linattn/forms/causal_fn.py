@@ -32,7 +32,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.nn.functional as F
 
-from ._common import NEG_INF, scale_between
+from ._common import NEG_INF, rowdot, scale_between
 
 # Elements of Q, K and V per block (over all batch and head rows): about 4 MiB of fp32, so a block's operands stay
 # in cache. Measured on a 2-core CPU at B·H=8, F=Dv=64, N=16384 (this gives 1024 tokens per block): blocks of
@@ -63,6 +63,38 @@ def _denominator(den: torch.Tensor, min_denom: float | None) -> tuple[torch.Tens
         den = den.clamp(min=min_denom)
         constant = constant | (den == 0)
     return torch.where(den == 0, torch.ones_like(den), den), constant
+
+
+def _lagged(x: torch.Tensor, head: torch.Tensor | None, start: int, end: int, blank: int) -> torch.Tensor:
+    """Rows [start, end) of a key or value operand as the Function reads it: x (..., N, ·) itself, or, given
+    ``head`` (..., E, ·), x read E rows late — [head; x[:N−E]] — with its first ``blank`` rows zero. The hybrid's
+    linear part reads its keys so (a key enters the state when it leaves the window) without a shifted copy."""
+    if head is None:
+        return x[..., start:end, :]
+    early, end = head.shape[-2], min(end, x.shape[-2])
+    if start >= early and blank <= start:
+        return x[..., start - early : end - early, :]  # a view: every block past the first E rows
+    tail = x[..., max(0, start - early) : max(0, end - early), :]
+    part = torch.cat([head[..., start : min(end, early), :], tail], -2)
+    if blank > start:
+        part[..., : blank - start, :] = 0.0
+    return part
+
+
+def _put_lagged(
+    grad_x: torch.Tensor, grad_head: torch.Tensor | None, part: torch.Tensor, start: int, blank: int
+) -> None:
+    """The inverse of :func:`_lagged`: writes a block's gradient rows [start, start + L) into ∂L/∂(x, head)."""
+    if grad_head is None:
+        grad_x[..., start : start + part.shape[-2], :] = part
+        return
+    early, end = grad_head.shape[-2], start + part.shape[-2]
+    if blank > start:
+        part[..., : blank - start, :] = 0.0  # blank rows read zeros, not x
+    if start < early:
+        grad_head[..., start : min(end, early), :] = part[..., : min(end, early) - start, :]
+    if end > early:
+        grad_x[..., max(start, early) - early : end - early, :] = part[..., max(start, early) - start :, :]
 
 
 class _Block:
@@ -238,6 +270,10 @@ class CausalChunkedFunction(torch.autograd.Function):
     With ``unnormalised=True`` (needs ``normalize=True``) the outputs are (num, kv_final, k_sum_final, den): the
     numerator (..., N, Dv) and denominator (..., N) before any eps or division, each query at its own scale r_t,
     so that a caller can add its own terms to both before dividing (the sliding-window hybrid does).
+
+    Lagged keys and values: given ``k_head`` (..., E, F) (ordinary maps only) the keys read are [k_head; K[:N−E]]
+    with the first ``blank`` rows zero, and given ``v_head`` the values likewise — K and V as given are read E rows
+    late, block by block, with no shifted copy (the hybrid's linear part); their last E rows get zero gradient.
     """
 
     @staticmethod
@@ -255,7 +291,12 @@ class CausalChunkedFunction(torch.autograd.Function):
         eps: float,
         min_denom: float | None,
         unnormalised: bool = False,
+        k_head: torch.Tensor | None = None,
+        v_head: torch.Tensor | None = None,
+        blank: int = 0,
     ) -> tuple[torch.Tensor, ...]:
+        if k_head is not None and ref is not None:
+            raise ValueError("CausalChunkedFunction: lagged keys (k_head) are for maps without log-scales")
         values = v.shape[-1]
         out = q.new_empty(*q.shape[:-1], values)  # (..., N, Dv)
         denom = q.new_empty(q.shape[:-1]) if normalize else None  # (..., N): den + eps, before any clamp
@@ -269,7 +310,8 @@ class CausalChunkedFunction(torch.autograd.Function):
             block_z.append(state[1])
             block_scales.append(scale)
             r = ref[..., start:end] if ref is not None else None
-            part = _Block(q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], r, state, scale, size)
+            kb, vb = _lagged(k, k_head, start, end, blank), _lagged(v, v_head, start, end, 0)
+            part = _Block(q[..., start:end, :], kb, vb, r, state, scale, size)
             num, den = part.forward(normalize)
             state, scale = part.state_out, part.scale_out
             del part
@@ -291,9 +333,9 @@ class CausalChunkedFunction(torch.autograd.Function):
         saved_out, saved_denom = (None, None) if unnormalised else (out, denom)
         ctx.save_for_backward(
             q, k, v, ref, state0, scale0, saved_out, saved_denom, torch.stack(block_kv, -3), torch.stack(block_z, -2),
-            scales, final,
+            scales, final, k_head, v_head,
         )
-        ctx.options = (size, block, normalize, min_denom, starts, unnormalised)
+        ctx.options = (size, block, normalize, min_denom, starts, unnormalised, blank)
         ctx.set_materialize_grads(False)
         if unnormalised:
             assert denom is not None
@@ -310,8 +352,10 @@ class CausalChunkedFunction(torch.autograd.Function):
         grad_k_sum: torch.Tensor | None,
         grad_denom: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, ref, state0, scale0, out, denom, block_kv, block_z, block_scales, final = ctx.saved_tensors
-        size, block, normalize, min_denom, starts, unnormalised = ctx.options
+        q, k, v, ref, state0, scale0, out, denom, block_kv, block_z, block_scales, final, k_head, v_head = (
+            ctx.saved_tensors
+        )
+        size, block, normalize, min_denom, starts, unnormalised, blank = ctx.options
         if unnormalised and grad_denom is None:
             grad_denom = q.new_zeros(q.shape[:-1])
         values = v.shape[-1]
@@ -324,6 +368,10 @@ class CausalChunkedFunction(torch.autograd.Function):
         if grad_out is None:
             grad_out = q.new_zeros(*q.shape[:-1], values)
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        grad_k_head, grad_v_head = (torch.empty_like(x) if x is not None else None for x in (k_head, v_head))
+        for grad_x, head in ((grad_k, k_head), (grad_v, v_head)):
+            if head is not None:  # x's last E rows are never read
+                grad_x[..., grad_x.shape[-2] - head.shape[-2] :, :] = 0.0
         for index in reversed(range(len(starts))):
             start = starts[index]
             end = start + block
@@ -335,18 +383,18 @@ class CausalChunkedFunction(torch.autograd.Function):
                 # out = num / d: ∂L/∂num = g / d, ∂L/∂den = −(g·out) / d (0 where d does not depend on den)
                 divisor, constant = _denominator(denom[..., start:end], min_denom)
                 grad_num = grad_num / divisor.unsqueeze(-1)
-                grad_den = (grad_num * out[..., start:end, :]).sum(-1).neg_().masked_fill_(constant, 0)
+                grad_den = rowdot(grad_num, out[..., start:end, :]).neg_().masked_fill_(constant, 0)
             r = ref[..., start:end] if ref is not None else None
             scale = block_scales[..., index] if block_scales is not None else None
             part = _Block(
-                q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], r,
+                q[..., start:end, :], _lagged(k, k_head, start, end, blank), _lagged(v, v_head, start, end, 0), r,
                 (block_kv[..., index, :, :], block_z[..., index, :]), scale, size,
             )
             gq, gk, gv, grad_state = part.backward(grad_num, grad_den, grad_state)
             del part
             grad_q[..., start:end, :] = gq
-            grad_k[..., start:end, :] = gk
-            grad_v[..., start:end, :] = gv
+            _put_lagged(grad_k, grad_k_head, gk, start, blank)
+            _put_lagged(grad_v, grad_v_head, gv, start, 0)
         grad_state0 = torch.cat([grad_state[0], grad_state[1].unsqueeze(-1)], dim=-1)  # (..., F, Dv+1)
         grad_ref = grad_scale0 = None
         if ref is not None and ctx.needs_input_grad[3]:
@@ -354,4 +402,5 @@ class CausalChunkedFunction(torch.autograd.Function):
             grad_ref[..., -1] -= (final * grad_final).sum((-2, -1))
         if scale0 is not None and ctx.needs_input_grad[5]:
             grad_scale0 = (state0 * grad_state0).sum((-2, -1))
-        return grad_q, grad_k, grad_v, grad_ref, grad_state0, grad_scale0, None, None, None, None, None, None
+        return (grad_q, grad_k, grad_v, grad_ref, grad_state0, grad_scale0, None, None, None, None, None, None,
+                grad_k_head, grad_v_head, None)

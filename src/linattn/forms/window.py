@@ -160,20 +160,26 @@ class Hybrid:
 
 
 def shifted_linear(
-    hybrid: Hybrid, qf: torch.Tensor, logs: torch.Tensor, v: torch.Tensor, r: torch.Tensor | None,
-    state: LinearAttentionState, chunk_size: int,
+    hybrid: Hybrid, qf: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor],
+    values: tuple[torch.Tensor, torch.Tensor], blank: int, r: torch.Tensor | None, state: LinearAttentionState,
+    chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, LinearAttentionState]:
-    """Causal linear attention, unnormalised, of query i against the already shifted keys ``logs`` [0..i]
-    (stored at r_i for log-space maps) after ``state``: (num, den, state after all keys)."""
+    """Causal linear attention, unnormalised, after ``state``, of query i against rows 0 … i of the keys and values
+    shifted by E: ``keys`` = (head (..., E, F), logs (..., N, F)) read as [head; logs[:N−E]] with the first ``blank``
+    rows empty, ``values`` likewise (key rows stored at r_i for log-space maps): (num, den, state after all keys)."""
+    (k_head, logs), (v_head, v) = keys, values
     n = qf.shape[-2]
     size = min(chunk_size, n)
     batch = qf.shape[:-2]
     block = causal_fn.block_tokens(batch.numel(), logs.shape[-1], v.shape[-1], size)
-    keys = hybrid.stored(logs, r)
+    lag: torch.Tensor | None = k_head
+    if r is not None:  # log-space: row i is stored at the scale r_i of its reader, so the shifted rows are made
+        rows = torch.arange(blank, device=qf.device) if blank else None
+        logs, lag, blank = hybrid.stored(ShiftRows.apply(k_head, logs, rows, NEG_INF), r), None, 0
     merged = torch.cat([state.kv, state.k_sum.unsqueeze(-1)], dim=-1)  # (..., F, Dv+1)
     scale0 = state.shift if r is not None else None
     num, kv, k_sum, den = causal_fn.CausalChunkedFunction.apply(
-        qf, keys, v, r, merged, scale0, size, block, True, 0.0, None, True
+        qf, logs, v, r, merged, scale0, size, block, True, 0.0, None, True, lag, v_head, blank
     )
     shift = r[..., -1] if r is not None else torch.zeros_like(state.shift)
     return num, den, LinearAttentionState(kv, k_sum, shift, state.num_tokens)
@@ -257,13 +263,11 @@ def causal_window_chunked(
     early = min(window, n)
     zeros = min(early, window - ring_len)
     taken = early - zeros
-    blank = None
-    if sinks and n0 - window < sinks:
-        blank = torch.arange(min(n, sinks + window - n0), device=q.device)  # rows n0 − W + i < S hold sinks
+    blank = max(0, min(n, sinks + window - n0)) if sinks else 0  # rows n0 − W + i < S hold sinks: not linear
     head = torch.cat([rows_like(logs, zeros, fill), ring_logs[..., :taken, :]], dim=-2)
-    ext = ShiftRows.apply(head, logs, blank, fill)
-    ext_v = ShiftRows.apply(torch.cat([rows_like(v, zeros, 0.0), state.values[..., :taken, :]], dim=-2), v, None, 0.0)
-    lin_num, lin_den, linear = shifted_linear(hybrid, qf, ext, ext_v, r, state.linear, chunk_size)
+    head_v = torch.cat([rows_like(v, zeros, 0.0), state.values[..., :taken, :]], dim=-2)
+    lin_num, lin_den, linear = shifted_linear(hybrid, qf, (head, logs), (head_v, v), blank, r, state.linear,
+                                              chunk_size)
 
     # exact part: query i sees keys n0 + i − W' + 1 … n0 + i (W' = W capped at what exists) as a band
     before = min(window - 1, ring_len)
@@ -345,9 +349,9 @@ def noncausal_window_chunked(
     nums, dens = [], []
     for flip in (False, True):
         qs, fs, vs = (qf.flip(-2), linear_features.flip(-2), v.flip(-2)) if flip else (qf, linear_features, v)
-        ext = torch.cat([rows_like(fs, early, 0.0), fs[..., : n - early, :]], dim=-2)
-        ext_v = torch.cat([rows_like(vs, early, 0.0), vs[..., : n - early, :]], dim=-2)
-        num, den, _ = shifted_linear(hybrid, qs, ext, ext_v, None, empty, chunk_size)  # r=None: as stored
+        num, den, _ = shifted_linear(  # r=None: the keys as stored
+            hybrid, qs, (rows_like(fs, early, 0.0), fs), (rows_like(vs, early, 0.0), vs), 0, None, empty, chunk_size
+        )
         nums.append(num.flip(-2) if flip else num)
         dens.append(den.flip(-1) if flip else den)
     width = min(window, n)

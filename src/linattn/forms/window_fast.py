@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from . import causal_fn
-from ._common import NEG_INF
+from ._common import NEG_INF, rowdot
 
 # Score elements per tile: 2^18 fp32 = 1 MiB, so a tile's temporaries stay in cache. Measured (one thread, B·H = 8,
 # N = 16384): tiles of 2^16–2^18 ran this Function's forward + backward alike, 2^19–2^20 ~15% slower, and one
@@ -193,6 +193,18 @@ class BandSoftmax(torch.autograd.Function):
         fk: torch.Tensor | None, fsk_pre: torch.Tensor | None, sink_mask: torch.Tensor | None, scale: float,
         size: int, width: int, front: int, fresh: int,
     ) -> tuple[torch.Tensor | None, ...]:
+        # operands come as (..., L, ·) and are flattened here, so that backward can hand back gradients that are
+        # whole tensors of the inputs' shapes (autograd sums a second gradient into such a tensor in place; into a
+        # view it would allocate)
+        ctx.shapes = [x.shape if x is not None else None for x in (q, k_pre, k, v_pre, v, sk_pre, sv_pre, fq, fk_pre,
+                                                                   fk, fsk_pre)]
+        count = q.shape[:-2].numel()
+        q, k_pre, k, v_pre, v, sk_pre, sv_pre = (
+            x.reshape(count, *x.shape[-2:]) for x in (q, k_pre, k, v_pre, v, sk_pre, sv_pre)
+        )
+        fq, fk_pre, fk, fsk_pre, sink_mask = (
+            x.reshape(count, *x.shape[-2:]) if x is not None else None for x in (fq, fk_pre, fk, fsk_pre, sink_mask)
+        )
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the interior tiles are strided views
         fq, fk = (x.contiguous() if x is not None else None for x in (fq, fk))
         batch, n = q.shape[0], q.shape[1]
@@ -228,7 +240,7 @@ class BandSoftmax(torch.autograd.Function):
                 sums = torch.matmul(layout.ones, layout.keys(fk_pre, fk, tile))  # (…, G, C, F)
                 if fsk is not None and sink_mask is not None:
                     sums += torch.matmul(layout.queries(sink_mask, tile).to(q.dtype), _sinks(fsk, tile))
-                layout.put(mass, tile, torch.linalg.vecdot(layout.queries(fq, tile), sums).unsqueeze(-1))
+                layout.put(mass, tile, rowdot(layout.queries(fq, tile), sums).unsqueeze(-1))
         out, lse, top = out[:, :n], lse[:, :n, 0], top[:, :n, 0]
         ctx.save_for_backward(q, k_pre, k, v_pre, v, sk_pre, sv_pre, fq, fk_pre, fk, fsk_pre, sink_mask, out, lse, top)
         ctx.options = (scale, size, width, front, fresh)
@@ -253,18 +265,34 @@ class BandSoftmax(torch.autograd.Function):
             if with_mass and fk is not None and fsk_pre is not None:
                 fsk = torch.cat([fsk_pre, fk[:, :fresh]], 1)
 
-        def zeros(pre: torch.Tensor, main: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return torch.zeros_like(pre), torch.zeros_like(main), main.new_zeros(batch, sk_pre.shape[1] + fresh,
-                                                                                   main.shape[2])
-
+        shapes = ctx.shapes
+        q_shape, k_shape, v_shape, fq_shape, fk_shape = (shapes[i] for i in (0, 2, 4, 7, 9))
         padded = layout.blocks * size
-        grad_q = q.new_empty(batch, padded, q.shape[2])
-        grad_k, grad_v = zeros(k_pre, k), zeros(v_pre, v)
+        whole: dict[int, torch.Tensor] = {}  # id of a flat gradient → the tensor of the input's shape it views
+
+        def zeros(pre: torch.Tensor, main: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                      torch.Tensor]:
+            grad = main.new_zeros(shape)
+            flat = grad.view(main.shape)
+            whole[id(flat)] = grad
+            return torch.zeros_like(pre), flat, main.new_zeros(batch, sk_pre.shape[1] + fresh, main.shape[2])
+
+        def rows(like: torch.Tensor, shape: torch.Size) -> torch.Tensor:  # query rows, padded to whole blocks
+            if padded != n:
+                return like.new_empty(batch, padded, like.shape[2])
+            grad = like.new_empty(shape)
+            flat = grad.view(like.shape)
+            whole[id(flat)] = grad
+            return flat
+
+        grad_q = rows(q, q_shape)
+        grad_k, grad_v = zeros(k_pre, k, k_shape), zeros(v_pre, v, v_shape)
         grad_fq = grad_fk = None
         if with_mass and fq is not None and fk_pre is not None and fk is not None:
-            grad_fq, grad_fk = q.new_empty(batch, padded, fq.shape[2]), zeros(fk_pre, fk)
+            assert fq_shape is not None and fk_shape is not None
+            grad_fq, grad_fk = rows(fq, fq_shape), zeros(fk_pre, fk, fk_shape)
         grad_a = grad_out if grad_out is not None else torch.zeros_like(out)
-        shift = -torch.linalg.vecdot(grad_a, out)  # −dA·A (R, N): the softmax's own term
+        shift = -rowdot(grad_a, out)  # −dA·A (R, N): the softmax's own term
         if grad_lse is not None:
             shift = shift + grad_lse
         pad = padded - n  # padded query rows: no gradient reaches them, and lse 0 keeps their P finite
@@ -323,13 +351,22 @@ class BandSoftmax(torch.autograd.Function):
                 main[:, :fresh] += sink[:, own:]  # this call's first keys are sinks too
             return pre, main, sink[:, :own]
 
+        def shaped(grad: torch.Tensor | None, shape: torch.Size | None) -> torch.Tensor | None:
+            if grad is None or shape is None:
+                return None
+            if id(grad) in whole:
+                return whole[id(grad)]
+            return grad.reshape(shape)
+
         gk_pre, gk, gsk = split(grad_k)
         gv_pre, gv, gsv = split(grad_v)
         gfk_pre, gfk, gfsk = split(grad_fk)
-        gfq = grad_fq[:, :n] if grad_fq is not None else None
-        sinks_in = sink_mask is not None
-        return (grad_q[:, :n], gk_pre, gk, gv_pre, gv, gsk if sinks_in else None, gsv if sinks_in else None, gfq,
-                gfk_pre, gfk, gfsk if sinks_in else None, None, None, None, None, None, None)
+        if sink_mask is None:
+            gsk = gsv = gfsk = None
+        gq, gfq = (g[:, :n] if g is not None and id(g) not in whole else g for g in (grad_q, grad_fq))  # padded rows
+        grads = (gq, gk_pre, gk, gv_pre, gv, gsk, gsv, gfq, gfk_pre, gfk, gfsk)
+        return (*(shaped(g, shape) for g, shape in zip(grads, shapes, strict=True)), None, None, None, None, None,
+                None)
 
 
 def exact_part(
@@ -345,10 +382,9 @@ def exact_part(
     (Σ e^{s−m} v, Σ e^{s−m}, None) with m the exact row max (differentiable: the form's definition).
     """
     batch, n = q.shape[:-2], q.shape[-2]
-    count = batch.numel()
 
-    def flat(x: torch.Tensor) -> torch.Tensor:
-        return x.expand(*batch, *x.shape[-2:]).reshape(count, *x.shape[-2:])  # (..., L, D) → (R, L, D)
+    def flat(x: torch.Tensor) -> torch.Tensor:  # to (..., L, D) with the batch dims; the Function flattens
+        return x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:])
 
     fq = fk_pre = fk = fsk_pre = mask = None
     fresh = 0
@@ -392,7 +428,7 @@ class MassCombine(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         a, mass, divisor, constant, out = ctx.saved_tensors
         scaled = grad / divisor.unsqueeze(-1)  # ∂L/∂num
-        grad_den = torch.linalg.vecdot(scaled, out).neg_().masked_fill_(constant, 0.0)  # 0 where d is constant
+        grad_den = rowdot(scaled, out).neg_().masked_fill_(constant, 0.0)  # 0 where d is constant
         grad_a = scaled * mass.unsqueeze(-1) if ctx.needs_input_grad[2] else None
-        grad_mass = torch.linalg.vecdot(scaled, a).add_(grad_den)
+        grad_mass = rowdot(scaled, a).add_(grad_den)
         return scaled, grad_den, grad_a, grad_mass, None, None
