@@ -19,9 +19,11 @@ scale (true = stored·e^{c_t+R_t}), so the mass form needs no further factor; fo
 e^{c_t+R_t−u_t} and γ·e^{−u_t}, both ≤ γ, so nothing overflows.
 
 Causal linear part: plain causal linear attention of query t against the keys *shifted by W* (the Function in
-:mod:`.causal_fn`, unchanged, in its unnormalised mode): position i of the shifted sequence holds key i − W (taken
-from the carried window buffer while i < W, zero before the sequence start, zero for sink tokens), so a key enters
-the linear state exactly when it leaves the window. Non-causal: the same shifted pass gives the keys j ≤ t − W,
+:mod:`.causal_fn` in its unnormalised mode): position i of the shifted sequence holds key i − W (taken from the
+carried window buffer while i < W, zero before the sequence start, zero for sink tokens), so a key enters the
+linear state exactly when it leaves the window. The Function reads keys and values so, block by block, from the
+inputs and the W rows before them (its lagged operands): no shifted copy is made, except of log-space keys, which
+are stored at the scale of the query reading them. Non-causal: the same shifted pass gives the keys j ≤ t − W,
 and a second one on the reversed sequence the keys j ≥ t + W — no subtraction, so no cancellation.
 
 Exact part: banded, O(N·W). Without padding, one autograd Function (:mod:`.window_fast`: cache-sized tiles of query

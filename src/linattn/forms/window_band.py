@@ -94,8 +94,9 @@ class Sinks:
 
 class ShiftRows(torch.autograd.Function):
     """[head; x[..., :N−E, :]] with rows ``blank`` (indices, or None) set to ``fill``: head (..., E, D) are the rows
-    before x's first (E ≤ N). The hybrid's linear part reads its keys and values shifted so; this makes the shifted
-    copy in one pass and its gradient in one (autograd's slice of x would first zero a buffer of x's size)."""
+    before x's first (E ≤ N). The hybrid's linear part reads log-space keys shifted so (stored at each reader's
+    scale; other keys and values it reads lagged, without a copy); this makes the shifted copy in one pass and its
+    gradient in one (autograd's slice of x would first zero a buffer of x's size)."""
 
     @staticmethod
     def forward(
