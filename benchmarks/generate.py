@@ -9,6 +9,9 @@ timed three ways in alternating rounds (median of the rounds' medians):
 - ``hf attention``: the whole ``"linattn"`` attention function as ``generate`` calls it with a
   ``LinearAttentionCache`` (mask handling, scale, GQA, the step, the transpose).
 
+Part ``layer``: one ``linattn.nn.LinearAttention`` layer (E = H·d, projections included) decoding one token after
+``--context``: ``layer(x, state=s, return_state=True)`` against ``layer.decoder(s)(x)``, in alternating rounds.
+
 Part ``generate``: a linearized causal LM (default: SmolLM2-135M, elu+1 maps; ``--maps FILE`` for fitted ones)
 generates ``--new`` tokens greedily after a ``--prompt``-token prompt. Every generated token's wall time is
 recorded (a stopping criterion called once per token), wall and this process's CPU time (on a shared machine
@@ -20,6 +23,7 @@ start and end.
 
     python benchmarks/generate.py --part step                  # ~10 s
     python benchmarks/generate.py --part step --window 64      # the window hybrid's step (4 sinks)
+    python benchmarks/generate.py --part layer                 # nn.LinearAttention: layer(x, state=) vs decoder(x)
     python benchmarks/generate.py --part generate              # SmolLM2, 4,096 tokens after 512: minutes on CPU
 
 Threads: ``--threads`` (default 1: the per-token work is small; more threads mostly add synchronisation).
@@ -105,6 +109,36 @@ def step_part(args: argparse.Namespace) -> None:
             print(f"{heads:>3}/{kv_heads:<3} {name:>8} {o:>17.3f} {n:>11.3f} {w:>13.3f} {o / n:>8.1f}x")
 
 
+def layer_part(args: argparse.Namespace) -> None:
+    """``linattn.nn.LinearAttention`` decoding one token: the layer with a state against its ``decoder(state)``."""
+    from linattn.nn import LinearAttention
+
+    hybrid = f", window {args.window} + {args.sinks} sinks" if args.window else ""
+    print(f"nn.LinearAttention, one token after {args.context}, B=1, d={args.dim}, fp32, "
+          f"{torch.get_num_threads()} thread(s), median of {args.rounds} alternating rounds of {args.calls} calls "
+          f"(ms, projections included){hybrid}")
+    print(f"{'H/Hkv':>7} {'map':>8} {'layer(x, state=)':>17} {'decoder(x)':>11} {'speed-up':>9}")
+    options = {"window": args.window, "sinks": args.sinks} if args.window else {}
+    for heads, kv_heads in ((8, 8), (9, 3)):
+        for name in args.step_maps:
+            layer = LinearAttention(heads * args.dim, heads, num_kv_heads=kv_heads, feature_map=name, causal=True,
+                                    **options)
+            x = torch.randn(1, 1, heads * args.dim)
+            with torch.no_grad():
+                _, state = layer(torch.randn(1, args.context, heads * args.dim), return_state=True)
+                decoder = layer.decoder(state)
+
+                def old(layer: Any = layer, x: torch.Tensor = x, state: Any = state) -> None:
+                    layer(x, state=state, return_state=True)
+
+                rounds: dict[str, list[float]] = {"old": [], "new": []}
+                for _ in range(args.rounds):
+                    rounds["old"].append(_median_ms(old, args.calls))
+                    rounds["new"].append(_median_ms(lambda d=decoder, x=x: d(x), args.calls))
+            o, n = (statistics.median(rounds[label]) for label in ("old", "new"))
+            print(f"{heads:>3}/{kv_heads:<3} {name:>8} {o:>17.3f} {n:>11.3f} {o / n:>8.1f}x")
+
+
 def generate_part(args: argparse.Namespace) -> None:
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -179,7 +213,7 @@ def _rss() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=["step", "generate", "both"], default="both")
+    parser.add_argument("--part", choices=["step", "layer", "generate", "both"], default="both")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--context", type=int, default=512, help="tokens in the state before the timed step")
@@ -197,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     if args.part in ("step", "both"):
         step_part(args)
+    if args.part == "layer":
+        layer_part(args)
     if args.part in ("generate", "both"):
         generate_part(args)
     return 0

@@ -322,3 +322,61 @@ def test_window_layer_options_are_checked():
         LinearAttention(16, 2, causal=True, sinks=4)
     encoder = LinearAttention(16, 2, window=3)  # non-causal: the band |t − j| < 3 exact
     assert encoder(torch.randn(1, 10, 16)).shape == (1, 10, 16)
+
+
+@pytest.mark.parametrize(
+    "case, lean",
+    [
+        ({"feature_map": "elu"}, "DecodeStep"),
+        ({"feature_map": "hedgehog"}, "DecodeStep"),
+        ({"feature_map": "logspace"}, "DecodeStep"),  # log-space sums rescaled per token
+        ({"feature_map": "elu", "num_kv_heads": 1}, "DecodeStep"),  # GQA
+        ({"feature_map": "elu", "window": 5, "sinks": 2}, "WindowDecodeStep"),
+        ({"feature_map": "hedgehog", "window": 4, "num_kv_heads": 1}, "WindowDecodeStep"),
+        ({"feature_map": "elu", "decay": "retnet"}, None),  # no lean step for decays: forward with the state
+        ({"feature_map": "elu", "min_denom": 1e-3}, None),
+    ],
+    ids=["elu", "hedgehog", "logspace", "gqa", "window", "window-hedgehog-gqa", "decay", "min_denom"],
+)
+def test_decoder_equals_one_parallel_call(case, lean):
+    """layer.decoder(state): token by token after a prefill, in float64, equals the layer on the whole sequence; it
+    takes the lean step where one applies, and its state continues the layer itself."""
+    torch.manual_seed(4)
+    options = dict(case)
+    if options["feature_map"] == "logspace":
+        options["feature_map"] = LogExp(8, 11)
+    layer = LinearAttention(16, 2, causal=True, **options).double()
+    x = torch.randn(3, 24, 16, dtype=torch.float64)
+    whole = layer(x)
+    out, state = layer(x[:, :9], return_state=True)
+    decoder = layer.decoder(state)
+    assert type(decoder.step).__name__ == lean if lean else decoder.step is None
+    steps = [out] + [decoder(x[:, t : t + 1]) for t in range(9, 20)]
+    assert rel_error(torch.cat(steps, 1), whole[:, :20]) <= 1e-10
+    rest = layer(x[:, 20:], state=decoder.state())  # the decoder's state continues the layer
+    assert rel_error(rest, whole[:, 20:]) <= 1e-10
+    steps.append(decoder(x[:, 20:21]))  # and the decoder goes on after handing its state out
+    assert rel_error(steps[-1], whole[:, 20:21]) <= 1e-10
+
+
+def test_decoder_bad_calls_raise():
+    layer = LinearAttention(16, 2, causal=True)
+    _, state = layer(torch.randn(2, 5, 16), return_state=True)
+    decoder = layer.decoder(state)
+    with pytest.raises(LinearAttentionError, match="one token"):
+        decoder(torch.randn(2, 3, 16))
+    with pytest.raises(LinearAttentionError, match="batch of 2"):
+        decoder(torch.randn(3, 1, 16))
+    with pytest.raises(LinearAttentionError, match="only a causal layer"):
+        LinearAttention(16, 2).decoder(state)
+    with pytest.raises(LinearAttentionError, match="expected the state"):
+        layer.decoder(torch.zeros(3))
+
+
+def test_decoder_takes_an_unbatched_token():
+    torch.manual_seed(5)
+    layer = LinearAttention(16, 2, causal=True).double()
+    x = torch.randn(6, 16, dtype=torch.float64)
+    _, state = layer(x[:5], return_state=True)  # (N, E): a batch of one
+    torch.testing.assert_close(layer.decoder(state)(x[5:]), layer(x)[5:], rtol=1e-10, atol=1e-12)
+

@@ -237,9 +237,7 @@ class LinearAttention(nn.Module):
                 "state: only a causal layer continues from a state (a non-causal layer attends to the whole "
                 "sequence at once); build the layer with causal=True"
             )
-        q = self._heads(self.q_proj(x), self.num_heads)  # (B, H, N, D)
-        k = self._heads(self.k_proj(x), self.num_kv_heads)  # (B, Hkv, N, D)
-        v = self._heads(self.v_proj(x), self.num_kv_heads)  # (B, Hkv, N, D)
+        q, k, v = self._project(x)
         # fp32 accumulation inside the core must not be undone by autocast re-lowering its matmuls to bf16
         # one new token (decoding): the token-by-token form has the least per-call work
         form = "recurrent" if self.causal and x.shape[1] == 1 else "auto"
@@ -259,13 +257,36 @@ class LinearAttention(nn.Module):
                 **self.options,
             )
         out, new_state = result if return_state else (result, None)
-        out = out.transpose(1, 2).flatten(-2)  # (B, H, N, D) → (B, N, H·D)
-        if self.output_norm is not None:  # per head: GroupNorm's groups are the heads
-            out = self.output_norm(out.flatten(0, 1)).view_as(out)
-        out = self.out_proj(out)  # (B, N, E)
+        out = self._output(out)
         if unbatched:
             out = out.squeeze(0)
         return (out, new_state) if return_state else out
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, N, E) → q (B, H, N, D), k and v (B, Hkv, N, D)."""
+        q = self._heads(self.q_proj(x), self.num_heads)
+        return q, self._heads(self.k_proj(x), self.num_kv_heads), self._heads(self.v_proj(x), self.num_kv_heads)
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention's (B, H, N, D) → the layer's output (B, N, E)."""
+        out = out.transpose(1, 2).flatten(-2)  # (B, N, H·D)
+        if self.output_norm is not None:  # per head: GroupNorm's groups are the heads
+            out = self.output_norm(out.flatten(0, 1)).view_as(out)
+        return self.out_proj(out)
+
+    def decoder(self, state: LinearAttentionState | WindowAttentionState) -> LayerDecoder:
+        """A stateful decoder for generating one token at a time after ``state`` (a causal layer's state, e.g. from
+        ``layer(prompt, return_state=True)``): ``decoder(x)`` with x ``(B, 1, E)`` (or ``(1, E)``) returns the
+        layer's output for that token, as ``layer(x, state=..., return_state=True)`` would, and advances the
+        decoder's own copy of the state in place; ``decoder.state()`` hands a state back.
+
+        Where :mod:`linattn.decode` has a lean step for the layer's options (no decay or gate; a plain or a window
+        state; the options it reproduces) the projections feed it directly: the checks are paid once, and the
+        state is preallocated and updated in place (on CUDA with triton, one kernel launch per token). Otherwise
+        each token goes through :meth:`forward` with the state. For inference: it runs without autograd (to
+        differentiate through decoding, call :meth:`forward` with ``state=``).
+        """
+        return LayerDecoder(self, state)
 
     def extra_repr(self) -> str:
         return (
@@ -273,3 +294,67 @@ class LinearAttention(nn.Module):
             f"head_dim={self.head_dim}, causal={self.causal}, gate={self.gate_kind}, "
             f"decay={'per head' if self.decay_rates is not None else None}, window={self.options.get('window')}"
         )
+
+
+class LayerDecoder:
+    """What :meth:`LinearAttention.decoder` returns: a layer decoding one token per call from a state it owns."""
+
+    def __init__(self, layer: LinearAttention, state: LinearAttentionState | WindowAttentionState) -> None:
+        from .decode import DecodeStep, WindowDecodeStep, supports, supports_window
+
+        if not layer.causal:
+            raise LinearAttentionError("decoder: only a causal layer decodes; build the layer with causal=True")
+        if not isinstance(state, (LinearAttentionState, WindowAttentionState)):
+            raise LinearAttentionError(
+                f"state: expected the state a causal call of this layer returned (return_state=True), got "
+                f"{type(state).__name__}"
+            )
+        self.layer = layer
+        # the options linear_attention would be given, without those at their defaults (a step reproduces those)
+        options = {key: value for key, value in layer.options.items()
+                   if value is not None and not (key == "normalize" and value is True)}
+        plain = layer.decay_rates is None and layer.gate_kind is None
+        fmap, eps = layer.feature_map, layer.options["eps"]
+        self.step: DecodeStep | WindowDecodeStep | None = None
+        if plain and isinstance(state, LinearAttentionState) and supports(fmap, state, options):
+            self.step = DecodeStep(fmap, state, eps=eps)
+        elif plain and isinstance(state, WindowAttentionState) and supports_window(fmap, state, options):
+            self.step = WindowDecodeStep(fmap, state, eps=eps, kv_heads=layer.num_kv_heads)
+        self._state = state if self.step is None else None
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, 1, E) or (1, E) → the layer's output for this token, (B, 1, E) or (1, E)."""
+        layer = self.layer
+        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != layer.embed_dim or (
+                x.shape[-2] != 1):
+            seen = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise LinearAttentionError(
+                f"x: a decoder takes one token, (B, 1, {layer.embed_dim}) or (1, {layer.embed_dim}), got {seen}; "
+                "run longer inputs through the layer itself with state="
+            )
+        if self.step is None:
+            out, self._state = layer(x, state=self._state, return_state=True)
+            return out
+        unbatched = x.dim() == 2
+        if unbatched:
+            x = x.unsqueeze(0)
+        if x.shape[0] != self.step.batch_size:
+            raise LinearAttentionError(
+                f"x: a batch of {x.shape[0]} rows, but this decoder's state holds a batch of {self.step.batch_size}"
+            )
+        q, k, v = layer._project(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            out = layer._output(self.step(q, k, v))
+        return out.squeeze(0) if unbatched else out
+
+    def state(self) -> LinearAttentionState | WindowAttentionState:
+        """The state after every token so far, to continue with the layer itself (new tensors: the decoder may go
+        on)."""
+        if self.step is None:
+            assert self._state is not None
+            return self._state
+        state = self.step.state()
+        if isinstance(state, LinearAttentionState):  # the plain step hands out its own tensors
+            state = LinearAttentionState(state.kv.clone(), state.k_sum.clone(), state.shift.clone(), state.num_tokens)
+        return state
