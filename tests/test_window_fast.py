@@ -96,8 +96,22 @@ def test_band_function_is_used_and_keeps_no_band_sized_tensor():
         names.add(node.name())
         todo.extend(next_fn for next_fn, _ in node.next_functions)
     assert "BandSoftmaxBackward" in names
+    assert "ShiftRowsBackward" not in names  # ordinary maps: the linear part reads the keys lagged, not a copy
     limit = 2 * 256 * (8 + 3)  # B·H rows × N × max(D, Dv): the inputs' own size
     assert max(x.numel() for x in saved) <= limit
+
+
+def test_band_gradients_are_whole_tensors_summed_in_place():
+    """The banded Function hands back gradients of its inputs' own shapes, not views, so that autograd sums the
+    linear part's gradient of the same tensor into them in place (into a view it would allocate a new sum)."""
+    q, k, v = (x.requires_grad_() for x in inputs(2, 3, 96, 8, seed=24))
+    features = (q.exp(), k.exp()[..., :0, :].detach(), k.exp())
+    a, _, mass = window_fast.exact_part(q, 0.3, True, (k[..., :0, :].detach(), k), (v[..., :0, :].detach(), v),
+                                        features, 16, 15, 0, None)
+    grads = torch.autograd.grad([a.sum(), mass.sum()], [q, k, v, *(features[i] for i in (0, 2))])
+    for grad, like in zip(grads, (q, k, v, q, k), strict=True):
+        assert grad.shape == like.shape and grad._base is None
+
 
 
 def test_mass_combine_matches_the_quadratic_form_with_a_clamped_denominator():
