@@ -215,6 +215,26 @@ def supports_window(fmap: nn.Module, state: Any, options: dict[str, Any]) -> boo
     )
 
 
+def lean_step(
+    fmap: nn.Module, state: Any, options: dict[str, Any], kv_heads: int
+) -> DecodeStep | WindowDecodeStep | None:
+    """The lean step that continues ``state`` as ``linear_attention(..., **options)`` would, or None where neither
+    step reproduces the call (:func:`supports`, :func:`supports_window`); ``kv_heads`` as :class:`WindowDecodeStep`."""
+    if isinstance(state, LinearAttentionState) and supports(fmap, state, options):
+        return DecodeStep(fmap, state, eps=options.get("eps", 1e-6))
+    if isinstance(state, WindowAttentionState) and supports_window(fmap, state, options):
+        return window_step(fmap, state, options, kv_heads)
+    return None
+
+
+def window_step(
+    fmap: nn.Module, state: WindowAttentionState, options: dict[str, Any], kv_heads: int
+) -> WindowDecodeStep:
+    """The lean window step from ``state`` with the call's ``linear_attention`` options."""
+    return WindowDecodeStep(fmap, state, eps=options.get("eps", 1e-6), window_factor=options.get("window_factor"),
+                            softmax_scale=options.get("softmax_scale"), kv_heads=kv_heads)
+
+
 class WindowDecodeStep(_Step):
     """The causal window hybrid one token at a time, from a :class:`~linattn.WindowAttentionState` returned by
     ``linear_attention(..., window=W, sinks=S, return_state=True)`` (see the module docstring).

@@ -197,7 +197,7 @@ def install(model: Any) -> None:
 def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            keep: torch.Tensor | None, options: dict[str, Any]) -> torch.Tensor:
     """Causal attention of this call's q, k, v (B, H|Hkv, N, ·) after the keys in ``layer``'s state; updates it."""
-    from .decode import DecodeStep, supports, supports_window
+    from .decode import lean_step
     from .functional import linear_attention
 
     if layer.stepper is not None and q.shape[-2] == 1:
@@ -213,25 +213,14 @@ def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: to
         return_state=True, **options,
     )
     layer.state = state
-    if supports(fmap, state, options):  # token-by-token from here on: the lean step
-        layer.stepper = DecodeStep(fmap, state, eps=options.get("eps", 1e-6))
-    elif supports_window(fmap, state, options):  # the window hybrid's lean step
-        layer.stepper = _window_step(fmap, state, options, k.shape[1])
+    layer.stepper = lean_step(fmap, state, options, k.shape[1])  # token by token from here on, where one applies
     return out
-
-
-def _window_step(fmap: Any, state: Any, options: dict[str, Any], kv_heads: int) -> Any:
-    """The lean window step from ``state`` with the call's options."""
-    from .decode import WindowDecodeStep
-
-    return WindowDecodeStep(fmap, state, eps=options.get("eps", 1e-6), window_factor=options.get("window_factor"),
-                            softmax_scale=options.get("softmax_scale"), kv_heads=kv_heads)
 
 
 def _prefill_rows(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pads: list[int],
                   options: dict[str, Any]) -> torch.Tensor:
     """The first call of a left-padded batch with sinks: each row alone, then one step for the batch."""
-    from .decode import WindowDecodeStep, supports_window
+    from .decode import WindowDecodeStep, supports_window, window_step
     from .functional import linear_attention
     from .hf import by_rows
 
@@ -244,7 +233,7 @@ def _prefill_rows(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor
 
     out = by_rows(pads, run, q, k, v)
     if all(supports_window(fmap, state, options) for state in states):
-        steps = [_window_step(fmap, state, options, k.shape[1]) for state in states]
+        steps = [window_step(fmap, state, options, k.shape[1]) for state in states]
         layer.stepper = WindowDecodeStep.stack(steps, pads)
     else:
         layer.stepper = RowSteps(fmap, states, options)

@@ -300,7 +300,7 @@ class LayerDecoder:
     """What :meth:`LinearAttention.decoder` returns: a layer decoding one token per call from a state it owns."""
 
     def __init__(self, layer: LinearAttention, state: LinearAttentionState | WindowAttentionState) -> None:
-        from .decode import DecodeStep, WindowDecodeStep, supports, supports_window
+        from .decode import DecodeStep, WindowDecodeStep, lean_step
 
         if not layer.causal:
             raise LinearAttentionError("decoder: only a causal layer decodes; build the layer with causal=True")
@@ -313,13 +313,10 @@ class LayerDecoder:
         # the options linear_attention would be given, without those at their defaults (a step reproduces those)
         options = {key: value for key, value in layer.options.items()
                    if value is not None and not (key == "normalize" and value is True)}
-        plain = layer.decay_rates is None and layer.gate_kind is None
-        fmap, eps = layer.feature_map, layer.options["eps"]
+        plain = layer.decay_rates is None and layer.gate_kind is None  # decays and gates: no lean step
         self.step: DecodeStep | WindowDecodeStep | None = None
-        if plain and isinstance(state, LinearAttentionState) and supports(fmap, state, options):
-            self.step = DecodeStep(fmap, state, eps=eps)
-        elif plain and isinstance(state, WindowAttentionState) and supports_window(fmap, state, options):
-            self.step = WindowDecodeStep(fmap, state, eps=eps, kv_heads=layer.num_kv_heads)
+        if plain:
+            self.step = lean_step(layer.feature_map, state, options, layer.num_kv_heads)
         self._state = state if self.step is None else None
 
     @torch.no_grad()
