@@ -398,7 +398,7 @@ class CausalChunkedFunction(torch.autograd.Function):
         grad_state0 = torch.cat([grad_state[0], grad_state[1].unsqueeze(-1)], dim=-1)  # (..., F, Dv+1)
         grad_ref = grad_scale0 = None
         if ref is not None and ctx.needs_input_grad[3]:
-            grad_ref = (k * grad_k).sum(-1) - (q * grad_q).sum(-1)  # (..., N)
+            grad_ref = rowdot(k, grad_k) - rowdot(q, grad_q)  # (..., N)
             grad_ref[..., -1] -= (final * grad_final).sum((-2, -1))
         if scale0 is not None and ctx.needs_input_grad[5]:
             grad_scale0 = (state0 * grad_state0).sum((-2, -1))
