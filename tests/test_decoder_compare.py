@@ -140,6 +140,42 @@ def test_compare_trains_the_window_maps_end_to_end_on_sampled_text(tiny_folder, 
     assert (tmp_path / "new" / "hedgehog_window_end_to_end.safetensors").is_file()  # a folder the fit never made
 
 
+def test_compare_gives_the_retrieval_heads_other_maps_and_trains_only_them(tiny_folder, tmp_path):
+    from linattn.cli import main
+    from linattn.distill import load_feature_maps
+
+    common = ["compare", str(tiny_folder), str(tiny_folder / "train.txt"), "--heldout",
+              str(tiny_folder / "heldout.txt"), "--window", "8", "--sinks", "1", "--passkey-lengths", "40",
+              "--passkey-trials", "1", "--repeat-trials", "1", "--passage-tokens", "12", "--gap-tokens", "40",
+              "--no-metrics", "--no-baselines", "--maps", "hedgehog+window", "--end-to-end-samples", "4",
+              "--end-to-end-tokens", "900", "--end-to-end-texts", str(tmp_path / "texts.json"), "--quiet"]
+    assert main([*common, "--steps", "2", "--fit-max-tokens", "128", "--fit-orders", "1", "--end-to-end-steps", "2",
+                 "--save-maps", str(tmp_path / "a"), "--out", str(tmp_path / "first")]) == 0
+    base = str(tmp_path / "a" / "hedgehog_window.safetensors")
+    other = str(tmp_path / "a" / "hedgehog_window_end_to_end.safetensors")
+    assert main([*common, "--fitted-maps", base, "--retrieval-maps", other, "--retrieval-heads", "3",
+                 "--end-to-end-steps", "2", "--save-maps", str(tmp_path / "b"), "--out", str(tmp_path / "second")]) == 0
+    result = json.loads((tmp_path / "second" / "results.json").read_text())
+    names = [row["name"] for row in result["rows"]]
+    assert names == ["hedgehog fitted with window",
+                     "hedgehog fitted with window, 3 retrieval heads from hedgehog_window_end_to_end.safetensors",
+                     "hedgehog fitted with window, 3 retrieval heads from hedgehog_window_end_to_end.safetensors, "
+                     "end to end"]
+    marked = result["retrieval_heads"]["heads"]
+    assert len(marked) == 3 and result["end_to_end"]["heads"] == 3
+    before, source = load_feature_maps(base), load_feature_maps(other)
+    after = load_feature_maps(str(tmp_path / "b" / "hedgehog_window_end_to_end.safetensors"))
+    for layer in range(2):
+        for head in range(4):
+            if [layer, head] not in marked:  # neither replaced nor trained
+                assert torch.equal(after.maps[layer].weight[:, head], before.maps[layer].weight[:, head])
+    # the mixed row's maps: the marked heads are the other file's, so that row differs from the first
+    moved = any(not torch.equal(source.maps[l].weight[:, h], before.maps[l].weight[:, h]) for l, h in marked)
+    assert (result["rows"][1]["perplexity"] != result["rows"][0]["perplexity"]) == moved
+    with pytest.raises(LinearAttentionError, match="retrieval-heads"):
+        main([*common, "--fitted-maps", base, "--retrieval-maps", other, "--out", str(tmp_path / "third")])
+
+
 def test_end_to_end_texts_are_written_once_and_read_back(tiny_folder, tmp_path):
     from linattn.cli import main
 

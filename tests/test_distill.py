@@ -211,3 +211,32 @@ def test_hedgehog_defaults_meet_the_minilm_targets() -> None:
     assert metrics["rel_error"] <= 0.40 and metrics["kl"] <= 0.25, (metrics["rel_error"], metrics["kl"])
     elu = capture_metrics(test, "elu")
     assert metrics["kl"] < 0.2 * elu["kl"]
+
+
+def test_with_heads_takes_the_marked_heads_from_the_other_maps() -> None:
+    layers, heads = 2, 3
+    qs, ks, vs = _problem(seed=6, sequences=1, heads=layers * heads)
+    cap = AttentionCapture("tiny-model", layers, heads, heads, 8, 8**-0.5, True, ["a"],
+                           [q.unflatten(0, (layers, heads)) for q in qs], [k.unflatten(0, (layers, heads)) for k in ks],
+                           [v.unflatten(0, (layers, heads)) for v in vs])
+    a = fit_model_feature_maps(cap, seed=0, steps=2, num_features=6, window=4, sinks=1, window_factor=True)
+    b = fit_model_feature_maps(cap, seed=1, steps=2, num_features=6, window=4, sinks=1, window_factor=True)
+    marked = torch.tensor([[True, False, True], [False, False, True]])
+    mixed = a.with_heads(b, marked)
+    x = torch.randn(heads, 5, 8, dtype=torch.float64)
+    for layer in range(layers):
+        assert mixed.window_options(layer)["window"] == 4
+        out = mixed.maps[layer].double().features(x, is_query=True)
+        for head in range(heads):
+            source = b if marked[layer, head] else a
+            expected = source.maps[layer].double().features(x, is_query=True)[head]
+            torch.testing.assert_close(out[head], expected, rtol=0, atol=0)  # the same parameters, the same op
+            assert mixed.window_factors is not None and source.window_factors is not None
+            assert mixed.window_factors[layer][head] == source.window_factors[layer][head]
+    assert not torch.equal(a.maps[0].weight, mixed.maps[0].weight)  # a itself is left as it was
+    assert torch.equal(a.maps[0].weight, a.with_heads(b, torch.zeros(layers, heads, dtype=torch.bool)).maps[0].weight)
+    with pytest.raises(LinearAttentionError, match="shape"):
+        a.with_heads(b, torch.ones(heads, layers, dtype=torch.bool))
+    plain = fit_model_feature_maps(cap, seed=0, steps=2, num_features=6)
+    with pytest.raises(LinearAttentionError, match="window"):
+        a.with_heads(plain, marked)

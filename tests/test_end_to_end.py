@@ -10,7 +10,14 @@ pytest.importorskip("transformers")
 from linattn import LinearAttentionError, hf  # noqa: E402
 from linattn.distill import fit_model_feature_maps  # noqa: E402
 from linattn.evaluate.capture import capture_attention  # noqa: E402
-from linattn.evaluate.end_to_end import _coarse_teacher, coarse_kl, copying_sequences, fit_end_to_end, sample_texts  # noqa: E402
+from linattn.evaluate.end_to_end import (  # noqa: E402
+    _coarse_teacher,
+    coarse_kl,
+    copying_sequences,
+    fit_end_to_end,
+    retrieval_scores,
+    sample_texts,
+)
 from test_decoder_compare import char_tokenizer  # noqa: E402
 
 TEXT = ("Rivers carry sand to the sea, and the tide returns some of it to the shore every evening. "
@@ -67,6 +74,55 @@ def test_fit_end_to_end_keeps_the_best_evaluation(linearized):
     # the parameters left in the model are those of the best held-out evaluation: evaluated again, the same KL
     # (same shapes, same kernels: equal up to the summation order of the float64 mean, hence the tolerance)
     assert again["best_held_out"] == pytest.approx(result["best_held_out"], rel=1e-6)
+
+
+def test_fit_end_to_end_trains_only_the_marked_heads():
+    model, tokenizer = tiny_llama(), char_tokenizer()
+    capture = capture_attention(model, tokenizer, texts(2), max_tokens=128, model_name="tiny")
+    fitted = fit_model_feature_maps(capture, steps=3, window=8, sinks=1, window_factor=True)  # γ form: γ too
+    hf.linearize(model, fitted)
+    marked = torch.tensor([[True, False, False, True], [False, False, True, False]])
+    tensors = [[*fmap.parameters(), factor] for fmap, factor in zip(fitted.maps, fitted.window_factors or [],
+                                                                      strict=True)]
+    before = [[t.detach().clone() for t in layer] for layer in tensors]
+    fit_end_to_end(model, tokenizer, texts(4), max_tokens=128, steps=3, lr=0.05, held_out=1, eval_every=100,
+                   heads=marked)
+    for layer, (now, then) in enumerate(zip(tensors, before, strict=True)):
+        for tensor, old in zip(now, then, strict=True):
+            axis = 0 if tensor.dim() == 1 else 1  # γ (H,), map parameters (P, H, ...)
+            for head in range(4):
+                same = torch.equal(tensor.select(axis, head), old.select(axis, head))
+                assert same != bool(marked[layer, head]), (layer, head, tuple(tensor.shape))
+    with pytest.raises(LinearAttentionError, match="heads"):
+        fit_end_to_end(model, tokenizer, texts(4), max_tokens=128, steps=1, held_out=1, heads=marked.T)
+
+
+def test_retrieval_scores_against_attention_weights_by_hand():
+    model = tiny_llama().double()
+    gen = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, 100, (60,), generator=gen) for _ in range(2)] + [torch.arange(5)]  # last: too short
+    window, sinks = 6, 2
+    scores = retrieval_scores(model, sequences, window=window, sinks=sinks, passage=(5, 10), gap=(12, 20), seed=3)
+    assert scores.shape == (2, 4)
+    assert model.config._attn_implementation != "eager"  # restored
+    copies = copying_sequences(sequences, passage=(5, 10), gap=(12, 20), seed=3)
+    assert len(copies) == 2
+    model.set_attn_implementation("eager")
+    expected = torch.zeros(2, 4, dtype=torch.float64)
+    for ids, made in zip(sequences[:2], copies, strict=True):
+        length = next(p for p in range(5, 11) if torch.equal(made[-p:], made[:p]) and torch.equal(
+            made[:-p], ids[: made.shape[0] - p]) and 12 <= made.shape[0] - 2 * p <= 20)
+        for sign, run in ((1, made), (-1, ids[: made.shape[0]])):
+            with torch.no_grad():
+                weights = model(input_ids=run[None], output_attentions=True).attentions  # per layer (1, H, N, N)
+            first = made.shape[0] - length
+            for layer, w in enumerate(weights):
+                for t in range(first, made.shape[0]):
+                    far = [j for j in range(t + 1) if j <= t - window and j >= sinks]
+                    expected[layer] += sign * w[0, :, t, far].sum(-1) / length / len(copies)
+    torch.testing.assert_close(scores, expected, rtol=1e-10, atol=1e-12)  # float64 masses, summed in another order
+    with pytest.raises(LinearAttentionError, match="long enough"):
+        retrieval_scores(model, sequences[-1:], window=window, passage=(5, 10), gap=(12, 20))
 
 
 def test_fit_end_to_end_refuses_a_model_that_is_not_linearized_and_too_few_texts():

@@ -18,6 +18,7 @@ held-out rows), and fitting stops once no head has improved for ``patience`` eva
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -417,6 +418,41 @@ class FittedFeatureMaps:
             return {}
         factor = self.window_factors[layer] if self.window_factors is not None else None
         return {"window": self.window, "sinks": self.sinks, "window_factor": factor}
+
+    def with_heads(self, other: FittedFeatureMaps, heads: torch.Tensor) -> FittedFeatureMaps:
+        """A copy of these maps in which the heads marked in ``heads`` take ``other``'s parameters (and γ factors).
+
+        ``heads``: a (num_layers, num_heads) bool tensor. Both sets must have the same kind, layout, options and
+        window. The use: maps trained for two goals (local text, copying) combined per head, e.g. the retrieval
+        heads of :func:`linattn.evaluate.end_to_end.retrieval_scores` from the copy-trained set.
+        """
+        layout = ("kind", "num_layers", "num_heads", "head_dim", "options", "window", "sinks")
+        differ = [name for name in layout if getattr(self, name) != getattr(other, name)]
+        if differ or (self.window_factors is None) != (other.window_factors is None):
+            raise LinearAttentionError(
+                f"other: maps of another layout ({', '.join(differ) or 'γ form'} differ); combine maps fitted for "
+                "the same model with the same options"
+            )
+        if not isinstance(heads, torch.Tensor) or heads.dtype != torch.bool or heads.shape != (
+                self.num_layers, self.num_heads):
+            raise LinearAttentionError(
+                f"heads: need a bool tensor of shape ({self.num_layers}, {self.num_heads}) (layers, heads), got "
+                f"{heads.dtype if isinstance(heads, torch.Tensor) else type(heads).__name__} "
+                f"{tuple(heads.shape) if isinstance(heads, torch.Tensor) else ''}"
+            )
+        out = copy.deepcopy(self)
+        with torch.no_grad():
+            for layer, (mine, theirs) in enumerate(zip(out.maps, other.maps, strict=True)):
+                chosen = heads[layer].nonzero().flatten()
+                for (name, param), source in zip(mine.named_parameters(), theirs.parameters(), strict=True):
+                    if param.dim() < 2 or param.shape[1] != self.num_heads:
+                        raise LinearAttentionError(f"{self.kind}: parameter {name!r} has no head axis (dim 1 of "
+                                                   f"size {self.num_heads}); its maps cannot be combined per head")
+                    param[:, chosen] = source[:, chosen].to(param)
+                if out.window_factors is not None and other.window_factors is not None:
+                    out.window_factors[layer][chosen] = other.window_factors[layer][chosen].to(
+                        out.window_factors[layer])
+        return out
 
     def save(self, path: str) -> None:
         """Write a safetensors file: tensors ``layers.{i}.{name}``, the layout and options as metadata."""

@@ -9,6 +9,9 @@ about twice the original's on the tokens past position 512 alone, docs/models.md
   the fits see rows as long as the contexts they will serve, without any text beyond the shipped corpus;
 - :func:`copying_sequences`: a passage, other text, the passage again — the model copies the repeat, and the
   hybrid's linear part must learn to, since the first copy has left the window;
+- :func:`retrieval_scores`: which heads retrieve beyond the window (reach far on a repeat, not on plain text),
+  so that maps trained for copying can serve those heads and maps trained on plain text the others
+  (:meth:`~linattn.distill.FittedFeatureMaps.with_heads`, and ``heads=`` of :func:`fit_end_to_end`);
 - :func:`fit_end_to_end`: the same map parameters (every layer's, and the γ form's per-head factors) trained on
   KL(p_softmax ‖ p_linear) of the next token, averaged over every position of the training sequences, with the
   model's own weights frozen. The teacher is the same model with its own attention, computed once per sequence and
@@ -63,6 +66,19 @@ def sample_texts(
     return texts
 
 
+def _copy_plans(sequences: Sequence[torch.Tensor], passage: tuple[int, int], gap: tuple[int, int],
+                seed: int) -> list[tuple[int, int, int]]:
+    """(index, P, G) of each sequence long enough for its drawn passage P and gap G (seeded draws, one per
+    sequence, whether it is long enough or not)."""
+    generator = random.Random(seed)
+    plans = []
+    for index, ids in enumerate(sequences):
+        length, span = generator.randint(*passage), generator.randint(*gap)
+        if length + span <= ids.shape[-1]:
+            plans.append((index, length, span))
+    return plans
+
+
 def copying_sequences(
     sequences: Sequence[torch.Tensor], *, passage: tuple[int, int] = (32, 192), gap: tuple[int, int] = (128, 768),
     seed: int = 0,
@@ -70,13 +86,55 @@ def copying_sequences(
     """From each token sequence (N,) long enough: its first P tokens, the G tokens after them, then the first P
     again (P, G drawn uniformly from the ranges, seeded). The softmax model copies the repeat; trained on such
     sequences, the linear part learns to retrieve what has left the window (a window alone cannot)."""
-    generator = random.Random(seed)
-    out = []
-    for ids in sequences:
-        length, span = generator.randint(*passage), generator.randint(*gap)
-        if length + span <= ids.shape[-1]:
-            out.append(torch.cat([ids[:length], ids[length : length + span], ids[:length]]))
-    return out
+    return [torch.cat([sequences[i][:length], sequences[i][length : length + span], sequences[i][:length]])
+            for i, length, span in _copy_plans(sequences, passage, gap, seed)]
+
+
+def retrieval_scores(
+    model: Any, sequences: Sequence[torch.Tensor], *, window: int, sinks: int = 0,
+    passage: tuple[int, int] = (32, 192), gap: tuple[int, int] = (128, 768), seed: int = 0,
+) -> torch.Tensor:
+    """How much each head of ``model`` (with its own attention) retrieves beyond a window: (layers, heads).
+
+    For each token sequence (N,) long enough, its copying sequence (:func:`copying_sequences`, same draws) and the
+    sequence itself cut to the same length are run; a head's score is the attention mass its queries in the repeat
+    put on keys outside the window (older than ``window`` and not among the first ``sinks``), minus the mass the
+    same positions put there in the plain text, averaged over the sequences. Heads that reach far only when there
+    is something to copy score high; heads that spread over the far past on any text score about 0. A hybrid's
+    linear part serves the two kinds differently: sharp recall on the first, a smooth summary on the second.
+    Returned in float64.
+    """
+    from .. import hf
+
+    if window < 1 or sinks < 0:
+        raise LinearAttentionError(f"window/sinks: need ≥ 1 and ≥ 0, got {window}/{sinks}")
+    plans = _copy_plans(sequences, passage, gap, seed)
+    if not plans:
+        raise LinearAttentionError(f"sequences: none is long enough for a passage and gap drawn from {passage} and "
+                                   f"{gap} tokens; pass longer sequences or smaller ranges")
+    modules = hf.attention_modules(model)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")  # the only implementation that returns attention weights
+    device = next(model.parameters()).device
+
+    def far_mass(ids: torch.Tensor, first: int) -> torch.Tensor:  # (layers, heads): mean over queries ≥ first
+        with torch.no_grad():
+            weights = model(input_ids=ids[None].to(device), output_attentions=True, use_cache=False).attentions
+        n = ids.shape[0]
+        rows, cols = torch.arange(first, n, device=device)[:, None], torch.arange(n, device=device)[None]
+        far = ((cols <= rows - window) & (cols >= sinks)).to(weights[0].dtype)  # (queries, keys)
+        return torch.stack([(w[0, :, first:] * far).sum(-1).mean(-1) for w in weights]).double().cpu()
+
+    try:
+        total = torch.zeros(len(modules), model.config.num_attention_heads, dtype=torch.float64)
+        for index, length, span in plans:
+            ids = sequences[index]
+            copied = torch.cat([ids[:length], ids[length : length + span], ids[:length]])
+            first = length + span
+            total += far_mass(copied, first) - far_mass(ids[: copied.shape[0]], first)
+    finally:
+        model.set_attn_implementation(previous)
+    return total / len(plans)
 
 
 TOP_TOKENS = 256  # the teacher's distribution kept per position: its top tokens and the rest as one bucket
@@ -109,9 +167,41 @@ def coarse_kl(teacher: tuple[torch.Tensor, torch.Tensor], student: torch.Tensor)
     return (p.exp() * (p - q)).sum(-1)
 
 
+def _head_masks(modules: list[Any], heads: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(parameter, 0/1 mask broadcast over it) for every trainable map parameter and γ factor of a layer whose
+    heads are not all trained; [] when ``heads`` is None."""
+    from .. import hf
+
+    if heads is None:
+        return []
+    count = len(modules)
+    width = getattr(getattr(modules[0], hf.MAP_ATTRIBUTE), "num_heads", None) if modules else None
+    if not isinstance(heads, torch.Tensor) or heads.dtype != torch.bool or heads.shape != (count, width):
+        raise LinearAttentionError(
+            f"heads: need None or a bool tensor of shape ({count}, {width}) (layers, heads), got "
+            f"{heads.dtype if isinstance(heads, torch.Tensor) else type(heads).__name__} "
+            f"{tuple(heads.shape) if isinstance(heads, torch.Tensor) else ''}"
+        )
+    masks = []
+    for module, row in zip(modules, heads, strict=True):
+        factor = getattr(module, hf.OPTIONS_ATTRIBUTE, {}).get("window_factor")
+        tensors = [*getattr(module, hf.MAP_ATTRIBUTE).parameters(),
+                   *([factor] if isinstance(factor, torch.Tensor) else [])]
+        for tensor in tensors:
+            axis = 0 if tensor is factor else 1  # map parameters (P, H, ...), γ (H,)
+            if tensor.dim() <= axis or tensor.shape[axis] != row.numel():
+                raise LinearAttentionError(f"heads: a map parameter of shape {tuple(tensor.shape)} has no head axis; "
+                                           "train every head (heads=None)")
+            shape = [1] * tensor.dim()
+            shape[axis] = row.numel()
+            masks.append((tensor, row.to(tensor.dtype).reshape(shape)))
+    return masks
+
+
 def fit_end_to_end(
     model: Any, tokenizer: Any, texts: Sequence[str | torch.Tensor], *, max_tokens: int = 1024, steps: int = 40,
     lr: float = 0.003, held_out: int = 2, eval_every: int = 5, seed: int = 0, progress: bool = False,
+    heads: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Train the maps of a model linearized by :func:`linattn.hf.linearize` (with learned maps) end to end.
 
@@ -122,6 +212,8 @@ def fit_end_to_end(
             ``max_tokens`` tokens; the last
             ``held_out`` of them are held out for early stopping (every ``eval_every`` steps).
         steps, lr: Adam steps (one sequence each) and learning rate.
+        heads: None (train every head's map), or a (layers, heads) bool tensor: only the marked heads' map
+            parameters (and γ factors) are trained, the others stay exactly as they were.
 
     Returns ``{"history": [(step, train KL, held-out KL)], "best_held_out": KL, "seconds": s}``; the model keeps
     the parameters of the best held-out evaluation. ``linearize`` installs the very map modules (and γ tensors) of
@@ -145,6 +237,7 @@ def fit_end_to_end(
             params.append(factor)
     if not params:
         raise LinearAttentionError("model: its maps have no parameters to train (use maps from fit_model_feature_maps)")
+    masks = _head_masks(modules, heads)
     frozen = [(param, param.requires_grad) for param in model.parameters()]
     for param, _ in frozen:
         param.requires_grad_(False)
@@ -192,6 +285,9 @@ def fit_end_to_end(
             loss_t = divergence(order.choice(train), True)
             optimiser.zero_grad()
             loss_t.backward()
+            for param, mask in masks:  # Adam moves an entry whose gradient was always 0 by exactly 0
+                if param.grad is not None:
+                    param.grad.mul_(mask)
             optimiser.step()
             train_loss = float(loss_t.detach())
     finally:

@@ -138,12 +138,11 @@ def _sampled(model: Any, tokenizer: Any, prompts: list[str], args: Any, sample_t
     return texts
 
 
-def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any) -> tuple[Any, dict[str, Any]]:
-    """A copy of ``fitted`` trained end to end (:mod:`.end_to_end`) on texts sampled from the model itself,
-    prompted by the train text's paragraphs; ``fitted`` stays as it was. Returns the copy and what it took."""
-    from .. import hf
+def _training_sequences(model: Any, tokenizer: Any, args: Any) -> tuple[list[torch.Tensor], float]:
+    """The end-to-end stage's texts as token ids (N,) each, sampled from the model itself prompted by the train
+    text's paragraphs (or read from ``--end-to-end-texts``), and the seconds sampling took."""
     from ..data import paragraphs
-    from .end_to_end import copying_sequences, fit_end_to_end, sample_texts
+    from .end_to_end import sample_texts
 
     train = _train_text(args)
     starts = [" ".join(paragraph.split()[:20]) for paragraph in paragraphs(train)]
@@ -151,20 +150,46 @@ def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any) -> tuple[Any
     model.set_attn_implementation("sdpa")
     begin = time.perf_counter()
     texts = _sampled(model, tokenizer, prompts, args, sample_texts)
-    sampled = time.perf_counter() - begin
     limit = args.end_to_end_tokens + 64  # prompt included
-    plain = [torch.as_tensor(tokenizer(text)["input_ids"][:limit]) for text in texts]
+    return [torch.as_tensor(tokenizer(text)["input_ids"][:limit]) for text in texts], time.perf_counter() - begin
+
+
+RETRIEVAL_SEQUENCES = 8  # training samples scored by retrieval_scores (two forward passes each with weights)
+
+
+def _retrieval_heads(model: Any, plain: list[torch.Tensor], args: Any) -> torch.Tensor:
+    """(layers, heads) bool: the ``--retrieval-heads`` heads of highest :func:`~.end_to_end.retrieval_scores` on
+    the first training samples (never the held-out ones)."""
+    from .end_to_end import retrieval_scores
+
+    model.set_attn_implementation("sdpa")
+    scores = retrieval_scores(model, plain[: min(RETRIEVAL_SEQUENCES, len(plain) - 2)], window=args.window,
+                              sinks=args.sinks)
+    marked = torch.zeros(scores.numel(), dtype=torch.bool)
+    marked[scores.flatten().argsort(descending=True)[: args.retrieval_heads]] = True
+    return marked.reshape(scores.shape)
+
+
+def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any, plain: list[torch.Tensor],
+                heads: torch.Tensor | None) -> tuple[Any, dict[str, Any]]:
+    """A copy of ``fitted`` trained end to end (:mod:`.end_to_end`) on the sampled sequences ``plain`` (and their
+    copying sequences); only the ``heads`` marked, when given. ``fitted`` stays as it was. Returns the copy and
+    what it took."""
+    from .. import hf
+    from .end_to_end import copying_sequences, fit_end_to_end
+
     held = 2  # the last two samples, and the copying sequence of the last but one, are held out
     copies = copying_sequences(plain, seed=0) if args.end_to_end_copies else []
     train_copies, held_copies = copies[: max(0, len(copies) - 1)], copies[max(0, len(copies) - 1) :]
     sequences = plain[:-held] + train_copies + plain[-held:] + held_copies
     tuned = copy.deepcopy(fitted)
     hf.linearize(model, tuned)
-    info = fit_end_to_end(model, tokenizer, sequences, max_tokens=limit, steps=args.end_to_end_steps,
-                          held_out=held + len(held_copies), progress=not args.quiet)
+    info = fit_end_to_end(model, tokenizer, sequences, max_tokens=args.end_to_end_tokens + 64,
+                          steps=args.end_to_end_steps, held_out=held + len(held_copies), progress=not args.quiet,
+                          heads=heads)
     model.set_attn_implementation("sdpa")
-    return tuned, {"samples": len(texts), "copying_sequences": len(copies), "tokens": args.end_to_end_tokens,
-                   "sample_seconds": sampled, "steps": args.end_to_end_steps,
+    return tuned, {"samples": len(plain), "copying_sequences": len(copies), "tokens": args.end_to_end_tokens,
+                   "steps": args.end_to_end_steps, "heads": None if heads is None else int(heads.sum()),
                    "best_held_out_kl": info["best_held_out"], "history": info["history"]}
 
 
@@ -246,9 +271,20 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
             result[key], result["fit_tokens"] = time.perf_counter() - begin, fit_tokens
             label = "hedgehog fitted with window" + (" (γ)" if args.gamma else "") if with_window else "hedgehog"
             configurations.append((label, fitted, {}))
+            heads = None
+            if with_window and (args.end_to_end_steps or args.retrieval_heads):
+                plain, result["sample_seconds"] = _training_sequences(model, tokenizer, args)
+            if with_window and args.retrieval_heads:
+                begin = time.perf_counter()
+                heads = _retrieval_heads(model, plain, args)
+                result["retrieval_heads"] = {"heads": heads.nonzero().tolist(), "seconds": time.perf_counter() - begin}
+                if args.retrieval_maps:  # the retrieval heads' maps from another run (e.g. trained on copying)
+                    fitted = fitted.with_heads(load_feature_maps(args.retrieval_maps), heads)
+                    label += f", {args.retrieval_heads} retrieval heads from {os.path.basename(args.retrieval_maps)}"
+                    configurations.append((label, fitted, {}))
             if with_window and args.end_to_end_steps:
                 begin = time.perf_counter()
-                tuned, info = _end_to_end(model, tokenizer, fitted, args)
+                tuned, info = _end_to_end(model, tokenizer, fitted, args, plain, heads)
                 result["end_to_end"] = {**info, "seconds": time.perf_counter() - begin}
                 configurations.append((label + ", end to end", tuned, {}))
                 if args.save_maps:
@@ -352,6 +388,12 @@ def add_lm_arguments(parser: Any) -> None:
     add("--end-to-end-copies", action=argparse.BooleanOptionalAction, default=True,
         help="causal LMs: also train on copying sequences built from the samples (a passage, other text, the "
              "passage again)")
+    add("--retrieval-heads", type=int, default=0,
+        help="causal LMs: the K heads that retrieve most beyond the window (retrieval_scores on the sampled texts): "
+             "with --retrieval-maps they take that file's maps; the end-to-end stage then trains only them")
+    add("--retrieval-maps", default=None,
+        help="causal LMs: a maps file (same layout as the hedgehog+window maps) whose retrieval heads' maps replace "
+             "those of the fitted/--fitted-maps maps, e.g. maps trained on copying sequences")
     add("--gamma", action="store_true",
         help="causal LMs: fit hedgehog+window with LoLCATs' per-head factor γ instead of the mass-preserving window")
 
@@ -365,8 +407,14 @@ def cli(args: Any) -> int:
     if args.end_to_end_steps < 0 or args.end_to_end_samples < 3 or args.end_to_end_tokens < 1:
         raise LinearAttentionError("--end-to-end-steps: need ≥ 0; --end-to-end-samples: ≥ 3 (2 are held out); "
                                    "--end-to-end-tokens: ≥ 1")
-    if args.end_to_end_steps and "hedgehog+window" not in (args.maps or ["hedgehog+window"]):
-        raise LinearAttentionError("--end-to-end-steps trains the maps of the hedgehog+window row: add it to --maps")
+    if args.retrieval_heads < 0 or (args.retrieval_maps and not args.retrieval_heads):
+        raise LinearAttentionError("--retrieval-heads: need ≥ 0, and ≥ 1 with --retrieval-maps")
+    if args.retrieval_maps and not os.path.isfile(args.retrieval_maps):
+        raise LinearAttentionError(f"--retrieval-maps: {args.retrieval_maps!r} is not a file; pass a maps file "
+                                   "written by --save-maps")
+    if (args.end_to_end_steps or args.retrieval_heads) and "hedgehog+window" not in (args.maps or ["hedgehog+window"]):
+        raise LinearAttentionError("--end-to-end-steps and --retrieval-heads act on the maps of the hedgehog+window "
+                                   "row: add it to --maps")
     result = run_lm_compare(args)
     out = args.out if args.out != DEFAULT_OUT else DEFAULT_OUT + "-lm"
     if not args.quiet:

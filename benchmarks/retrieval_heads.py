@@ -1,0 +1,90 @@
+"""Two sets of SmolLM2 hybrid maps combined per head: the retrieval heads take maps B, the others maps A.
+
+End-to-end training on plain text (maps A) and on copying sequences (maps B) pull the same features two ways:
+A is better on plain text, B on the repeated passage (docs/models.md, "Staged"). Here the heads are ranked by
+:func:`linattn.evaluate.end_to_end.retrieval_scores` on the first 8 training samples (the texts of
+``--texts``, written by ``linattn compare ... --end-to-end-texts``; never the held-out text), and the top k take
+B's maps (:meth:`linattn.distill.FittedFeatureMaps.with_heads`). Each row: held-out perplexity and repeated-passage
+perplexity (the ``linattn compare`` probes: 4 passages of 128 tokens after 512), and the same two measures on
+training-side sequences (the 2 samples and the copying sequence the end-to-end stage held out), which is what a
+choice of k may look at.
+
+    python benchmarks/retrieval_heads.py A.safetensors B.safetensors --texts out/e2e-texts-1536.json \\
+        --k 0 10 20 40 70 270 --baselines        # ~30 s a row, 2 threads
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from linattn import hf
+from linattn.data import load_text
+from linattn.distill import load_feature_maps
+from linattn.evaluate.end_to_end import _copy_plans, copying_sequences, retrieval_scores
+from linattn.evaluate.lm_compare import LM_SINKS, LM_WINDOW, RETRIEVAL_SEQUENCES, use_window_softmax
+from linattn.evaluate.models import load_model
+from linattn.evaluate.perplexity import score_tokens
+from linattn.evaluate.probes import Probe, repeat_perplexity, repeated_passages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("a", help="maps for the other heads (e.g. trained end to end on samples alone)")
+    parser.add_argument("b", help="maps for the retrieval heads (e.g. trained with copying sequences)")
+    parser.add_argument("--texts", required=True, help="the end-to-end texts file (--end-to-end-texts)")
+    parser.add_argument("--k", type=int, nargs="+", default=[0, 10, 20, 40, 70, 270])
+    parser.add_argument("--baselines", action="store_true", help="also the softmax and window+sinks rows")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer, _ = load_model("smollm2", causal_lm=True)
+    with open(args.texts, encoding="utf-8") as f:
+        saved = json.load(f)
+    limit = saved["tokens"] + 64  # as the end-to-end stage cuts them
+    plain = [torch.as_tensor(tokenizer(text)["input_ids"][:limit]) for text in saved["texts"]]
+    heldout = load_text("heldout")
+    ids = torch.tensor(tokenizer(heldout)["input_ids"])[None]
+    probes = repeated_passages(tokenizer, heldout)
+    # the end-to-end stage's held-out sequences: its last two samples and the last copying sequence
+    index, length, _ = _copy_plans(plain, (32, 192), (128, 768), 0)[-1]
+    last_copy = copying_sequences(plain, seed=0)[-1]
+    train_side = [x[None] for x in plain[-2:]]
+    train_probe = [Probe("repeat", last_copy, last_copy.shape[0] - length, 0)]
+    print(f"{ids.shape[1]} held-out tokens; training side: samples {len(plain) - 2}, {len(plain) + 1}, copying "
+          f"sequence of sample {index + 1}")
+    print(f"{'row':>26} {'held-out ppl':>12} {'repeat':>7} {'train-side ppl':>14} {'repeat':>7}")
+
+    def row(label: str) -> None:
+        begin = time.perf_counter()
+        ppl = float((-score_tokens(model, ids, 1)[0]).mean().exp())
+        repeat = repeat_perplexity(model, probes)
+        side = math.exp(sum(float(-score_tokens(model, x, 1)[0].mean()) for x in train_side) / len(train_side))
+        side_repeat = repeat_perplexity(model, train_probe)
+        print(f"{label:>26} {ppl:12.2f} {repeat:7.2f} {side:14.2f} {side_repeat:7.2f}  "
+              f"({time.perf_counter() - begin:.0f} s)", flush=True)
+
+    begin = time.perf_counter()
+    scores = retrieval_scores(model, plain[:RETRIEVAL_SEQUENCES], window=LM_WINDOW, sinks=LM_SINKS)
+    order = scores.flatten().argsort(descending=True)
+    heads = scores.shape[1]
+    top = ", ".join(f"{int(i) // heads}.{int(i) % heads} ({float(scores.flatten()[i]):.2f})" for i in order[:10])
+    print(f"retrieval scores ({time.perf_counter() - begin:.0f} s); the top 10, layer.head (score): {top}")
+    if args.baselines:
+        row("softmax")
+        use_window_softmax(model, LM_WINDOW, LM_SINKS)
+        row(f"window{LM_WINDOW}+sinks{LM_SINKS}")
+    a, b = load_feature_maps(args.a), load_feature_maps(args.b)
+    for k in args.k:
+        marked = torch.zeros(scores.numel(), dtype=torch.bool)
+        marked[order[:k]] = True
+        hf.linearize(model, a.with_heads(b, marked.reshape(scores.shape)))
+        row(f"top {k} heads from B")
+
+
+if __name__ == "__main__":
+    main()
