@@ -9,8 +9,12 @@ perplexity (the ``linattn compare`` probes: 4 passages of 128 tokens after 512),
 training-side sequences (the 2 samples and the copying sequence the end-to-end stage held out), which is what a
 choice of k may look at.
 
+``--exact K...``: a diagnostic, not a linear model: maps A everywhere but the top K heads, which attend with exact
+causal softmax over all keys. How much of the repeat the retrieval heads carry, and so how much better maps for
+those heads alone could buy.
+
     python benchmarks/retrieval_heads.py A.safetensors B.safetensors --texts out/e2e-texts-1536.json \\
-        --k 0 10 20 40 70 270 --baselines        # ~30 s a row, 2 threads
+        --k 0 10 20 40 70 270 --exact 20 70 --baselines        # ~30 s a row, 2 threads
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import json
 import math
 import time
+from typing import Any
 
 import torch
 
@@ -38,6 +43,8 @@ def main() -> None:
     parser.add_argument("b", help="maps for the retrieval heads (e.g. trained with copying sequences)")
     parser.add_argument("--texts", required=True, help="the end-to-end texts file (--end-to-end-texts)")
     parser.add_argument("--k", type=int, nargs="+", default=[0, 10, 20, 40, 70, 270])
+    parser.add_argument("--exact", type=int, nargs="*", default=[],
+                        help="diagnostic rows: maps A, the top K heads with exact causal softmax")
     parser.add_argument("--baselines", action="store_true", help="also the softmax and window+sinks rows")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -55,7 +62,7 @@ def main() -> None:
     last_copy = copying_sequences(plain, seed=0)[-1]
     train_side = [x[None] for x in plain[-2:]]
     train_probe = [Probe("repeat", last_copy, last_copy.shape[0] - length, 0)]
-    print(f"{ids.shape[1]} held-out tokens; training side: samples {len(plain) - 2}, {len(plain) + 1}, copying "
+    print(f"{ids.shape[1]} held-out tokens; training side: samples {len(plain) - 1}, {len(plain)}, copying "
           f"sequence of sample {index + 1}")
     print(f"{'row':>26} {'held-out ppl':>12} {'repeat':>7} {'train-side ppl':>14} {'repeat':>7}")
 
@@ -84,6 +91,37 @@ def main() -> None:
         marked[order[:k]] = True
         hf.linearize(model, a.with_heads(b, marked.reshape(scores.shape)))
         row(f"top {k} heads from B")
+    if args.exact:
+        exact_rows(model, a, order, heads, args.exact, row)
+
+
+def exact_rows(model: Any, maps: Any, order: torch.Tensor, heads: int, counts: list[int], row: Any) -> None:
+    """Rows with ``maps`` in every head but the top ``count`` of ``order``, which get exact causal softmax."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    exact: dict[int, list[int]] = {}
+
+    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any,
+                  **options: Any) -> tuple[torch.Tensor, None]:
+        out, _ = hf.linattn_attention_forward(module, query, key, value, mask, **options)
+        chosen = exact.get(module.layer_idx)
+        if chosen:  # (B, N, H, d): the chosen heads' outputs replaced by softmax over every earlier key
+            softmax = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, is_causal=True, scale=options.get("scaling"), enable_gqa=True).transpose(1, 2)
+            out = out.clone()
+            out[:, :, chosen] = softmax[:, :, chosen]
+        return out, None
+
+    hf.linearize(model, maps)
+    AttentionInterface.register("linattn_exact_heads", attention)
+    AttentionMaskInterface.register("linattn_exact_heads", hf.linattn_mask)  # the 2-D padding mask, as "linattn"
+    model.set_attn_implementation("linattn_exact_heads")
+    for count in counts:
+        exact.clear()
+        for index in order[:count].tolist():
+            exact.setdefault(index // heads, []).append(index % heads)
+        row(f"A, top {count} heads exact")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ Rows (each on the same held-out text of the shipped corpus, or ``--heldout``):
 - ``hedgehog``: maps fitted on the train text (:func:`linattn.distill.fit_model_feature_maps`), or loaded with
   ``--fitted-maps FILE``;
 - hybrids (``hedgehog+window``, ``elu+window``: the maps above beside the softmax window; ``hedgehog fitted with
-  window``: maps fitted with the window in place, :func:`linattn.distill.fit_feature_map` ``window=``).
+  window``: maps fitted with the window in place, :func:`linattn.distill.fit_feature_map` ``window=``);
+- with ``--retrieval-heads K --retrieval-maps FILE``: the K heads that retrieve most beyond the window
+  (:func:`~linattn.evaluate.end_to_end.retrieval_scores`) take FILE's maps, the others keep the hybrid's; an
+  end-to-end stage (``--end-to-end-steps``) then trains only those K heads.
 
 Columns: held-out perplexity (:func:`~linattn.evaluate.perplexity`), the repeated-passage perplexity and passkey
 accuracy at each filler length (:mod:`~linattn.evaluate.probes`), and for linear rows the per-head output error and
