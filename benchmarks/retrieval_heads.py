@@ -30,7 +30,7 @@ import torch
 from linattn import hf
 from linattn.data import load_text
 from linattn.distill import load_feature_maps
-from linattn.evaluate.end_to_end import _copy_plans, copying_sequences, retrieval_scores
+from linattn.evaluate.end_to_end import _copy_plans, copying_sequences, retrieval_scores, top_heads
 from linattn.evaluate.lm_compare import LM_SINKS, LM_WINDOW, RETRIEVAL_SEQUENCES, use_window_softmax
 from linattn.evaluate.models import load_model
 from linattn.evaluate.perplexity import score_tokens
@@ -87,9 +87,7 @@ def main() -> None:
         row(f"window{LM_WINDOW}+sinks{LM_SINKS}")
     a, b = load_feature_maps(args.a), load_feature_maps(args.b)
     for k in args.k:
-        marked = torch.zeros(scores.numel(), dtype=torch.bool)
-        marked[order[:k]] = True
-        hf.linearize(model, a.with_heads(b, marked.reshape(scores.shape)))
+        hf.linearize(model, a.with_heads(b, top_heads(scores, k)))
         row(f"top {k} heads from B")
     if args.exact:
         exact_rows(model, a, order, heads, args.exact, row)

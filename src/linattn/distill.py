@@ -396,6 +396,16 @@ def _progress(steps: int, enabled: bool, kind: str) -> Any:
     return tqdm(total=steps, desc=f"fitting {kind}", leave=False)
 
 
+def check_head_mask(heads: Any, layers: int, width: int | None) -> None:
+    """Raise unless ``heads`` is a (layers, width) bool tensor marking heads per layer."""
+    if not isinstance(heads, torch.Tensor) or heads.dtype != torch.bool or heads.shape != (layers, width):
+        raise LinearAttentionError(
+            f"heads: need a bool tensor of shape ({layers}, {width}) (layers, heads), got "
+            f"{heads.dtype if isinstance(heads, torch.Tensor) else type(heads).__name__} "
+            f"{tuple(heads.shape) if isinstance(heads, torch.Tensor) else ''}"
+        )
+
+
 @dataclass
 class FittedFeatureMaps:
     """Fitted maps for a whole model: ``maps[layer]`` is a per-head map (``num_heads`` = the model's heads)."""
@@ -433,13 +443,7 @@ class FittedFeatureMaps:
                 f"other: maps of another layout ({', '.join(differ) or 'γ form'} differ); combine maps fitted for "
                 "the same model with the same options"
             )
-        if not isinstance(heads, torch.Tensor) or heads.dtype != torch.bool or heads.shape != (
-                self.num_layers, self.num_heads):
-            raise LinearAttentionError(
-                f"heads: need a bool tensor of shape ({self.num_layers}, {self.num_heads}) (layers, heads), got "
-                f"{heads.dtype if isinstance(heads, torch.Tensor) else type(heads).__name__} "
-                f"{tuple(heads.shape) if isinstance(heads, torch.Tensor) else ''}"
-            )
+        check_head_mask(heads, self.num_layers, self.num_heads)
         out = copy.deepcopy(self)
         with torch.no_grad():
             for layer, (mine, theirs) in enumerate(zip(out.maps, other.maps, strict=True)):

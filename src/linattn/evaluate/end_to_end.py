@@ -86,8 +86,12 @@ def copying_sequences(
     """From each token sequence (N,) long enough: its first P tokens, the G tokens after them, then the first P
     again (P, G drawn uniformly from the ranges, seeded). The softmax model copies the repeat; trained on such
     sequences, the linear part learns to retrieve what has left the window (a window alone cannot)."""
-    return [torch.cat([sequences[i][:length], sequences[i][length : length + span], sequences[i][:length]])
-            for i, length, span in _copy_plans(sequences, passage, gap, seed)]
+    return [_copy(sequences[i], length, span) for i, length, span in _copy_plans(sequences, passage, gap, seed)]
+
+
+def _copy(ids: torch.Tensor, length: int, span: int) -> torch.Tensor:
+    """ids[:P], ids[P : P + G], ids[:P] (P = length, G = span)."""
+    return torch.cat([ids[:length], ids[length : length + span], ids[:length]])
 
 
 def retrieval_scores(
@@ -128,13 +132,19 @@ def retrieval_scores(
     try:
         total = torch.zeros(len(modules), model.config.num_attention_heads, dtype=torch.float64)
         for index, length, span in plans:
-            ids = sequences[index]
-            copied = torch.cat([ids[:length], ids[length : length + span], ids[:length]])
-            first = length + span
-            total += far_mass(copied, first) - far_mass(ids[: copied.shape[0]], first)
+            copied, first = _copy(sequences[index], length, span), length + span
+            total += far_mass(copied, first) - far_mass(sequences[index][: copied.shape[0]], first)
     finally:
         model.set_attn_implementation(previous)
     return total / len(plans)
+
+
+def top_heads(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """(layers, heads) bool: the ``count`` heads of highest ``scores`` (layers, heads), e.g. of
+    :func:`retrieval_scores`; all heads when ``count`` exceeds their number."""
+    marked = torch.zeros(scores.numel(), dtype=torch.bool)
+    marked[scores.flatten().argsort(descending=True)[:count]] = True
+    return marked.reshape(scores.shape)
 
 
 TOP_TOKENS = 256  # the teacher's distribution kept per position: its top tokens and the rest as one bucket
@@ -171,17 +181,12 @@ def _head_masks(modules: list[Any], heads: torch.Tensor | None) -> list[tuple[to
     """(parameter, 0/1 mask broadcast over it) for every trainable map parameter and γ factor of a layer whose
     heads are not all trained; [] when ``heads`` is None."""
     from .. import hf
+    from ..distill import check_head_mask
 
     if heads is None:
         return []
-    count = len(modules)
     width = getattr(getattr(modules[0], hf.MAP_ATTRIBUTE), "num_heads", None) if modules else None
-    if not isinstance(heads, torch.Tensor) or heads.dtype != torch.bool or heads.shape != (count, width):
-        raise LinearAttentionError(
-            f"heads: need None or a bool tensor of shape ({count}, {width}) (layers, heads), got "
-            f"{heads.dtype if isinstance(heads, torch.Tensor) else type(heads).__name__} "
-            f"{tuple(heads.shape) if isinstance(heads, torch.Tensor) else ''}"
-        )
+    check_head_mask(heads, len(modules), width)
     masks = []
     for module, row in zip(modules, heads, strict=True):
         factor = getattr(module, hf.OPTIONS_ATTRIBUTE, {}).get("window_factor")

@@ -163,14 +163,12 @@ RETRIEVAL_SEQUENCES = 8  # training samples scored by retrieval_scores (two forw
 def _retrieval_heads(model: Any, plain: list[torch.Tensor], args: Any) -> torch.Tensor:
     """(layers, heads) bool: the ``--retrieval-heads`` heads of highest :func:`~.end_to_end.retrieval_scores` on
     the first training samples (never the held-out ones)."""
-    from .end_to_end import retrieval_scores
+    from .end_to_end import retrieval_scores, top_heads
 
     model.set_attn_implementation("sdpa")
     scores = retrieval_scores(model, plain[: min(RETRIEVAL_SEQUENCES, len(plain) - 2)], window=args.window,
                               sinks=args.sinks)
-    marked = torch.zeros(scores.numel(), dtype=torch.bool)
-    marked[scores.flatten().argsort(descending=True)[: args.retrieval_heads]] = True
-    return marked.reshape(scores.shape)
+    return top_heads(scores, args.retrieval_heads)
 
 
 def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any, plain: list[torch.Tensor],
