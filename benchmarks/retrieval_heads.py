@@ -13,13 +13,20 @@ choice of k may look at.
 causal softmax over all keys. How much of the repeat the retrieval heads carry, and so how much better maps for
 those heads alone could buy.
 
+``--scale K S...``: a second diagnostic: maps A (the first file) with the top K heads' projections W, b multiplied
+by S, untrained. S < 1 flattens those heads' features, which moves attention mass from the window to the many
+keys beyond it: it tells whether those heads' far mass or the sharpness of their recall is what is short.
+
     python benchmarks/retrieval_heads.py A.safetensors B.safetensors --texts out/e2e-texts-1536.json \\
         --k 0 10 20 40 70 270 --exact 20 70 --baselines        # ~30 s a row, 2 threads
+    python benchmarks/retrieval_heads.py A.safetensors A.safetensors --texts out/e2e-texts-1536.json \\
+        --k 0 --scale 20 0.5 0.75 1.5
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import time
@@ -45,6 +52,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[0, 10, 20, 40, 70, 270])
     parser.add_argument("--exact", type=int, nargs="*", default=[],
                         help="diagnostic rows: maps A, the top K heads with exact causal softmax")
+    parser.add_argument("--scale", type=float, nargs="*", default=[],
+                        help="diagnostic rows: K S1 S2 ...: maps A with the top K heads' W, b multiplied by S")
     parser.add_argument("--baselines", action="store_true", help="also the softmax and window+sinks rows")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -89,8 +98,25 @@ def main() -> None:
     for k in args.k:
         hf.linearize(model, a.with_heads(b, top_heads(scores, k)))
         row(f"top {k} heads from B")
+    if args.scale:
+        if len(args.scale) < 2 or args.scale[0] != int(args.scale[0]) or args.scale[0] < 1:
+            parser.error("--scale: K S1 [S2 ...], K a head count ≥ 1")
+        count = int(args.scale[0])
+        for factor in args.scale[1:]:
+            hf.linearize(model, scaled(a, top_heads(scores, count), factor))
+            row(f"A, top {count} heads W,b x{factor:g}")
     if args.exact:
         exact_rows(model, a, order, heads, args.exact, row)
+
+
+def scaled(maps: Any, marked: torch.Tensor, factor: float) -> Any:
+    """A copy of ``maps`` whose marked heads ((layers, heads) bool) have their projection W, b times ``factor``."""
+    out = copy.deepcopy(maps)
+    with torch.no_grad():
+        for fmap, row in zip(out.maps, marked, strict=True):
+            fmap.weight[:, row] *= factor
+            fmap.bias[:, row] *= factor
+    return out
 
 
 def exact_rows(model: Any, maps: Any, order: torch.Tensor, heads: int, counts: list[int], row: Any) -> None:

@@ -174,6 +174,19 @@ def test_compare_gives_the_retrieval_heads_other_maps_and_trains_only_them(tiny_
     assert (result["rows"][1]["perplexity"] != result["rows"][0]["perplexity"]) == moved
     with pytest.raises(LinearAttentionError, match="retrieval-heads"):
         main([*common, "--fitted-maps", base, "--retrieval-maps", other, "--out", str(tmp_path / "third")])
+    # the other way round: the retrieval heads stay, the other heads are trained, the repeat weighted
+    assert main([*common, "--fitted-maps", base, "--retrieval-heads", "3", "--train-other-heads",
+                 "--end-to-end-repeat-weight", "4", "--end-to-end-steps", "2", "--save-maps", str(tmp_path / "c"),
+                 "--out", str(tmp_path / "fourth")]) == 0
+    result = json.loads((tmp_path / "fourth" / "results.json").read_text())
+    assert [row["name"] for row in result["rows"]] == [
+        "hedgehog fitted with window", "hedgehog fitted with window, end to end, other heads, repeat weight 4"]
+    assert result["end_to_end"]["heads"] == 8 - 3 and result["end_to_end"]["repeat_weight"] == 4
+    after = load_feature_maps(str(tmp_path / "c" / "hedgehog_window_end_to_end.safetensors"))
+    for layer, head in result["retrieval_heads"]["heads"]:
+        assert torch.equal(after.maps[layer].weight[:, head], before.maps[layer].weight[:, head])
+    with pytest.raises(LinearAttentionError, match="train-other-heads"):
+        main([*common, "--fitted-maps", base, "--train-other-heads", "--out", str(tmp_path / "fifth")])
 
 
 def test_end_to_end_texts_are_written_once_and_read_back(tiny_folder, tmp_path):

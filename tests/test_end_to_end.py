@@ -11,9 +11,12 @@ from linattn import LinearAttentionError, hf  # noqa: E402
 from linattn.distill import fit_model_feature_maps  # noqa: E402
 from linattn.evaluate.capture import capture_attention  # noqa: E402
 from linattn.evaluate.end_to_end import (  # noqa: E402
+    TOP_TOKENS,
     _coarse_teacher,
+    _log_probs,
     coarse_kl,
     copying_sequences,
+    copying_weights,
     fit_end_to_end,
     retrieval_scores,
     sample_texts,
@@ -74,6 +77,34 @@ def test_fit_end_to_end_keeps_the_best_evaluation(linearized):
     # the parameters left in the model are those of the best held-out evaluation: evaluated again, the same KL
     # (same shapes, same kernels: equal up to the summation order of the float64 mean, hence the tolerance)
     assert again["best_held_out"] == pytest.approx(result["best_held_out"], rel=1e-6)
+
+
+def test_fit_end_to_end_weights_the_kl_of_each_position(linearized):
+    model, tokenizer, _ = linearized
+    data = texts(3)
+    tokens = torch.as_tensor(tokenizer(data[-1])["input_ids"])
+    assert tokens.shape[0] > 128  # the weights are truncated with the text
+    ids = tokens[:128][None]
+    model.set_attn_implementation("sdpa")
+    teacher = _coarse_teacher(_log_probs(model, ids, False), TOP_TOKENS)
+    model.set_attn_implementation(hf.IMPLEMENTATION)
+    per_position = coarse_kl(teacher, _log_probs(model, ids, False))[0].double()  # (128,)
+    weights = torch.zeros(tokens.shape[0])
+    weights[10:40], weights[70], weights[127:] = 2.0, 5.0, 100.0  # past position 127: cut off with the text
+    weighted = fit_end_to_end(model, tokenizer, data, max_tokens=128, steps=0, held_out=1,
+                              weights=[None, None, weights])
+    plain = fit_end_to_end(model, tokenizer, data, max_tokens=128, steps=0, held_out=1)
+    # the held-out KL is the weighted mean over positions, by hand in float64 from the same per-position values
+    # (the library sums 128 float32 terms: a relative error of order 1e-6, hence rel=1e-5)
+    kept = weights[:128].double()
+    assert weighted["best_held_out"] == pytest.approx(float((per_position * kept).sum() / kept.sum()), rel=1e-5)
+    assert plain["best_held_out"] == pytest.approx(float(per_position.mean()), rel=1e-5)
+    assert abs(weighted["best_held_out"] - plain["best_held_out"]) > 1e-4  # the weights changed the measure
+    for bad, match in (([None, weights], "one entry"), ([None, None, weights[:50]], r"weights\[2\]: shape"),
+                       ([None, None, -weights], r"weights\[2\]: need finite"),
+                       ([None, None, torch.zeros_like(weights)], "positive sum")):
+        with pytest.raises(LinearAttentionError, match=match):
+            fit_end_to_end(model, tokenizer, data, max_tokens=128, steps=0, held_out=1, weights=bad)
 
 
 def test_fit_end_to_end_trains_only_the_marked_heads():
@@ -158,6 +189,20 @@ def test_copying_sequences_repeat_the_passage_after_the_gap():
         assert 30 <= made.shape[0] - 2 * length <= 60
     assert all(torch.equal(a, b) for a, b in zip(out, copying_sequences(sequences, passage=(5, 20), gap=(30, 60),
                                                                          seed=1), strict=True))
+
+
+def test_copying_weights_mark_the_positions_that_predict_the_repeat():
+    sequences = [torch.arange(100) + 1000 * i for i in range(3)] + [torch.arange(10)]
+    copies = copying_sequences(sequences, passage=(5, 20), gap=(30, 60), seed=1)
+    weights = copying_weights(sequences, 4.0, passage=(5, 20), gap=(30, 60), seed=1)
+    assert len(weights) == len(copies) == 3
+    for made, marks in zip(copies, weights, strict=True):
+        start = int((made[1:] < made[:-1]).nonzero()[0]) + 1  # increasing tokens: the repeat starts at the drop
+        expected = torch.ones(made.shape[0])
+        expected[start - 1 : -1] = 4.0  # position t predicts token t + 1: from the one before the repeat
+        assert torch.equal(marks, expected)
+    with pytest.raises(LinearAttentionError, match="repeat_weight"):
+        copying_weights(sequences, 0.0)
 
 
 def test_coarse_kl_against_the_full_kl_in_float64():

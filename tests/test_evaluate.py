@@ -192,3 +192,22 @@ def test_per_head_wrapper_applies_each_heads_map() -> None:
     for h, fmap in enumerate(draws):
         alone = attention_metrics(q[h], k[h], v[h], fmap)
         assert float(together["per_head"]["rel_error"][h]) == pytest.approx(alone["rel_error"], rel=1e-9)
+
+
+def test_a_gguf_conversion_is_named_by_the_files_bytes_not_its_path(tmp_path, monkeypatch) -> None:
+    import os
+
+    from linattn.evaluate.models import _conversion_folder
+
+    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
+    data = bytes(range(256)) * 40_000  # 10 MB: more than one block of the digest
+    first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    os.utime(second, ns=(1, 1))  # another install: another path, another modification time
+    folder = _conversion_folder(str(first))
+    assert folder.parent == tmp_path / "cache" and folder.name.startswith("m-")
+    assert _conversion_folder(str(second)) == folder  # the same file reuses the conversion
+    second.write_bytes(data[:-1] + b"\x00")  # one byte changed at the very end: converted anew
+    assert _conversion_folder(str(second)) != folder

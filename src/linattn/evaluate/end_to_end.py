@@ -8,7 +8,8 @@ about twice the original's on the tokens past position 512 alone, docs/models.md
 - :func:`sample_texts`: long training text *from the model itself* (sampled continuations of short prompts), so
   the fits see rows as long as the contexts they will serve, without any text beyond the shipped corpus;
 - :func:`copying_sequences`: a passage, other text, the passage again — the model copies the repeat, and the
-  hybrid's linear part must learn to, since the first copy has left the window;
+  hybrid's linear part must learn to, since the first copy has left the window; :func:`copying_weights` weights
+  the positions that predict the repeat in the loss;
 - :func:`retrieval_scores`: which heads retrieve beyond the window (reach far on a repeat, not on plain text),
   so that maps trained for copying can serve those heads and maps trained on plain text the others
   (:meth:`~linattn.distill.FittedFeatureMaps.with_heads`, and ``heads=`` of :func:`fit_end_to_end`);
@@ -87,6 +88,27 @@ def copying_sequences(
     again (P, G drawn uniformly from the ranges, seeded). The softmax model copies the repeat; trained on such
     sequences, the linear part learns to retrieve what has left the window (a window alone cannot)."""
     return [_copy(sequences[i], length, span) for i, length, span in _copy_plans(sequences, passage, gap, seed)]
+
+
+def copying_weights(
+    sequences: Sequence[torch.Tensor], repeat_weight: float, *, passage: tuple[int, int] = (32, 192),
+    gap: tuple[int, int] = (128, 768), seed: int = 0,
+) -> list[torch.Tensor]:
+    """Position weights for :func:`fit_end_to_end`'s ``weights``, one (N,) float32 tensor per sequence of
+    :func:`copying_sequences` with the same arguments (same order): ``repeat_weight`` at the positions that predict
+    a token of the repeat (position t predicts token t + 1), 1 elsewhere.
+
+    The repeat is a small share of a copying sequence's positions (P of 2P + G); weighting it more steers training
+    towards recall beyond the window, at some cost on plain text (docs/models.md measures the trade-off).
+    """
+    if not (math.isfinite(repeat_weight) and repeat_weight > 0):
+        raise LinearAttentionError(f"repeat_weight: need a finite weight > 0, got {repeat_weight}")
+    out = []
+    for _, length, span in _copy_plans(sequences, passage, gap, seed):
+        weights = torch.ones(2 * length + span)
+        weights[length + span - 1 : -1] = repeat_weight  # logits at P + G − 1 … predict the repeat's P tokens
+        out.append(weights)
+    return out
 
 
 def _copy(ids: torch.Tensor, length: int, span: int) -> torch.Tensor:
@@ -203,10 +225,36 @@ def _head_masks(modules: list[Any], heads: torch.Tensor | None) -> list[tuple[to
     return masks
 
 
+def _position_weights(weights: Sequence[torch.Tensor | None] | None, ids: list[torch.Tensor],
+                      max_tokens: int) -> list[torch.Tensor | None]:
+    """``weights`` checked against the token sequences ``ids`` (each (1, n), already truncated to ``max_tokens``)
+    and truncated likewise; all None when ``weights`` is None."""
+    if weights is None:
+        return [None] * len(ids)
+    if len(weights) != len(ids):
+        raise LinearAttentionError(f"weights: need one entry (None or a (N,) tensor) per text, got {len(weights)} "
+                                   f"for {len(ids)} texts")
+    out: list[torch.Tensor | None] = []
+    for index, (entry, tokens) in enumerate(zip(weights, ids, strict=True)):
+        if entry is None:
+            out.append(None)
+            continue
+        entry = torch.as_tensor(entry, dtype=torch.float64)
+        n = tokens.shape[-1]
+        if entry.dim() != 1 or entry.shape[0] < n or (entry.shape[0] > n and n < max_tokens):
+            raise LinearAttentionError(f"weights[{index}]: shape {tuple(entry.shape)}; need one weight per token of "
+                                       "its text, (N,)")
+        entry = entry[:n]
+        if not bool(torch.isfinite(entry).all()) or bool((entry < 0).any()) or float(entry.sum()) <= 0:
+            raise LinearAttentionError(f"weights[{index}]: need finite weights ≥ 0 with a positive sum")
+        out.append(entry)
+    return out
+
+
 def fit_end_to_end(
     model: Any, tokenizer: Any, texts: Sequence[str | torch.Tensor], *, max_tokens: int = 1024, steps: int = 40,
     lr: float = 0.003, held_out: int = 2, eval_every: int = 5, seed: int = 0, progress: bool = False,
-    heads: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None, weights: Sequence[torch.Tensor | None] | None = None,
 ) -> dict[str, Any]:
     """Train the maps of a model linearized by :func:`linattn.hf.linearize` (with learned maps) end to end.
 
@@ -219,6 +267,10 @@ def fit_end_to_end(
         steps, lr: Adam steps (one sequence each) and learning rate.
         heads: None (train every head's map), or a (layers, heads) bool tensor: only the marked heads' map
             parameters (and γ factors) are trained, the others stay exactly as they were.
+        weights: None (every position counts 1), or one entry per text: None, or a (N,) tensor of non-negative
+            position weights (N the text's tokens; position t predicts token t + 1), truncated with the text. A
+            sequence's KL is then the weighted mean over its positions, in training and in the held-out
+            evaluation alike; e.g. :func:`copying_weights`.
 
     Returns ``{"history": [(step, train KL, held-out KL)], "best_held_out": KL, "seconds": s}``; the model keeps
     the parameters of the best held-out evaluation. ``linearize`` installs the very map modules (and γ tensors) of
@@ -231,6 +283,7 @@ def fit_end_to_end(
     if held_out < 1 or len(ids) <= held_out or steps < 0 or eval_every < 1:
         raise LinearAttentionError(f"texts/held_out/steps/eval_every: need more than held_out ≥ 1 texts, steps ≥ 0, "
                                    f"eval_every ≥ 1; got {len(ids)}/{held_out}/{steps}/{eval_every}")
+    scales = _position_weights(weights, ids, max_tokens)
     modules = hf.attention_modules(model)
     maps = [getattr(module, hf.MAP_ATTRIBUTE, None) for module in modules]
     if any(fmap is None for fmap in maps) or model.config._attn_implementation != hf.IMPLEMENTATION:
@@ -262,7 +315,12 @@ def fit_end_to_end(
         return teacher[index]
 
     def divergence(index: int, grad: bool) -> torch.Tensor:
-        return coarse_kl(target(index), _log_probs(model, ids[index], grad)).mean()  # KL per token, mean
+        per_position = coarse_kl(target(index), _log_probs(model, ids[index], grad))[0]  # (N,)
+        scale = scales[index]
+        if scale is None:
+            return per_position.mean()
+        scale = scale.to(per_position)
+        return (per_position * scale).sum() / scale.sum()
 
     train, held = list(range(len(ids) - held_out)), list(range(len(ids) - held_out, len(ids)))
     optimiser = torch.optim.Adam(params, lr=lr)

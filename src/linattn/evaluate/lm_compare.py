@@ -177,20 +177,27 @@ def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any, plain: list[
     copying sequences); only the ``heads`` marked, when given. ``fitted`` stays as it was. Returns the copy and
     what it took."""
     from .. import hf
-    from .end_to_end import copying_sequences, fit_end_to_end
+    from .end_to_end import copying_sequences, copying_weights, fit_end_to_end
 
     held = 2  # the last two samples, and the copying sequence of the last but one, are held out
     copies = copying_sequences(plain, seed=0) if args.end_to_end_copies else []
     train_copies, held_copies = copies[: max(0, len(copies) - 1)], copies[max(0, len(copies) - 1) :]
     sequences = plain[:-held] + train_copies + plain[-held:] + held_copies
+    weights = None
+    if copies and args.end_to_end_repeat_weight != 1:
+        marks = copying_weights(plain, args.end_to_end_repeat_weight, seed=0)
+        weights = [None] * (len(plain) - held) + marks[:-1] + [None] * held + marks[-1:]
+    if heads is not None and args.train_other_heads:
+        heads = ~heads
     tuned = copy.deepcopy(fitted)
     hf.linearize(model, tuned)
     info = fit_end_to_end(model, tokenizer, sequences, max_tokens=args.end_to_end_tokens + 64,
                           steps=args.end_to_end_steps, held_out=held + len(held_copies), progress=not args.quiet,
-                          heads=heads)
+                          heads=heads, weights=weights)
     model.set_attn_implementation("sdpa")
     return tuned, {"samples": len(plain), "copying_sequences": len(copies), "tokens": args.end_to_end_tokens,
                    "steps": args.end_to_end_steps, "heads": None if heads is None else int(heads.sum()),
+                   "repeat_weight": args.end_to_end_repeat_weight,
                    "best_held_out_kl": info["best_held_out"], "history": info["history"]}
 
 
@@ -287,7 +294,10 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
                 begin = time.perf_counter()
                 tuned, info = _end_to_end(model, tokenizer, fitted, args, plain, heads)
                 result["end_to_end"] = {**info, "seconds": time.perf_counter() - begin}
-                configurations.append((label + ", end to end", tuned, {}))
+                stage = ", end to end" + (", other heads" if heads is not None and args.train_other_heads else "")
+                if args.end_to_end_repeat_weight != 1:
+                    stage += f", repeat weight {args.end_to_end_repeat_weight:g}"
+                configurations.append((label + stage, tuned, {}))
                 if args.save_maps:
                     os.makedirs(args.save_maps, exist_ok=True)  # also when the fit was loaded (--fitted-maps)
                     tuned.save(os.path.join(args.save_maps, "hedgehog_window_end_to_end.safetensors"))
@@ -389,12 +399,17 @@ def add_lm_arguments(parser: Any) -> None:
     add("--end-to-end-copies", action=argparse.BooleanOptionalAction, default=True,
         help="causal LMs: also train on copying sequences built from the samples (a passage, other text, the "
              "passage again)")
+    add("--end-to-end-repeat-weight", type=float, default=1.0,
+        help="causal LMs: the loss weight of the positions that predict a copying sequence's repeat (others 1)")
     add("--retrieval-heads", type=int, default=0,
         help="causal LMs: the K heads that retrieve most beyond the window (retrieval_scores on the sampled texts): "
              "with --retrieval-maps they take that file's maps; the end-to-end stage then trains only them")
     add("--retrieval-maps", default=None,
         help="causal LMs: a maps file (same layout as the hedgehog+window maps) whose retrieval heads' maps replace "
              "those of the fitted/--fitted-maps maps, e.g. maps trained on copying sequences")
+    add("--train-other-heads", action="store_true",
+        help="causal LMs: the end-to-end stage trains the heads other than the --retrieval-heads (those stay as "
+             "they are)")
     add("--gamma", action="store_true",
         help="causal LMs: fit hedgehog+window with LoLCATs' per-head factor γ instead of the mass-preserving window")
 
@@ -410,6 +425,11 @@ def cli(args: Any) -> int:
                                    "--end-to-end-tokens: ≥ 1")
     if args.retrieval_heads < 0 or (args.retrieval_maps and not args.retrieval_heads):
         raise LinearAttentionError("--retrieval-heads: need ≥ 0, and ≥ 1 with --retrieval-maps")
+    if args.train_other_heads and not args.retrieval_heads:
+        raise LinearAttentionError("--train-other-heads: needs --retrieval-heads K (the heads left as they are)")
+    if not (args.end_to_end_repeat_weight > 0 and args.end_to_end_repeat_weight < float("inf")):
+        raise LinearAttentionError(f"--end-to-end-repeat-weight: need a finite weight > 0, got "
+                                   f"{args.end_to_end_repeat_weight}")
     if args.retrieval_maps and not os.path.isfile(args.retrieval_maps):
         raise LinearAttentionError(f"--retrieval-maps: {args.retrieval_maps!r} is not a file; pass a maps file "
                                    "written by --save-maps")
