@@ -185,6 +185,12 @@ def test_compare_gives_the_retrieval_heads_other_maps_and_trains_only_them(tiny_
     after = load_feature_maps(str(tmp_path / "c" / "hedgehog_window_end_to_end.safetensors"))
     for layer, head in result["retrieval_heads"]["heads"]:
         assert torch.equal(after.maps[layer].weight[:, head], before.maps[layer].weight[:, head])
+    # the retrieval heads alone trained, on their own maps: the row says which heads
+    assert main([*common, "--fitted-maps", base, "--retrieval-heads", "2", "--end-to-end-steps", "1",
+                 "--out", str(tmp_path / "sixth")]) == 0
+    result = json.loads((tmp_path / "sixth" / "results.json").read_text())
+    assert result["rows"][-1]["name"] == "hedgehog fitted with window, end to end, 2 retrieval heads"
+    assert result["end_to_end"]["heads"] == 2
     with pytest.raises(LinearAttentionError, match="train-other-heads"):
         main([*common, "--fitted-maps", base, "--train-other-heads", "--out", str(tmp_path / "fifth")])
 

@@ -294,7 +294,11 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
                 begin = time.perf_counter()
                 tuned, info = _end_to_end(model, tokenizer, fitted, args, plain, heads)
                 result["end_to_end"] = {**info, "seconds": time.perf_counter() - begin}
-                stage = ", end to end" + (", other heads" if heads is not None and args.train_other_heads else "")
+                stage = ", end to end"
+                if heads is not None and args.train_other_heads:
+                    stage += ", other heads"
+                elif heads is not None and not args.retrieval_maps:  # else the label names them already
+                    stage += f", {args.retrieval_heads} retrieval heads"
                 if args.end_to_end_repeat_weight != 1:
                     stage += f", repeat weight {args.end_to_end_repeat_weight:g}"
                 configurations.append((label + stage, tuned, {}))
