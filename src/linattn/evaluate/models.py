@@ -97,7 +97,11 @@ def _conversion_folder(gguf_path: str) -> Path:
 def _converted(gguf_path: str) -> str:
     """A safetensors copy of the GGUF model (fp32, dequantised), made once; returns its folder."""
     folder = _conversion_folder(gguf_path)
-    if (folder / "config.json").is_file() and (folder / ".complete").is_file():
+
+    def complete() -> bool:
+        return (folder / "config.json").is_file() and (folder / ".complete").is_file()
+
+    if complete():
         return str(folder)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -116,16 +120,23 @@ def _converted(gguf_path: str) -> str:
             setattr(model, attribute, plain)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = folder.with_name(folder.name + ".partial")
+    import shutil
+
+    # a folder of this process's own: two processes converting the same file (e.g. two clones' test runs) never
+    # write into one folder, and a conversion interrupted half-way is never taken for a complete one
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     partial.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     (partial / ".complete").write_text(f"converted from {gguf_path}\n")
-    if folder.exists():  # an incomplete earlier try
-        import shutil
-
-        shutil.rmtree(folder)
-    partial.rename(folder)  # a conversion interrupted half-way is never taken for a complete one
+    if folder.exists() and not complete():  # an incomplete earlier try
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        partial.rename(folder)
+    except OSError:  # another process finished the same conversion first: keep its folder
+        shutil.rmtree(partial, ignore_errors=True)
+        if not complete():
+            raise
     return str(folder)
 
 
