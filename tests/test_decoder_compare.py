@@ -179,18 +179,26 @@ def test_compare_gives_the_retrieval_heads_other_maps_and_trains_only_them(tiny_
                  "--end-to-end-repeat-weight", "4", "--end-to-end-steps", "2", "--save-maps", str(tmp_path / "c"),
                  "--out", str(tmp_path / "fourth")]) == 0
     result = json.loads((tmp_path / "fourth" / "results.json").read_text())
+    samples_copies = result["end_to_end"]["copying_sequences"]
     assert [row["name"] for row in result["rows"]] == [
         "hedgehog fitted with window", "hedgehog fitted with window, end to end, other heads, repeat weight 4"]
     assert result["end_to_end"]["heads"] == 8 - 3 and result["end_to_end"]["repeat_weight"] == 4
     after = load_feature_maps(str(tmp_path / "c" / "hedgehog_window_end_to_end.safetensors"))
     for layer, head in result["retrieval_heads"]["heads"]:
         assert torch.equal(after.maps[layer].weight[:, head], before.maps[layer].weight[:, head])
-    # the retrieval heads alone trained, on their own maps: the row says which heads
-    assert main([*common, "--fitted-maps", base, "--retrieval-heads", "2", "--end-to-end-steps", "1",
+    # the retrieval heads alone trained, on their own maps, with the training text beside the samples: the row
+    # says which heads and which text
+    longer = tmp_path / "longer.txt"  # long enough for copying sequences of its own
+    longer.write_text((tiny_folder / "train.txt").read_text() * 4)
+    assert main([*common[:2], str(longer), *common[3:], "--fitted-maps", base, "--retrieval-heads", "2",
+                 "--end-to-end-steps", "1", "--end-to-end-corpus-orders", "2", "--end-to-end-repeat-weight", "3",
                  "--out", str(tmp_path / "sixth")]) == 0
     result = json.loads((tmp_path / "sixth" / "results.json").read_text())
-    assert result["rows"][-1]["name"] == "hedgehog fitted with window, end to end, 2 retrieval heads"
-    assert result["end_to_end"]["heads"] == 2
+    assert result["rows"][-1]["name"] == ("hedgehog fitted with window, end to end, 2 retrieval heads, with 2 orders "
+                                          "of the training text, repeat weight 3")
+    info = result["end_to_end"]
+    assert info["heads"] == 2 and info["corpus_sequences"] == 2
+    assert info["copying_sequences"] > samples_copies  # the text's own copies too, each with its weights
     with pytest.raises(LinearAttentionError, match="train-other-heads"):
         main([*common, "--fitted-maps", base, "--train-other-heads", "--out", str(tmp_path / "fifth")])
 

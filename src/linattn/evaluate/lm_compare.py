@@ -182,11 +182,21 @@ def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any, plain: list[
     held = 2  # the last two samples, and the copying sequence of the last but one, are held out
     copies = copying_sequences(plain, seed=0) if args.end_to_end_copies else []
     train_copies, held_copies = copies[: max(0, len(copies) - 1)], copies[max(0, len(copies) - 1) :]
-    sequences = plain[:-held] + train_copies + plain[-held:] + held_copies
+    corpus: list[torch.Tensor] = []
+    if args.end_to_end_corpus_orders:  # the training text itself, in paragraph orders, beside the samples
+        from .capture import reordered
+
+        limit = args.end_to_end_tokens + 64
+        corpus = [torch.as_tensor(tokenizer(text)["input_ids"][:limit])
+                  for text in reordered(_train_text(args), args.end_to_end_corpus_orders, seed=0)]
+    corpus_copies = copying_sequences(corpus, seed=1) if corpus and args.end_to_end_copies else []
+    sequences = plain[:-held] + train_copies + corpus + corpus_copies + plain[-held:] + held_copies
     weights = None
     if copies and args.end_to_end_repeat_weight != 1:
         marks = copying_weights(plain, args.end_to_end_repeat_weight, seed=0)
-        weights = [None] * (len(plain) - held) + marks[:-1] + [None] * held + marks[-1:]
+        extra = copying_weights(corpus, args.end_to_end_repeat_weight, seed=1) if corpus_copies else []
+        weights = ([None] * (len(plain) - held) + marks[:-1] + [None] * len(corpus) + extra + [None] * held
+                   + marks[-1:])
     if heads is not None and args.train_other_heads:
         heads = ~heads
     tuned = copy.deepcopy(fitted)
@@ -195,7 +205,8 @@ def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any, plain: list[
                           steps=args.end_to_end_steps, held_out=held + len(held_copies), progress=not args.quiet,
                           heads=heads, weights=weights)
     model.set_attn_implementation("sdpa")
-    return tuned, {"samples": len(plain), "copying_sequences": len(copies), "tokens": args.end_to_end_tokens,
+    return tuned, {"samples": len(plain), "copying_sequences": len(copies) + len(corpus_copies),
+                   "corpus_sequences": len(corpus), "tokens": args.end_to_end_tokens,
                    "steps": args.end_to_end_steps, "heads": None if heads is None else int(heads.sum()),
                    "repeat_weight": args.end_to_end_repeat_weight,
                    "best_held_out_kl": info["best_held_out"], "history": info["history"]}
@@ -299,6 +310,8 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
                     stage += ", other heads"
                 elif heads is not None and not args.retrieval_maps:  # else the label names them already
                     stage += f", {args.retrieval_heads} retrieval heads"
+                if args.end_to_end_corpus_orders:
+                    stage += f", with {args.end_to_end_corpus_orders} orders of the training text"
                 if args.end_to_end_repeat_weight != 1:
                     stage += f", repeat weight {args.end_to_end_repeat_weight:g}"
                 configurations.append((label + stage, tuned, {}))
@@ -403,6 +416,9 @@ def add_lm_arguments(parser: Any) -> None:
     add("--end-to-end-copies", action=argparse.BooleanOptionalAction, default=True,
         help="causal LMs: also train on copying sequences built from the samples (a passage, other text, the "
              "passage again)")
+    add("--end-to-end-corpus-orders", type=int, default=0,
+        help="causal LMs: also train the end-to-end stage on the training text itself, in this many paragraph "
+             "orders (and their copying sequences); 0: the samples alone")
     add("--end-to-end-repeat-weight", type=float, default=1.0,
         help="causal LMs: the loss weight of the positions that predict a copying sequence's repeat (others 1)")
     add("--retrieval-heads", type=int, default=0,
@@ -429,6 +445,8 @@ def cli(args: Any) -> int:
                                    "--end-to-end-tokens: ≥ 1")
     if args.retrieval_heads < 0 or (args.retrieval_maps and not args.retrieval_heads):
         raise LinearAttentionError("--retrieval-heads: need ≥ 0, and ≥ 1 with --retrieval-maps")
+    if args.end_to_end_corpus_orders < 0:
+        raise LinearAttentionError("--end-to-end-corpus-orders: need ≥ 0")
     if args.train_other_heads and not args.retrieval_heads:
         raise LinearAttentionError("--train-other-heads: needs --retrieval-heads K (the heads left as they are)")
     if not (args.end_to_end_repeat_weight > 0 and args.end_to_end_repeat_weight < float("inf")):
