@@ -232,3 +232,26 @@ def test_end_to_end_texts_are_written_once_and_read_back(tiny_folder, tmp_path):
     assert third == pytest.approx({row["name"]: row["perplexity"] for row in first["rows"]}, rel=1e-6)
     with pytest.raises(LinearAttentionError, match="another model, other prompts or another length"):
         run("fourth", tokens="21")
+
+
+def test_end_to_end_texts_of_a_converted_model_are_found_from_any_install(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from linattn.evaluate.lm_compare import _sampled
+
+    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
+    saved = tmp_path / "texts.json"
+    settings = {"model": "m-0123456789ab", "prompts": ["a"], "tokens": 5, "seed": 0}
+    saved.write_text(json.dumps({**settings, "texts": ["abcde"]}))
+    args = SimpleNamespace(end_to_end_tokens=5, end_to_end_texts=str(saved))
+
+    def never(*_: object, **__: object) -> list[str]:
+        raise AssertionError("sampled again")
+
+    # a GGUF conversion is named by the file's bytes (the same folder name in every install): the name is the key
+    converted = SimpleNamespace(config=SimpleNamespace(_name_or_path=str(tmp_path / "cache" / "m-0123456789ab")))
+    assert _sampled(converted, None, ["a"], args, never) == ["abcde"]
+    # any other folder is known by its path
+    other = SimpleNamespace(config=SimpleNamespace(_name_or_path=str(tmp_path / "m-0123456789ab")))
+    with pytest.raises(LinearAttentionError, match="another model"):
+        _sampled(other, None, ["a"], args, never)

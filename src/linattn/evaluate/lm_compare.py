@@ -121,7 +121,12 @@ def _fit(model: Any, tokenizer: Any, name: str, args: Any, window: int | None) -
 def _sampled(model: Any, tokenizer: Any, prompts: list[str], args: Any, sample_texts: Any) -> list[str]:
     """The end-to-end stage's texts: sampled (seed 0), or read from ``--end-to-end-texts`` when that file was
     written for the same model, prompts and length (a run writes it when it is missing)."""
-    settings = {"model": str(getattr(model.config, "_name_or_path", "")), "prompts": prompts,
+    from .models import cache_folder
+
+    name = str(getattr(model.config, "_name_or_path", ""))
+    if os.path.dirname(os.path.abspath(name)) == os.path.abspath(cache_folder()):  # a GGUF conversion: its folder
+        name = os.path.basename(name)  # is named by the file's bytes, the same in every install; the path is not
+    settings = {"model": name, "prompts": prompts,
                 "tokens": args.end_to_end_tokens, "seed": 0}
     path = getattr(args, "end_to_end_texts", None)
     if path and os.path.isfile(path):
