@@ -36,7 +36,7 @@ import torch
 from ..data import load_text
 from ..distill import load_feature_maps
 from ..errors import LinearAttentionError
-from .models import _gguf_in, _is_causal_lm, load_model
+from .models import _gguf_in, _is_causal_lm, cache_folder, load_model
 
 WINDOW_IMPLEMENTATION = "linattn_window_softmax"
 DEFAULT_OUT = "out/compare"
@@ -121,8 +121,6 @@ def _fit(model: Any, tokenizer: Any, name: str, args: Any, window: int | None) -
 def _sampled(model: Any, tokenizer: Any, prompts: list[str], args: Any, sample_texts: Any) -> list[str]:
     """The end-to-end stage's texts: sampled (seed 0), or read from ``--end-to-end-texts`` when that file was
     written for the same model, prompts and length (a run writes it when it is missing)."""
-    from .models import cache_folder
-
     name = str(getattr(model.config, "_name_or_path", ""))
     if os.path.dirname(os.path.abspath(name)) == os.path.abspath(cache_folder()):  # a GGUF conversion: its folder
         name = os.path.basename(name)  # is named by the file's bytes, the same in every install; the path is not
@@ -158,8 +156,12 @@ def _training_sequences(model: Any, tokenizer: Any, args: Any) -> tuple[list[tor
     model.set_attn_implementation("sdpa")
     begin = time.perf_counter()
     texts = _sampled(model, tokenizer, prompts, args, sample_texts)
-    limit = args.end_to_end_tokens + 64  # prompt included
-    return [torch.as_tensor(tokenizer(text)["input_ids"][:limit]) for text in texts], time.perf_counter() - begin
+    return _token_ids(tokenizer, texts, args), time.perf_counter() - begin
+
+
+def _token_ids(tokenizer: Any, texts: list[str], args: Any) -> list[torch.Tensor]:
+    """Each text as token ids (N,), cut where the end-to-end stage cuts them (its tokens, a prompt's 64 more)."""
+    return [torch.as_tensor(tokenizer(text)["input_ids"][: args.end_to_end_tokens + 64]) for text in texts]
 
 
 RETRIEVAL_SEQUENCES = 8  # training samples scored by retrieval_scores (two forward passes each with weights)
@@ -185,29 +187,30 @@ def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any, plain: list[
     from .end_to_end import copying_sequences, copying_weights, fit_end_to_end
 
     held = 2  # the last two samples, and the copying sequence of the last but one, are held out
-    copies = copying_sequences(plain, seed=0) if args.end_to_end_copies else []
-    train_copies, held_copies = copies[: max(0, len(copies) - 1)], copies[max(0, len(copies) - 1) :]
+    repeat = args.end_to_end_repeat_weight
+
+    def with_copies(texts: list[torch.Tensor], seed: int) -> list[tuple[torch.Tensor, Any]]:
+        """Each copying sequence of ``texts`` with its position weights (the repeat weighted)."""
+        if not texts or not args.end_to_end_copies:
+            return []
+        return list(zip(copying_sequences(texts, seed=seed), copying_weights(texts, repeat, seed=seed), strict=True))
+
     corpus: list[torch.Tensor] = []
     if args.end_to_end_corpus_orders:  # the training text itself, in paragraph orders, beside the samples
         from .capture import reordered
 
-        limit = args.end_to_end_tokens + 64
-        corpus = [torch.as_tensor(tokenizer(text)["input_ids"][:limit])
-                  for text in reordered(_train_text(args), args.end_to_end_corpus_orders, seed=0)]
-    corpus_copies = copying_sequences(corpus, seed=1) if corpus and args.end_to_end_copies else []
-    sequences = plain[:-held] + train_copies + corpus + corpus_copies + plain[-held:] + held_copies
-    weights = None
-    if copies and args.end_to_end_repeat_weight != 1:
-        marks = copying_weights(plain, args.end_to_end_repeat_weight, seed=0)
-        extra = copying_weights(corpus, args.end_to_end_repeat_weight, seed=1) if corpus_copies else []
-        weights = ([None] * (len(plain) - held) + marks[:-1] + [None] * len(corpus) + extra + [None] * held
-                   + marks[-1:])
+        corpus = _token_ids(tokenizer, reordered(_train_text(args), args.end_to_end_corpus_orders, seed=0), args)
+    samples, copies, corpus_copies = [(x, None) for x in plain], with_copies(plain, 0), with_copies(corpus, 1)
+    ordered = (samples[:-held] + copies[:-1] + [(x, None) for x in corpus] + corpus_copies + samples[-held:]
+               + copies[-1:])
+    sequences = [ids for ids, _ in ordered]
+    weights = None if repeat == 1 else [marks for _, marks in ordered]
     if heads is not None and args.train_other_heads:
         heads = ~heads
     tuned = copy.deepcopy(fitted)
     hf.linearize(model, tuned)
     info = fit_end_to_end(model, tokenizer, sequences, max_tokens=args.end_to_end_tokens + 64,
-                          steps=args.end_to_end_steps, held_out=held + len(held_copies), progress=not args.quiet,
+                          steps=args.end_to_end_steps, held_out=held + len(copies[-1:]), progress=not args.quiet,
                           heads=heads, weights=weights)
     model.set_attn_implementation("sdpa")
     return tuned, {"samples": len(plain), "copying_sequences": len(copies) + len(corpus_copies),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,6 @@ def _converted(gguf_path: str) -> str:
             setattr(model, attribute, plain)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    import shutil
-
     # a folder of this process's own: two processes converting the same file (e.g. two clones' test runs) never
     # write into one folder, and a conversion interrupted half-way is never taken for a complete one
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
