@@ -255,3 +255,42 @@ def test_end_to_end_texts_of_a_converted_model_are_found_from_any_install(tmp_pa
     other = SimpleNamespace(config=SimpleNamespace(_name_or_path=str(tmp_path / "m-0123456789ab")))
     with pytest.raises(LinearAttentionError, match="another model"):
         _sampled(other, None, ["a"], args, never)
+
+
+def test_compare_trains_lora_adapters_with_the_maps_frozen_and_only_for_their_row(tiny_folder, tmp_path):
+    from linattn.cli import main
+
+    common = ["compare", str(tiny_folder), str(tiny_folder / "train.txt"), "--heldout",
+              str(tiny_folder / "heldout.txt"), "--window", "8", "--sinks", "1", "--passkey-lengths", "40",
+              "--passkey-trials", "1", "--repeat-trials", "1", "--passage-tokens", "12", "--gap-tokens", "40",
+              "--no-metrics", "--no-baselines", "--end-to-end-samples", "4", "--end-to-end-tokens", "60",
+              "--end-to-end-texts", str(tmp_path / "texts.json"), "--quiet"]
+    assert main([*common, "--maps", "hedgehog+window", "--steps", "2", "--fit-max-tokens", "128", "--fit-orders",
+                 "1", "--save-maps", str(tmp_path / "a"), "--out", str(tmp_path / "first")]) == 0
+    base = str(tmp_path / "a" / "hedgehog_window.safetensors")
+    # elu after the adapted row: it must see the model as shipped (the adapters are attached for their row alone)
+    assert main([*common, "--maps", "hedgehog+window", "elu", "--fitted-maps", base, "--out", str(tmp_path / "plain")
+                 ]) == 0
+    assert main([*common, "--maps", "hedgehog+window", "elu", "--fitted-maps", base, "--end-to-end-lora", "2",
+                 "--end-to-end-lora-lr", "0.01", "--end-to-end-steps", "3", "--save-maps", str(tmp_path / "b"),
+                 "--out", str(tmp_path / "lora")]) == 0
+    plain = {row["name"]: row for row in json.loads((tmp_path / "plain" / "results.json").read_text())["rows"]}
+    result = json.loads((tmp_path / "lora" / "results.json").read_text())
+    rows = {row["name"]: row for row in result["rows"]}
+    adapted = "hedgehog fitted with window, end to end: LoRA r=2 (fine-tuned)"
+    assert list(rows) == ["hedgehog fitted with window", adapted, "elu", "elu+window"]
+    for name in ("hedgehog fitted with window", "elu", "elu+window"):  # same model, same maps: the same numbers
+        assert rows[name]["perplexity"] == pytest.approx(plain[name]["perplexity"], rel=1e-6), name
+    info = result["end_to_end"]
+    assert info["lora_rank"] == 2 and info["heads"] is None
+    assert "rank-2 adapters" in (tmp_path / "lora" / "report.md").read_text()  # the report says what was changed
+    assert "adapters" not in (tmp_path / "plain" / "report.md").read_text()
+    moved = info["best_held_out_kl"] < info["history"][0][2]
+    assert (rows[adapted]["perplexity"] != rows["hedgehog fitted with window"]["perplexity"]) == moved
+    assert (tmp_path / "b" / "lora.safetensors").is_file()  # the adapters; the maps were not trained
+    assert not (tmp_path / "b" / "hedgehog_window_end_to_end.safetensors").exists()
+    for bad in (["--end-to-end-lora", "2"], ["--end-to-end-lora", "-1", "--end-to-end-steps", "1"],
+                ["--end-to-end-lora", "2", "--end-to-end-steps", "1", "--retrieval-heads", "2"],
+                ["--end-to-end-lora", "2", "--end-to-end-steps", "1", "--end-to-end-lora-lr", "0"]):
+        with pytest.raises(LinearAttentionError, match="lora"):
+            main([*common, "--maps", "hedgehog+window", "--fitted-maps", base, *bad, "--out", str(tmp_path / "bad")])

@@ -20,20 +20,26 @@ about twice the original's on the tokens past position 512 alone, docs/models.md
   Early stopping on held-out sequences keeps the best parameters.
 
 LoLCATs' second stage fine-tunes the model's weights (LoRA) on next-token loss; this stage trains only the
-attention maps, so the model's weights stay exactly those shipped.
+attention maps by default, so the model's weights stay exactly those shipped. ``adapters=`` (a
+:class:`~linattn.evaluate.lora.LoRA`) trains low-rank updates of the attention projections as well or instead
+(``train_maps=False``): a fine-tuned model, to be reported as one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import LinearAttentionError
+
+if TYPE_CHECKING:
+    from .lora import LoRA
 
 
 def sample_texts(
@@ -255,6 +261,7 @@ def fit_end_to_end(
     model: Any, tokenizer: Any, texts: Sequence[str | torch.Tensor], *, max_tokens: int = 1024, steps: int = 40,
     lr: float = 0.003, held_out: int = 2, eval_every: int = 5, seed: int = 0, progress: bool = False,
     heads: torch.Tensor | None = None, weights: Sequence[torch.Tensor | None] | None = None,
+    adapters: LoRA | None = None, adapter_lr: float = 0.0005, train_maps: bool = True,
 ) -> dict[str, Any]:
     """Train the maps of a model linearized by :func:`linattn.hf.linearize` (with learned maps) end to end.
 
@@ -271,6 +278,11 @@ def fit_end_to_end(
             position weights (N the text's tokens; position t predicts token t + 1), truncated with the text. A
             sequence's KL is then the weighted mean over its positions, in training and in the held-out
             evaluation alike; e.g. :func:`copying_weights`.
+        adapters: None, or a :class:`~linattn.evaluate.lora.LoRA` attached to ``model``
+            (:func:`~linattn.evaluate.lora.add_lora`): its low-rank updates of the attention projections are
+            trained too, at ``adapter_lr`` (the teacher is the model with them disabled). This fine-tunes the
+            model in effect (LoLCATs' second stage); without adapters the model's weights stay as shipped.
+        train_maps: False keeps every map (and γ) as it is, e.g. to train the adapters alone.
 
     Returns ``{"history": [(step, train KL, held-out KL)], "best_held_out": KL, "seconds": s}``; the model keeps
     the parameters of the best held-out evaluation. ``linearize`` installs the very map modules (and γ tensors) of
@@ -293,14 +305,28 @@ def fit_end_to_end(
         factor = getattr(module, hf.OPTIONS_ATTRIBUTE, {}).get("window_factor")
         if isinstance(factor, torch.Tensor):
             params.append(factor)
-    if not params:
+    if adapters is not None and not getattr(adapters, "attached", False):
+        raise LinearAttentionError("adapters: not attached to the model; pass the LoRA of add_lora(model) (or call "
+                                   "its attach())")
+    if not train_maps:
+        if heads is not None:
+            raise LinearAttentionError("heads: marks the heads whose maps are trained; with train_maps=False no map "
+                                       "is, so pass heads=None")
+        params = []
+    elif not params:
         raise LinearAttentionError("model: its maps have no parameters to train (use maps from fit_model_feature_maps)")
-    masks = _head_masks(modules, heads)
+    extra = [] if adapters is None else list(adapters.parameters())
+    if not params and not extra:
+        raise LinearAttentionError("train_maps=False: nothing left to train; pass adapters (add_lora(model))")
+    masks = _head_masks(modules, heads) if params else []
     frozen = [(param, param.requires_grad) for param in model.parameters()]
     for param, _ in frozen:
         param.requires_grad_(False)
-    for param in params:
+    for param in params + extra:
         param.requires_grad_(True)
+
+    def original() -> Any:  # the teacher: the model as shipped (a context manager is used once)
+        return contextlib.nullcontext() if adapters is None else adapters.disabled()
     # the teacher's distributions, cached coarsened: (N, V) floats per sequence would be 0.2 GB at N = 1,024 and
     # a 49k vocabulary, (N, 2k + 1) are 2 MB
     teacher: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -309,7 +335,8 @@ def fit_end_to_end(
         if index not in teacher:  # the model with its own attention
             model.set_attn_implementation("sdpa")
             try:
-                teacher[index] = _coarse_teacher(_log_probs(model, ids[index], False), TOP_TOKENS)
+                with original():
+                    teacher[index] = _coarse_teacher(_log_probs(model, ids[index], False), TOP_TOKENS)
             finally:
                 model.set_attn_implementation(hf.IMPLEMENTATION)
         return teacher[index]
@@ -323,7 +350,9 @@ def fit_end_to_end(
         return (per_position * scale).sum() / scale.sum()
 
     train, held = list(range(len(ids) - held_out)), list(range(len(ids) - held_out, len(ids)))
-    optimiser = torch.optim.Adam(params, lr=lr)
+    groups = [{"params": params, "lr": lr}] if params else []
+    optimiser = torch.optim.Adam(groups + ([{"params": extra, "lr": adapter_lr}] if extra else []))
+    params = params + extra  # kept at their best evaluation alike
     order = random.Random(seed)
     best, best_loss = [p.detach().clone() for p in params], math.inf
     history: list[tuple[int, float, float]] = []

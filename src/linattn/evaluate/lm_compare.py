@@ -179,12 +179,14 @@ def _retrieval_heads(model: Any, plain: list[torch.Tensor], args: Any) -> torch.
 
 
 def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any, plain: list[torch.Tensor],
-                heads: torch.Tensor | None) -> tuple[Any, dict[str, Any]]:
+                heads: torch.Tensor | None) -> tuple[Any, Any, dict[str, Any]]:
     """A copy of ``fitted`` trained end to end (:mod:`.end_to_end`) on the sampled sequences ``plain`` (and their
-    copying sequences); only the ``heads`` marked, when given. ``fitted`` stays as it was. Returns the copy and
-    what it took."""
+    copying sequences); only the ``heads`` marked, when given. ``fitted`` stays as it was. With
+    ``--end-to-end-lora R`` the maps stay as they are and rank-R adapters are trained instead (detached from the
+    model on return). Returns the copy, the adapters (or None) and what it took."""
     from .. import hf
     from .end_to_end import copying_sequences, copying_weights, fit_end_to_end
+    from .lora import add_lora
 
     held = 2  # the last two samples, and the copying sequence of the last but one, are held out
     repeat = args.end_to_end_repeat_weight
@@ -209,14 +211,20 @@ def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any, plain: list[
         heads = ~heads
     tuned = copy.deepcopy(fitted)
     hf.linearize(model, tuned)
-    info = fit_end_to_end(model, tokenizer, sequences, max_tokens=args.end_to_end_tokens + 64,
-                          steps=args.end_to_end_steps, held_out=held + len(copies[-1:]), progress=not args.quiet,
-                          heads=heads, weights=weights)
+    adapters = add_lora(model, rank=args.end_to_end_lora) if args.end_to_end_lora else None
+    try:
+        info = fit_end_to_end(model, tokenizer, sequences, max_tokens=args.end_to_end_tokens + 64,
+                              steps=args.end_to_end_steps, held_out=held + len(copies[-1:]), progress=not args.quiet,
+                              heads=None if adapters else heads, weights=weights, adapters=adapters,
+                              adapter_lr=args.end_to_end_lora_lr, train_maps=adapters is None)
+    finally:
+        if adapters is not None:
+            adapters.remove()  # attached again for its own row only
     model.set_attn_implementation("sdpa")
-    return tuned, {"samples": len(plain), "copying_sequences": len(copies) + len(corpus_copies),
+    return tuned, adapters, {"samples": len(plain), "copying_sequences": len(copies) + len(corpus_copies),
                    "corpus_sequences": len(corpus), "tokens": args.end_to_end_tokens,
                    "steps": args.end_to_end_steps, "heads": None if heads is None else int(heads.sum()),
-                   "repeat_weight": args.end_to_end_repeat_weight,
+                   "repeat_weight": args.end_to_end_repeat_weight, "lora_rank": args.end_to_end_lora,
                    "best_held_out_kl": info["best_held_out"], "history": info["history"]}
 
 
@@ -281,6 +289,7 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
 
     fitted = None
     configurations: list[tuple[str, Any, dict[str, Any]]] = []
+    adapted: dict[str, Any] = {}  # row label → the LoRA adapters of that row (attached for it alone)
     saved = load_feature_maps(args.fitted_maps) if args.fitted_maps else None  # read once for every map row
     for map_name in wanted:
         if map_name in ("hedgehog", "hedgehog+window"):
@@ -311,7 +320,7 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
                     configurations.append((label, fitted, {}))
             if with_window and args.end_to_end_steps:
                 begin = time.perf_counter()
-                tuned, info = _end_to_end(model, tokenizer, fitted, args, plain, heads)
+                tuned, adapters, info = _end_to_end(model, tokenizer, fitted, args, plain, heads)
                 result["end_to_end"] = {**info, "seconds": time.perf_counter() - begin}
                 stage = ", end to end"
                 if heads is not None and args.train_other_heads:
@@ -322,10 +331,16 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
                     stage += f", with {args.end_to_end_corpus_orders} orders of the training text"
                 if args.end_to_end_repeat_weight != 1:
                     stage += f", repeat weight {args.end_to_end_repeat_weight:g}"
+                if adapters is not None:  # the maps as they were, the projections adapted
+                    stage = f", end to end: LoRA r={args.end_to_end_lora} (fine-tuned)" + stage[len(", end to end"):]
+                    adapted[label + stage] = adapters
                 configurations.append((label + stage, tuned, {}))
                 if args.save_maps:
                     os.makedirs(args.save_maps, exist_ok=True)  # also when the fit was loaded (--fitted-maps)
-                    tuned.save(os.path.join(args.save_maps, "hedgehog_window_end_to_end.safetensors"))
+                    if adapters is not None:
+                        adapters.save(os.path.join(args.save_maps, "lora.safetensors"))
+                    else:
+                        tuned.save(os.path.join(args.save_maps, "hedgehog_window_end_to_end.safetensors"))
         else:
             configurations.append((map_name, map_name, {"seed": 0} if map_name == "favor+" else {}))
     hybrid_options = {"window": args.window, "sinks": args.sinks}
@@ -334,12 +349,20 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
     for label, maps, options in configurations:
         begin = time.perf_counter()
         hf.linearize(model, maps, **options)
+        adapters = adapted.get(label)
+        if adapters is not None:
+            adapters.attach()
         extra: dict[str, Any] = {}
         if metrics_capture is not None and "window" not in options and not getattr(maps, "window", None):
             per_layer: list[Any] = [m.linattn_feature_map for m in hf.attention_modules(model)]
             metrics = capture_metrics(metrics_capture, per_layer, references=references)
             extra = {"rel_error": metrics["rel_error"], "kl": metrics["kl"]}
-        record(label, _row(model, tokenizer, heldout, args), time.perf_counter() - begin, **extra)
+        try:
+            row = _row(model, tokenizer, heldout, args)
+        finally:
+            if adapters is not None:
+                adapters.remove()
+        record(label, row, time.perf_counter() - begin, **extra)
     model.set_attn_implementation("sdpa")
     return result
 
@@ -390,6 +413,11 @@ def write(result: dict[str, Any], out: str) -> None:
     if "fit_seconds" in result:
         lines += ["", f"Hedgehog maps fitted in {result['fit_seconds']:.0f} s on {result['fit_tokens']} captured "
                       "train tokens (0: loaded from a file)."]
+    rank = result.get("end_to_end", {}).get("lora_rank")
+    if rank:
+        lines += ["", f"The row marked (fine-tuned) is not the model as shipped: rank-{rank} adapters on every "
+                      "attention layer's q/k/v/o projections were trained end to end with its maps frozen "
+                      "(LoLCATs' second stage). Every other row uses the model's own weights."]
     with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -438,6 +466,11 @@ def add_lm_arguments(parser: Any) -> None:
     add("--train-other-heads", action="store_true",
         help="causal LMs: the end-to-end stage trains the heads other than the --retrieval-heads (those stay as "
              "they are)")
+    add("--end-to-end-lora", type=int, default=0, metavar="R",
+        help="causal LMs: the end-to-end stage trains rank-R adapters of every attention layer's q/k/v/o "
+             "projections instead of the maps (LoLCATs' fine-tuning stage: the model's weights change in effect, "
+             "and the row says so); 0: no adapters")
+    add("--end-to-end-lora-lr", type=float, default=0.0005, help="causal LMs: the adapters' Adam learning rate")
     add("--gamma", action="store_true",
         help="causal LMs: fit hedgehog+window with LoLCATs' per-head factor γ instead of the mass-preserving window")
 
@@ -455,6 +488,13 @@ def cli(args: Any) -> int:
         raise LinearAttentionError("--retrieval-heads: need ≥ 0, and ≥ 1 with --retrieval-maps")
     if args.end_to_end_corpus_orders < 0:
         raise LinearAttentionError("--end-to-end-corpus-orders: need ≥ 0")
+    if args.end_to_end_lora < 0 or (args.end_to_end_lora and not args.end_to_end_steps):
+        raise LinearAttentionError("--end-to-end-lora: need a rank ≥ 0, and --end-to-end-steps ≥ 1 to train it")
+    if args.end_to_end_lora and (args.retrieval_heads and not args.retrieval_maps or args.train_other_heads):
+        raise LinearAttentionError("--end-to-end-lora trains the adapters with every map frozen: it takes no heads "
+                                   "to train (--retrieval-heads only with --retrieval-maps; no --train-other-heads)")
+    if not args.end_to_end_lora_lr > 0:
+        raise LinearAttentionError(f"--end-to-end-lora-lr: need > 0, got {args.end_to_end_lora_lr}")
     if args.train_other_heads and not args.retrieval_heads:
         raise LinearAttentionError("--train-other-heads: needs --retrieval-heads K (the heads left as they are)")
     if not (args.end_to_end_repeat_weight > 0 and args.end_to_end_repeat_weight < float("inf")):
