@@ -212,10 +212,12 @@ def _end_to_end(model: Any, tokenizer: Any, fitted: Any, args: Any, plain: list[
     tuned = copy.deepcopy(fitted)
     hf.linearize(model, tuned)
     adapters = add_lora(model, rank=args.end_to_end_lora) if args.end_to_end_lora else None
+    if adapters is not None:
+        heads = None  # every map stays as it is (the retrieval heads' maps may come from --retrieval-maps)
     try:
         info = fit_end_to_end(model, tokenizer, sequences, max_tokens=args.end_to_end_tokens + 64,
                               steps=args.end_to_end_steps, held_out=held + len(copies[-1:]), progress=not args.quiet,
-                              heads=None if adapters else heads, weights=weights, adapters=adapters,
+                              heads=heads, weights=weights, adapters=adapters,
                               adapter_lr=args.end_to_end_lora_lr, train_maps=adapters is None)
     finally:
         if adapters is not None:
@@ -323,6 +325,8 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
                 tuned, adapters, info = _end_to_end(model, tokenizer, fitted, args, plain, heads)
                 result["end_to_end"] = {**info, "seconds": time.perf_counter() - begin}
                 stage = ", end to end"
+                if adapters is not None:  # the maps as they were, the projections adapted
+                    stage += f": LoRA r={args.end_to_end_lora} (fine-tuned)"
                 if heads is not None and args.train_other_heads:
                     stage += ", other heads"
                 elif heads is not None and not args.retrieval_maps:  # else the label names them already
@@ -331,8 +335,7 @@ def run_lm_compare(args: Any) -> dict[str, Any]:
                     stage += f", with {args.end_to_end_corpus_orders} orders of the training text"
                 if args.end_to_end_repeat_weight != 1:
                     stage += f", repeat weight {args.end_to_end_repeat_weight:g}"
-                if adapters is not None:  # the maps as they were, the projections adapted
-                    stage = f", end to end: LoRA r={args.end_to_end_lora} (fine-tuned)" + stage[len(", end to end"):]
+                if adapters is not None:
                     adapted[label + stage] = adapters
                 configurations.append((label + stage, tuned, {}))
                 if args.save_maps:
