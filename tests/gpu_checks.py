@@ -16,7 +16,8 @@ from collections.abc import Callable
 import torch
 
 import linattn
-from linattn.backends import RECURRENT_MAX_TOKENS, select_backend
+from linattn.backends import RECURRENT_MAX_TOKENS
+from linattn.capabilities import Call, choose_backend, choose_route
 from reference import elu_plus_one, reference_attention, rel_error
 
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-5}
@@ -100,11 +101,10 @@ def check_long_sequence_against_torch() -> None:
 
 def check_auto_picks_triton() -> None:
     q = torch.randn(1, 2, 10, 16, device="cuda")
-    run = select_backend(
-        "auto", q, causal=True, form="chunked", log_space=False, chunk_size=None, dtype=torch.bfloat16,
-        torch_run=lambda *args, **kwargs: None,  # type: ignore[arg-type,return-value]
+    call = Call("plain", True, "auto", 10, 10)
+    assert choose_backend("auto", call, choose_route(call), q, torch.bfloat16) == "triton", (
+        "auto did not pick triton for a covered CUDA call"
     )
-    assert run.__name__ == "run", "auto did not pick triton for a covered CUDA call"
     out = linattn.linear_attention(q, q, q, causal=True, feature_map="favor+")  # log-space: auto falls back
     assert out.shape == q.shape and bool(torch.isfinite(out).all())
 

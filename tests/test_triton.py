@@ -115,29 +115,20 @@ def test_launch_retries_without_pipelining_when_shared_memory_runs_out() -> None
 
 
 def test_options_added_later_make_a_call_uncovered() -> None:
-    """An argument or option the kernels do not know (say a decay a later core adds) is a reason, not ignored:
-    forced triton raises naming it, auto hands the call to torch unchanged. No kernel runs here."""
-    from linattn.backends import _triton_run
-    from linattn.feature_maps import create
+    """An argument or option the kernels do not know (a decay, a gate, packing, a later state kind) is a reason in
+    the capability table, not ignored: forced triton raises naming it, auto hands the call to torch. No kernel
+    runs here (the device is faked as CUDA by the table's own inputs: a CPU tensor under TRITON_INTERPRET=1)."""
+    from linattn.capabilities import Call, choose_backend, choose_route
 
-    q, k, v = _qkv()
-    handed: list[dict[str, object]] = []
-
-    def torch_run(*args: object, **kwargs: object) -> tuple[torch.Tensor, None]:
-        handed.append(kwargs)
-        return q, None
-
-    call = {
-        "keep": None, "state": None, "return_state": False, "form": "chunked", "causal": True, "chunk_size": None,
-        "log_space": False, "map_name": "ELU",
-        "options": {"normalize": True, "eps": 1e-6, "min_denom": None, "window": 8}, "decay": 0.9,
-    }
-    fmap = create("elu", head_dim=8)
-    with pytest.raises(LinearAttentionError, match=r"option decay=0.9[\s\S]*option window=8"):
-        _triton_run(torch.float32, forced=True, torch_run=torch_run)(fmap, q, k, v, **call)
-    _triton_run(torch.float32, forced=False, torch_run=torch_run)(fmap, q, k, v, **call)
-    assert handed and handed[0]["decay"] == 0.9 and handed[0]["options"] == call["options"]
-
+    q, _, _ = _qkv()
+    plain = Call("plain", True, "auto", 20, 20, options=(("decay", 0.9), ("log_gate", None)))
+    route = choose_route(plain)
+    with pytest.raises(LinearAttentionError, match=r"option decay=0.9: not in the kernels"):
+        choose_backend("triton", plain, route, q, torch.float32)
+    window = Call("window", True, "auto", 20, 20)
+    with pytest.raises(LinearAttentionError, match=r"window attention: the kernels compute plain causal"):
+        choose_backend("triton", window, choose_route(window), q, torch.float32)
+    assert choose_backend("auto", plain, route, q, torch.float32) == "torch"
 
 def _smoke_rows(script: str, tmp_path: object) -> list[list[str]]:
     """Run benchmarks/<script> --smoke (CPU tensors, the interpreter) and return its CSV rows (header dropped)."""

@@ -5,7 +5,7 @@ Two paths, both exact:
   decay to zero. Adding J·s to the log-scale of every token of sequence s (J = 128 for fp32, 1024 for fp64) makes
   every factor e^{ref_j − ref_t} across a boundary e^{≤ −J}, which is exactly 0 in the compute dtype (fp32 and
   fp64 exponentials underflow to 0 below −104 and −745), while differences within a sequence are unchanged. The
-  forms already form scale differences in fp64 (see :mod:`.forms.decay`), so J adds no rounding there.
+  forms already form scale differences in fp64 (see :mod:`.forms._common`), so J adds no rounding there.
 - **One core call per sequence** otherwise (non-causal forms, per-sequence initial or final states, log-space
   maps, whose running maximum would have to restart at each boundary): each sequence is the very computation it
   would be alone. Cost: one core call per sequence (measured in docs/decay.md).
@@ -24,16 +24,16 @@ from .state import LinearAttentionState
 
 
 def vectorised(
-    q: object, causal: bool, initial_state: object, return_state: bool, feature_map: object
+    q: object, causal: bool, initial_state: object, return_state: bool, feature_map: object,
+    resolve: Callable[..., Any],
 ) -> bool:
-    """Whether the one-call path applies (see the module docstring)."""
+    """Whether the one-call path applies (see the module docstring); ``resolve`` gives the feature-map module of
+    ``feature_map`` (the caller's resolver: a map named once is created once and cached)."""
     if not causal or initial_state is not None or return_state or not isinstance(q, torch.Tensor) or q.dim() < 2:
         return False
-    from .functional import resolve_feature_map  # the map is created once per name and cached
-
     if not q.is_floating_point():
         return False
-    fmap = resolve_feature_map(feature_map, q.shape[-1], device=q.device)  # type: ignore[arg-type]
+    fmap = resolve(feature_map, q.shape[-1], device=q.device)
     return not getattr(fmap, "log_space", False)
 
 

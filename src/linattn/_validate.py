@@ -266,11 +266,9 @@ def cu_seqlens(offsets: object, num_tokens: int) -> list[int]:
     return values
 
 
-def check_window_options(
-    window: object, sinks: object, factor: object, softmax_scale: object, normalize: bool, form: str,
-    causal: bool, num_queries: int, num_keys: int,
-) -> None:
-    """The sliding-window hybrid's options (``window=``, ``sinks=``, ``window_factor=``, ``softmax_scale=``)."""
+def check_window_options(window: object, sinks: object, factor: object, softmax_scale: object) -> None:
+    """The window op's options (``window=``, ``sinks=``, ``window_factor=``, ``softmax_scale=``); which forms and
+    options it runs with is the capability table's question."""
     if window is None:
         if sinks or factor is not None or softmax_scale is not None:
             raise LinearAttentionError(
@@ -283,17 +281,6 @@ def check_window_options(
         raise LinearAttentionError(f"sinks: expected an int ≥ 0 (first tokens kept exact), got {sinks!r}")
     if softmax_scale is not None and not (isinstance(softmax_scale, int | float) and 0 < softmax_scale < float("inf")):
         raise LinearAttentionError(f"softmax_scale: expected a positive finite number or None, got {softmax_scale!r}")
-    if not normalize:
-        raise LinearAttentionError("window: the hybrid shares softmax's normaliser; use normalize=True")
-    if form == "global":
-        raise LinearAttentionError("form='global' has no window; use form='chunked' (or 'auto') with window=")
-    if not causal and form == "recurrent":
-        raise LinearAttentionError("form='recurrent' is the causal token-by-token form; pass causal=True")
-    if not causal and num_queries != num_keys:
-        raise LinearAttentionError(
-            f"window: the non-causal band |t − j| < W pairs query t with key t, so Nq must equal Nk, got "
-            f"Nq={num_queries}, Nk={num_keys}"
-        )
     if isinstance(factor, torch.Tensor):
         if not factor.is_floating_point() or not bool(torch.isfinite(factor).all()) or bool((factor < 0).any()):
             raise LinearAttentionError(
@@ -341,14 +328,24 @@ def check_window_state(
     return state
 
 
-def check_window_combination(window: object, **others: object) -> None:
-    """The hybrid does not (yet) compose with decays, gates, packing or the Triton backend: refuse, never ignore."""
-    if window is None:
-        return
-    given = [name for name, value in others.items() if value is not None and (name != "backend" or value == "triton")]
-    if given:
+def check_gate_features(gate: torch.Tensor, features: int) -> None:
+    """A per-feature gate (..., N, F) must have the feature map's F."""
+    if gate.shape[-1] != features:
         raise LinearAttentionError(
-            f"window: the sliding-window hybrid does not combine with {', '.join(given)} in this version; drop "
-            f"window= (decayed or gated linear attention alone), or drop {', '.join(given)} (the hybrid alone); "
-            "packed sequences can run one call per sequence"
+            f"log_gate: per-feature gate with {gate.shape[-1]} features, but the feature map gives "
+            f"F={features}; pass (..., N, F) with F the feature dimension"
         )
+
+
+def window_factor(factor: object, batch: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """window_factor= as a tensor broadcast to the batch/head dims (a per-head (H,) over (B, H)), or None."""
+    if factor is None:
+        return None
+    gamma = torch.as_tensor(factor, dtype=dtype, device=device)
+    try:
+        return torch.broadcast_to(gamma, batch)
+    except RuntimeError:
+        raise LinearAttentionError(
+            f"window_factor: shape {tuple(gamma.shape)} does not broadcast to the batch/head dims "
+            f"{tuple(batch)}; pass a float or one value per head, e.g. shape (H,)"
+        ) from None

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._rows import by_rows, left_pads  # noqa: F401  (re-exported: the names' old home)
 from .errors import LinearAttentionError
 from .feature_maps import create
 from .functional import linear_attention
@@ -70,31 +71,6 @@ def _feature_map_of(module: nn.Module, head_dim: int) -> nn.Module:
         fmap = create(name, head_dim=head_dim)
         setattr(module, MAP_ATTRIBUTE, fmap)
     return fmap
-
-
-def left_pads(keep: torch.Tensor | None, options: dict[str, Any]) -> list[int] | None:
-    """Each row's padding when ``keep`` (B, N) is left padding of some row and the options keep sinks beside a
-    window, else None. ``sinks=S`` counts positions (the first S, padding included), so such a batch needs its rows
-    run on their own to give each row what it gives alone: its own first S tokens as sinks."""
-    if keep is None or keep.dim() != 2 or not options.get("window") or not options.get("sinks"):
-        return None
-    kept = keep.sum(-1)  # (B,)
-    pads = keep.shape[-1] - kept
-    if not bool((pads > 0).any()) or bool((kept == 0).any()):
-        return None
-    if not torch.equal(keep, torch.arange(keep.shape[-1], device=keep.device) >= pads.unsqueeze(-1)):
-        return None  # not left padding (a hole, or right padding): positions are what the caller asked for
-    return [int(p) for p in pads.tolist()]
-
-
-def by_rows(pads: list[int], run: Any, *tensors: torch.Tensor) -> torch.Tensor:
-    """``run`` on each row's tensors (B, H, N, ·) without its ``pads[r]`` leading positions; the outputs, zero at
-    the padding, stacked back to (B, H, N, ·)."""
-    outs = []
-    for row, pad in enumerate(pads):
-        out = run(*(x[row : row + 1, :, pad:] for x in tensors))
-        outs.append(torch.nn.functional.pad(out, (0, 0, pad, 0)))
-    return torch.cat(outs)
 
 
 def _keep_from_dense_mask(mask: torch.Tensor, num_queries: int, causal: bool) -> torch.Tensor:

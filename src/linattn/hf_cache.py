@@ -26,7 +26,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ._rows import by_rows, left_pads
+from .decode import WindowDecodeStep, lean_step, supports_window, window_step
 from .errors import LinearAttentionError
+from .functional import linear_attention
 
 # the cache layer whose update() ran last, with the keys it returned: the attention function of that same layer
 # runs next, and takes the state path only when handed exactly those keys
@@ -197,14 +200,9 @@ def install(model: Any) -> None:
 def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            keep: torch.Tensor | None, options: dict[str, Any]) -> torch.Tensor:
     """Causal attention of this call's q, k, v (B, H|Hkv, N, ·) after the keys in ``layer``'s state; updates it."""
-    from .decode import lean_step
-    from .functional import linear_attention
-
     if layer.stepper is not None and q.shape[-2] == 1:
         return layer.stepper(q, k, v, keep)
     if layer.stepper is None and layer.state is None:
-        from .hf import left_pads
-
         pads = left_pads(keep, options)
         if pads is not None:  # a left-padded prompt and sinks: each row on its own, its sinks its own first tokens
             return _prefill_rows(layer, fmap, q, k, v, pads, options)
@@ -220,10 +218,6 @@ def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: to
 def _prefill_rows(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pads: list[int],
                   options: dict[str, Any]) -> torch.Tensor:
     """The first call of a left-padded batch with sinks: each row alone, then one step for the batch."""
-    from .decode import WindowDecodeStep, supports_window, window_step
-    from .functional import linear_attention
-    from .hf import by_rows
-
     states: list[Any] = []
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -254,8 +248,6 @@ class RowSteps:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  keep: torch.Tensor | None = None) -> torch.Tensor:
-        from .functional import linear_attention
-
         outs = []
         for row, state in enumerate(self.states):
             out, self.states[row] = linear_attention(

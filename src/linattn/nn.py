@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .decode import DecodeStep, WindowDecodeStep, lean_step
 from .errors import LinearAttentionError
 from .feature_maps import FeatureMap
-from .functional import FeatureMapLike, linear_attention, resolve_feature_map
+from .features import FeatureMapLike, resolve_feature_map
+from .functional import linear_attention
 from .state import LinearAttentionState, WindowAttentionState
 
 # the data-dependent gate, as GLA: logsigmoid of a rank-16 projection, divided by a temperature of 16
@@ -300,8 +302,6 @@ class LayerDecoder:
     """What :meth:`LinearAttention.decoder` returns: a layer decoding one token per call from a state it owns."""
 
     def __init__(self, layer: LinearAttention, state: LinearAttentionState | WindowAttentionState) -> None:
-        from .decode import DecodeStep, WindowDecodeStep, lean_step
-
         if not layer.causal:
             raise LinearAttentionError("decoder: only a causal layer decodes; build the layer with causal=True")
         if not isinstance(state, (LinearAttentionState, WindowAttentionState)):

@@ -1,104 +1,64 @@
 """Backends: which implementation runs a form. ``"torch"`` (the forms, any device) or ``"triton"`` (GPU kernels).
 
-:func:`select_backend` is the one call ``linear_attention`` makes: it returns a function with the signature of
-``functional._run_form`` (features, form, state) that runs on the chosen backend. ``"auto"`` picks triton for CUDA
-tensors when it is importable and the case is covered, else torch; ``"triton"`` raises a
-:class:`LinearAttentionError` listing every reason a case is not covered (as xformers' dispatch does).
-Nothing here imports triton until a triton run is chosen.
+:mod:`linattn.capabilities` decides which backend covers a call (``"auto"``: triton for covered calls on CUDA
+tensors when it is importable, else torch; a forced ``"triton"`` raises listing every reason, as xformers' dispatch
+does); :func:`select_backend` gives the runner of the chosen one, taking a :class:`~linattn._dispatch.Job` like
+every torch runner. Nothing here imports triton until a triton run is chosen.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from .. import _validate
 from ..errors import LinearAttentionError
+from ..feature_maps.elementwise import EluFeatureMap
+from ..features import key_features, query_features
 from ..state import LinearAttentionState
 from . import triton as triton_backend
 
-BACKENDS = ("auto", "torch", "triton")
 # the fused token-by-token kernel serves inference calls of at most this many tokens (decoding, short prompts);
 # longer ones, and any call that needs gradients, take the chunk kernels
 RECURRENT_MAX_TOKENS = 16
 
-RunForm = Callable[..., tuple[torch.Tensor, "LinearAttentionState | None"]]
+Runner = Callable[[Any], tuple[torch.Tensor, Any]]
 
 
-def _refuse(found: list[str]) -> LinearAttentionError:
-    listed = "".join(f"\n  - {reason}" for reason in found)
-    return LinearAttentionError(f"backend='triton' does not cover this call:{listed}\nuse backend='torch' or 'auto'")
-
-
-def select_backend(
-    backend: str,
-    q: torch.Tensor,
-    *,
-    causal: bool,
-    form: str,
-    log_space: bool,
-    chunk_size: int | None,
-    dtype: torch.dtype,
-    torch_run: RunForm,
-) -> RunForm:
-    """The run function for ``backend`` on this call; ``dtype`` is the caller's input dtype (q arrives in fp32)."""
-    if backend not in BACKENDS:
-        raise LinearAttentionError(f"backend: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "torch" or (backend == "auto" and q.device.type != "cuda"):
+def select_backend(backend: str, *, dtype: torch.dtype, forced: bool, torch_run: Runner) -> Runner:
+    """The runner of ``backend`` ("torch" or "triton", as :func:`linattn.capabilities.choose_backend` picked it)
+    for a job whose caller's input dtype is ``dtype``; ``torch_run`` runs the route on the torch forms."""
+    if backend == "torch":
         return torch_run
-    found = triton_backend.reasons(
-        q, causal=causal, form=form, log_space=log_space, chunk_size=chunk_size, dtype=dtype
-    )
-    if found:
-        if backend == "triton":
-            raise _refuse(found)
-        return torch_run
-    return _triton_run(dtype, forced=backend == "triton", torch_run=torch_run)
+    return _triton_run(dtype, forced=forced, torch_run=torch_run)
 
 
-def _triton_run(dtype: torch.dtype, *, forced: bool, torch_run: RunForm) -> RunForm:
-    def run(
-        fmap: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        keep: torch.Tensor | None,
-        state: LinearAttentionState | None,
-        return_state: bool,
-        options: dict[str, Any],
-        **rest: Any,
-    ) -> tuple[torch.Tensor, LinearAttentionState | None]:
-        from .. import _validate
-        from ..feature_maps.elementwise import EluFeatureMap
-        from ..functional import _key_features, _query_features
+def _triton_run(dtype: torch.dtype, *, forced: bool, torch_run: Runner) -> Runner:
+    """Plain causal attention of a :class:`~linattn._dispatch.Job` on the kernels; sizes the kernels do not take
+    (known once the features exist) raise when ``forced``, else go to ``torch_run``."""
 
-        # arguments and options the kernels do not know (added to the core later) make a call uncovered unless None
-        known = {"form", "causal", "chunk_size", "log_space", "map_name"}
-        extra = {name: value for name, value in rest.items() if name not in known}
-        kernel_options = {name: options[name] for name in ("normalize", "eps", "min_denom")}
-        extra.update({name: value for name, value in options.items() if name not in kernel_options})
+    def run(job: Any) -> tuple[torch.Tensor, LinearAttentionState | None]:
+        fmap, q, k, v, keep, state = job.fmap, job.q, job.k, job.v, job.keep, job.state
+        options = {"normalize": job.normalize, "eps": job.eps, "min_denom": job.min_denom}
         # q, k, v arrive in the caller's dtype: elu + 1 is made in the kernels from them (no feature tensor is
         # written); any other map runs here in fp32, as on the torch backend
         if type(fmap) is EluFeatureMap and keep is None and q.dtype == dtype:
-            found = triton_backend.shape_reasons(q.shape[-1], v.shape[-1], dtype, extra)
-            if not found:
-                _validate.check_state_features(state, q.shape[-1], rest["map_name"])
-                return causal_attention(q, k.to(dtype), v.to(dtype), state=state, dtype=dtype, elu=True,
-                                        **kernel_options)
-        q, k, v = q.float(), k.float(), v.float()
-        qf = _query_features(fmap, q, False)
-        kf, _ = _key_features(fmap, k, keep, False, True, None)  # ordinary map: masked keys are zeroed
-        found = triton_backend.shape_reasons(kf.shape[-1], v.shape[-1], dtype, extra)
+            if not triton_backend.shape_reasons(q.shape[-1], v.shape[-1], dtype):
+                _validate.check_state_features(state, q.shape[-1], job.map_name)
+                return causal_attention(q, k.to(dtype), v.to(dtype), state=state, dtype=dtype, elu=True, **options)
+        job = replace(job, q=q.float(), k=k.float(), v=v.float())
+        qf = query_features(fmap, job.q, False)
+        kf, _ = key_features(fmap, job.k, keep, False, True, None)  # ordinary map: masked keys are zeroed
+        found = triton_backend.shape_reasons(kf.shape[-1], v.shape[-1], dtype)
         if found:
             if forced:
-                raise _refuse(found)
-            return torch_run(
-                fmap, q, k, v, keep=keep, state=state, return_state=return_state, options=options, **rest
-            )
-        _validate.check_state_features(state, kf.shape[-1], rest["map_name"])
-        return causal_attention(qf, kf, v, state=state, dtype=dtype, **kernel_options)
+                raise triton_backend.refusal(found)
+            return torch_run(job)
+        _validate.check_state_features(state, kf.shape[-1], job.map_name)
+        return causal_attention(qf, kf, job.v, state=state, dtype=dtype, **options)
 
     return run
 

@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 
 from .. import _validate
+from ..capabilities import context_parallel_reasons
 from ..errors import LinearAttentionError
+from ..features import NEG_INF, FeatureMapLike, repeat_kv_heads, resolve_feature_map, scale_between
 from ..forms import FORMS
-from ..forms._common import NEG_INF, scale_between
-from ..functional import FeatureMapLike, linear_attention, resolve_feature_map
+from ..functional import linear_attention
 from ..state import LinearAttentionState
 from . import _exchange
 
@@ -141,7 +142,7 @@ def _slice_summary(
     weight = _after(log_decay, -1).exp().to(v.dtype)  # in fp64, then the values' dtype
     if k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
         group = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+        k, v = repeat_kv_heads(k, group), repeat_kv_heads(v, group)
     weight = weight.unsqueeze(-1)  # (..., H, N, 1)
     weighted = torch.cat([v * weight, weight.expand(*v.shape[:-1], 1)], dim=-1)  # (..., H, N, Dv + 1)
     _, state = linear_attention(
@@ -215,11 +216,9 @@ def context_parallel_attention(
         if q.shape[-2] > 0 and k.shape[-2] > 0:
             _validate.check_options(chunk_size, eps, min_denom, "auto", FORMS)
             log_decay, per_feature = _validate.log_decay(decay, log_gate, q, k.shape[:-1], causal)
-            if per_feature is not None:
-                raise LinearAttentionError(
-                    "log_gate: per-feature gates (..., N, F) are not split across ranks yet (their summary would "
-                    "need a per-feature total decay); pass one log-decay per token (..., N), or run on one process"
-                )
+            refused = context_parallel_reasons(per_feature is not None)
+            if refused:
+                raise LinearAttentionError(refused[0])
             state = _slice_summary(q, k, v, fmap, key_padding_mask, options, log_decay)
             if log_decay is not None:
                 total_decay = log_decay.sum(-1).to(state.shift.dtype)  # (..., H): the slice's Σ g

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ...errors import LinearAttentionError
+
 MAX_DIM = 256
 # fp32 operands take twice the shared memory: TF32×3 tiles of 128 overflow an H100's 227 KiB (measured by
 # tests/test_triton_compile.py), so fp32 is covered up to the 64 size class
@@ -73,13 +75,30 @@ def reasons(
     return found
 
 
-def shape_reasons(features: int, values: int, dtype: torch.dtype, extra: dict[str, Any]) -> list[str]:
-    """Why the kernels do not cover the feature and value sizes, or options added to the core later."""
+def shape_reasons(features: int, values: int, dtype: torch.dtype) -> list[str]:
+    """Why the kernels do not cover the feature and value sizes (known once the feature map has run)."""
     found = []
     limit, what = (MAX_DIM_FP32, " for fp32 inputs (use bf16/fp16)") if dtype == torch.float32 else (MAX_DIM, "")
     if features > limit:
         found.append(f"feature dimension F={features} > {limit}{what}")
     if values > limit:
         found.append(f"value dimension Dv={values} > {limit}{what}")
-    found += [f"option {name}={value!r}: not in the kernels" for name, value in extra.items() if value is not None]
     return found
+
+
+def option_reasons(options: dict[str, Any]) -> list[str]:
+    """Options the kernels do not know (decays, gates, packing, ...): each a reason, never ignored."""
+    given = {name: value for name, value in options.items() if value is not None}
+    return [f"option {name}={_short(value)}: not in the kernels" for name, value in given.items()]
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}" if value.dim() else repr(value.item())
+    return repr(value)
+
+
+def refusal(found: list[str]) -> LinearAttentionError:
+    """The error of a forced ``backend='triton'`` that does not cover a call: every reason, one per line."""
+    listed = "".join(f"\n  - {reason}" for reason in found)
+    return LinearAttentionError(f"backend='triton' does not cover this call:{listed}\nuse backend='torch' or 'auto'")

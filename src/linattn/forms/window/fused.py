@@ -1,6 +1,6 @@
 """The hybrid's exact part as one autograd Function: banded softmax in cache-sized tiles, recompute in backward.
 
-Layout as :class:`.window_band.Band`: query i sees rows i … i + B of a key sequence (B = ``width``), rows y < ``front``
+Layout as :class:`.band.Band`: query i sees rows i … i + B of a key sequence (B = ``width``), rows y < ``front``
 and past the last key being empty. Queries go in blocks of C; block b's band keys lie in key blocks b … b+m−1
 (m = 1 + ⌈B/C⌉), so its band scores are one (C, m·C) tile with one fixed band mask. The S sink keys (the first
 tokens, exact for the queries whose window has left them) are scored as a separate (C, S) tile with the sink mask,
@@ -21,7 +21,7 @@ Backward recomputes each tile's scores. With P = e^{s − lse} (the normalised s
 ∂L/∂v = Pᵀ dA, and for the mass ∂L/∂φ(q_t) = ∂L/∂M_t Σ_exact φ(k), ∂L/∂φ(k) = (band 0/1)ᵀ (∂L/∂M ⊙ φ(q)) (sinks:
 their mask in place of the band's).
 
-Precondition (the callers in :mod:`.window` check it): no padding, so every query has at least one key in its
+Precondition (the callers in :mod:`.chunked` check it): no padding, so every query has at least one key in its
 band (its own), and m and lse are finite on every row.
 """
 
@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from . import causal_fn
-from ._common import NEG_INF, rowdot
+from ...features import NEG_INF
+from .. import causal_fn
+from .._common import rowdot
 
 # Score elements per tile: 2^18 fp32 = 1 MiB, so a tile's temporaries stay in cache. Measured (one thread, B·H = 8,
 # N = 16384): tiles of 2^16–2^18 ran this Function's forward + backward alike, 2^19–2^20 ~15% slower, and one

@@ -1,4 +1,4 @@
-"""The exact part's keys as a band: each query block against two key blocks (see :mod:`.window`); helpers."""
+"""The exact part's keys as a band: each query block against two key blocks (:mod:`linattn.forms.window`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ._common import NEG_INF
+from ...features import NEG_INF
 
 MIN_BAND_BLOCK = 16  # the band's query blocks: B rounded up to a multiple of this
 
@@ -39,7 +39,7 @@ class Band:
     Queries go in blocks of C (B rounded up to a multiple of 16); block b's keys lie in key blocks b and b+1, so
     each query block is scored against 2C keys (O(N·C) work and memory) with one band mask. This is the general
     path (padding; the mass form with keys at their own log-scales), differentiated by autograd, which keeps the
-    O(N·C) tiles; without padding :mod:`.window_fast` does the same in O(N) memory.
+    O(N·C) tiles; without padding :mod:`.fused` does the same in O(N) memory.
     """
 
     def __init__(

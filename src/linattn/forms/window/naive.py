@@ -3,16 +3,18 @@
 The quadratic form materialises, for every query, the weights of all keys it sees — the carried sink and window
 keys of a state, then this call's keys — split by position into exact (window, sinks) and linear ones, plus the
 carried linear state. It also returns the next state, so calling it on one token at a time is the recurrent form:
-O(W + S) keys per token, whatever the length of the sequence. See :mod:`.window` for the definition and scales.
+O(W + S) keys per token, whatever the length of the sequence. See :mod:`linattn.forms.window` for the
+definition and scales.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..state import WindowAttentionState
-from ._common import NEG_INF, scale_between
-from .window import Hybrid, empty_window_state, next_state
+from ...features import NEG_INF, scale_between
+from ...state import WindowAttentionState
+from .chunked import empty_window_state, next_state
+from .hybrid import Hybrid
 
 
 def window_parallel(

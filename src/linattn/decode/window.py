@@ -1,33 +1,4 @@
-"""A lean causal decode step: one new token per call against a preallocated fp32 state updated in place.
-
-``linear_attention(..., initial_state=s, return_state=True)`` on one token costs ~0.3 ms per call at H = 8,
-d = 64, almost all of it argument checking, dtype/device handling and allocation of new state tensors — per layer
-and per generated token. :class:`DecodeStep` pays the checks once (when it is built from a state) and then does, per
-token, the feature maps and a handful of in-place ops:
-
-    S ← S·c + φ(k)vᵀ,   z ← z·c + φ(k),   out = φ(q)·S / (φ(q)·z + eps)
-
-(c = exp(shift_old − shift_new) ≤ 1 for log-space maps, whose sums are kept at the running maximum log-feature
-``shift``; no rescaling for ordinary maps). The arithmetic is the recurrent form's (:mod:`linattn.forms.recurrent`),
-so a step agrees with ``linear_attention`` up to fp32 rounding (tests/test_decoder_generate.py).
-
-Only the plain state (:class:`~linattn.LinearAttentionState`), ``normalize=True``, no ``min_denom`` and a positive
-map qualify (:func:`supports`). On a CUDA device with triton installed, an ordinary map's step (no padding mask) is
-one launch of the Triton decoding kernel on the state in place, elu + 1 made inside it (8.9 µs per layer step at
-H = 32, d = 128 on an H200 in a CUDA graph: docs/benchmarks.md).
-
-:class:`WindowDecodeStep` does the same for the sliding-window hybrid (``window=W, sinks=S``, either scale form) with
-an ordinary (not log-space) map: one preallocated buffer of S sink slots and a ring of W slots holding each exact
-key, its value and its feature vector φ(k) (computed once, when the key arrives — the recurrent form recomputes
-φ of all W + S buffered keys every token), and the linear sums of the keys that have left the window. Per token:
-the key leaving the window enters the linear sums (a sink instead becomes a separate exact key), the new key takes
-its slot, and the output is the hybrid's (mass form: out = (φ(q)·S + M·A) / (φ(q)·z + M + eps), A the softmax
-average over the live exact keys, M = Σ_exact φ(q)·φ(k); γ form: the γ-weighted exact sums). Anything else —
-log-space maps, ``min_denom``, other options — goes through ``linear_attention`` (:func:`supports_window`).
-With grouped-query attention (``kv_heads=``) the exact keys and values are held once per key/value head.
-:meth:`WindowDecodeStep.stack` joins one-row steps into the step of a left-padded batch in which each row keeps its
-own first S tokens as sinks.
-"""
+"""The lean step of the causal window op, and the choice of step for a state (see :mod:`linattn.decode`)."""
 
 from __future__ import annotations
 
@@ -37,182 +8,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import LinearAttentionError
-from .feature_maps import FeatureMap
-from .state import LinearAttentionState, WindowAttentionState
-
-# linear_attention options a step reproduces; any other option (window=, sinks=, min_denom=, ...) is left to it
-STEP_OPTIONS = frozenset({"eps", "chunk_size", "form"})
-WINDOW_STEP_OPTIONS = STEP_OPTIONS | frozenset({"window", "sinks", "window_factor", "softmax_scale"})
-
-
-class _Step:
-    """What both decode steps share: the feature map of one token."""
-
-    fmap: nn.Module
-    features: Any
-
-    def _map(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        if self.features is not None:
-            return self.features(x, is_query=is_query)
-        return self.fmap(x)
-
-
-def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Grouped-query attention: (B, Hkv, 1, ·) → (B, H, 1, ·), each key/value head serving H / Hkv query heads."""
-    group = heads // x.shape[1]
-    if group == 1:
-        return x
-    return x.unsqueeze(2).expand(x.shape[0], x.shape[1], group, 1, x.shape[-1]).reshape(x.shape[0], heads, 1, -1)
-
-
-def _qualifies(fmap: nn.Module, kv: torch.Tensor, options: dict[str, Any], allowed: frozenset[str]) -> bool:
-    """What both steps need: fp32/fp64 sums, only options they reproduce, normalised output, a positive map."""
-    return (
-        kv.dtype in (torch.float32, torch.float64)
-        and set(options) <= allowed
-        and options.get("normalize", True)
-        and getattr(fmap, "positive", True) is not False
-    )
-
-
-def supports(fmap: nn.Module, state: Any, options: dict[str, Any]) -> bool:
-    """Whether :class:`DecodeStep` computes what ``linear_attention(..., **options)`` would from ``state``."""
-    return type(state) is LinearAttentionState and _qualifies(fmap, state.kv, options, STEP_OPTIONS)
-
-
-class DecodeStep(_Step):
-    """Causal linear attention one token at a time, from a state returned by ``linear_attention``.
-
-    Args:
-        fmap: the feature map the state was built with.
-        state: batch shape (B, H): ``kv`` (B, H, F, Dv), ``k_sum`` (B, H, F), ``shift`` (B, H). Copied once.
-        eps: the denominator's eps (as given to ``linear_attention``).
-    """
-
-    def __init__(self, fmap: nn.Module, state: LinearAttentionState, *, eps: float = 1e-6) -> None:
-        if state.kv.dim() != 4:
-            raise LinearAttentionError(
-                f"state: a decode step needs a state of batch shape (B, H), got kv of shape {tuple(state.kv.shape)}"
-            )
-        self.fmap = fmap
-        self.log_space = bool(getattr(fmap, "log_space", False))
-        self.features = fmap.features if isinstance(fmap, FeatureMap) else None
-        self.eps = float(eps)
-        # contiguous copies, owned by the step and updated in place from now on
-        self.kv = state.kv.detach().clone(memory_format=torch.contiguous_format)
-        self.k_sum = state.k_sum.detach().clone(memory_format=torch.contiguous_format)
-        self.shift = state.shift.detach().clone()
-        self.num_tokens = state.num_tokens
-        batch, heads, features, values = self.kv.shape
-        self._flat = (batch * heads, features, values)
-        self._scratch = torch.empty(batch, heads, 1, dtype=self.kv.dtype, device=self.kv.device)
-        self._kernel = _step_kernel(fmap, self.kv, self.log_space, self.eps)
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 keep: torch.Tensor | None = None) -> torch.Tensor:
-        """q (B, H, 1, d), k (B, Hkv, 1, d), v (B, Hkv, 1, Dv), keep (B, 1) bool or None → out (B, H, 1, Dv).
-
-        Output in q's dtype; the state stays in its own (fp32 or fp64).
-        """
-        batch, heads, features, values = self.kv.shape
-        out_dtype = q.dtype
-        dtype = self.kv.dtype
-        if self._kernel is not None and keep is None:
-            return self._fused(q, k, v)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
-        qf = self._map(q, True)  # (B, H, 1, F)
-        kf = self._map(k, False)  # (B, H, 1, F)
-        if keep is not None:
-            drop = ~keep.reshape(batch, 1, 1, 1)
-            kf = kf.masked_fill(drop, float("-inf") if self.log_space else 0.0)
-            v = v.masked_fill(drop, 0.0)
-        if self.log_space:
-            qf = torch.exp(qf - qf.amax(-1, keepdim=True))  # a per-query shift: cancels in the ratio
-            new = torch.maximum(self.shift, kf.amax(-1).squeeze(-1))  # (B, H) running maximum
-            finite = torch.where(new == float("-inf"), 0.0, new)
-            carry = torch.exp(torch.where(self.shift == float("-inf"), float("-inf"), self.shift - finite))
-            self.kv.mul_(carry[..., None, None])
-            self.k_sum.mul_(carry[..., None])
-            self.shift.copy_(new)
-            kf = torch.exp(kf - finite[..., None, None])
-        kf = kf.reshape(batch, heads, features)
-        # S += φ(k) vᵀ and z += φ(k), in place
-        self.kv.view(self._flat).addcmul_(kf.reshape(-1, features, 1), v.reshape(-1, 1, values))
-        self.k_sum.add_(kf)
-        self.num_tokens += 1
-        qf = qf.reshape(-1, 1, features)  # (B·H, 1, F)
-        num = torch.bmm(qf, self.kv.view(self._flat))  # (B·H, 1, Dv)
-        den = torch.bmm(qf, self.k_sum.view(-1, features, 1), out=self._scratch.view(-1, 1, 1))
-        den = den.add_(self.eps)
-        if self.eps <= 0:  # no visible key and eps = 0: output 0, not 0/0 (as finalize); eps > 0 keeps den > 0
-            den = torch.where(den == 0, 1.0, den)
-        return (num / den).view(batch, heads, 1, values).to(out_dtype)
-
-    def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The step as one Triton kernel (CUDA): the state updated in place; elu + 1 made in the kernel from the raw
-        projections, any other ordinary map made here in fp32 first."""
-        assert self._kernel is not None
-        batch, heads, features, values = self.kv.shape
-        k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
-        elu, out_dtype = self._kernel.elu, q.dtype
-        if not elu:
-            q = self._map(q.to(self.kv.dtype), True)
-            k = self._map(k.to(self.kv.dtype), False)
-        out = torch.empty(batch, heads, 1, values, dtype=out_dtype, device=q.device)  # the kernel rounds once
-        kv, k_sum = self.kv.view(self._flat), self.k_sum.view(-1, features)
-        self._kernel.launch_step(
-            q.contiguous(), k.contiguous(), v.contiguous(), kv, k_sum, out, kv, k_sum,
-            normalize=True, eps=self.eps, min_denom=None, elu=elu,
-        )
-        self.num_tokens += 1
-        return out
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.kv.shape[0])
-
-    def state(self) -> LinearAttentionState:
-        """The state after every token stepped (shares the step's tensors: clone before stepping further)."""
-        return LinearAttentionState(self.kv, self.k_sum, self.shift, self.num_tokens)
-
-    def index_select(self, dim: int, index: torch.Tensor) -> DecodeStep:
-        """A step on the selected batch rows (beam search), as the state's ``index_select``."""
-        return DecodeStep(self.fmap, self.state().index_select(dim, index), eps=self.eps)
-
-
-class _StepKernel:
-    """The Triton decoding kernel for :class:`DecodeStep`, and whether it makes the elu + 1 features itself."""
-
-    def __init__(self, elu: bool) -> None:
-        from .backends import triton as triton_backend
-
-        self.launch_step = triton_backend.load().launch_step
-        self.elu = elu
-
-
-def _step_kernel(fmap: nn.Module, kv: torch.Tensor, log_space: bool, eps: float) -> _StepKernel | None:
-    """The fused kernel when it computes this step: an fp32 state on a CUDA device (or on CPU under
-    TRITON_INTERPRET=1), triton importable, an ordinary map, F and Dv within the kernels' sizes, eps > 0."""
-    from .backends import triton as triton_backend
-    from .feature_maps.elementwise import EluFeatureMap
-
-    on_device = kv.device.type == "cuda" or (kv.device.type == "cpu" and triton_backend.interpreting())
-    if (not on_device or kv.dtype != torch.float32 or log_space or eps <= 0
-            or max(kv.shape[-2:]) > triton_backend.MAX_DIM or triton_backend.import_error() is not None):
-        return None
-    return _StepKernel(elu=type(fmap) is EluFeatureMap)
+from ..capabilities import choose_step, step_reasons
+from ..errors import LinearAttentionError
+from ..feature_maps import FeatureMap
+from ..state import LinearAttentionState, WindowAttentionState
+from ._step import _repeat_heads, _Step
+from .plain import DecodeStep
 
 
 def supports_window(fmap: nn.Module, state: Any, options: dict[str, Any]) -> bool:
     """Whether :class:`WindowDecodeStep` computes what ``linear_attention(..., **options)`` would from ``state``."""
-    return (
-        type(state) is WindowAttentionState
-        and state.linear.kv.dim() == 4
-        and _qualifies(fmap, state.linear.kv, options, WINDOW_STEP_OPTIONS)
-        and not getattr(fmap, "log_space", False)
-    )
+    return not step_reasons("window", fmap, state, options)
 
 
 def lean_step(
@@ -220,9 +26,10 @@ def lean_step(
 ) -> DecodeStep | WindowDecodeStep | None:
     """The lean step that continues ``state`` as ``linear_attention(..., **options)`` would, or None where neither
     step reproduces the call (:func:`supports`, :func:`supports_window`); ``kv_heads`` as :class:`WindowDecodeStep`."""
-    if isinstance(state, LinearAttentionState) and supports(fmap, state, options):
+    step = choose_step(fmap, state, options)
+    if step == "plain":
         return DecodeStep(fmap, state, eps=options.get("eps", 1e-6))
-    if isinstance(state, WindowAttentionState) and supports_window(fmap, state, options):
+    if step == "window":
         return window_step(fmap, state, options, kv_heads)
     return None
 

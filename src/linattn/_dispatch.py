@@ -1,0 +1,213 @@
+"""Runs one chosen route: the feature stage, then the form (or the backend's kernels), on a prepared :class:`Job`.
+
+``linear_attention`` validates, builds the job (inputs in the compute dtype, k/v heads repeated to q's, masked values
+zeroed, the state checked) and asks :mod:`linattn.capabilities` which route and backend run it; :func:`run` calls
+that route's runner. Every runner takes the one :class:`Job`, so the form signature is spelled out once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _validate
+from .capabilities import Route
+from .features import check_feature_dims, key_features, map_features, query_features
+from .forms import (
+    causal_chunked_attention,
+    global_attention,
+    noncausal_chunked_attention,
+    parallel_attention,
+    recurrent_attention,
+)
+from .forms._common import decayed_ref, empty_state
+from .forms.gated import gated_chunked_attention, gated_parallel_attention, gated_recurrent_attention
+from .forms.window import (
+    Hybrid,
+    causal_window_chunked,
+    noncausal_window_chunked,
+    window_parallel,
+    window_recurrent,
+)
+from .state import LinearAttentionState, WindowAttentionState
+
+Result = tuple[torch.Tensor, "LinearAttentionState | WindowAttentionState | None"]
+
+
+@dataclass
+class Job:
+    """One call, prepared: q (..., Nq, Dk), k (..., Nk, Dk), v (..., Nk, Dv) in the compute dtype with k/v heads
+    repeated to q's, v zero at masked keys; ``keep`` (..., Nk) or None; the state checked (plain: at scale 1 for
+    ordinary maps); ``chunk_size`` resolved for the route."""
+
+    fmap: nn.Module
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    keep: torch.Tensor | None
+    state: LinearAttentionState | WindowAttentionState | None
+    causal: bool
+    chunk_size: int | None
+    log_space: bool
+    return_state: bool
+    normalize: bool = True
+    eps: float = 1e-6
+    min_denom: float | None = None
+    log_decay: torch.Tensor | None = None  # per-token scalar log-decays (..., N), fp64 sums formed by the forms
+    feature_gate: torch.Tensor | None = None  # per-feature log-gates (..., N, F)
+    segments: torch.Tensor | None = None  # packed sequences: the log-scale jump of each token (_packed.py)
+    window: int = 0
+    sinks: int = 0
+    window_factor: torch.Tensor | None = None  # broadcast to the batch dims, or None (the mass form)
+    softmax_scale: float = 1.0
+
+    @property
+    def map_name(self) -> str:
+        return type(self.fmap).__name__
+
+    def options(self) -> dict[str, Any]:
+        return {"normalize": self.normalize, "eps": self.eps, "min_denom": self.min_denom}
+
+
+def _plain_state(job: Job) -> LinearAttentionState | None:
+    assert job.state is None or isinstance(job.state, LinearAttentionState)
+    return job.state
+
+
+def _features(job: Job) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Query and key features, the keys' log-scale ref with any decay and packing jumps applied."""
+    state = _plain_state(job)
+    qf = query_features(job.fmap, job.q, job.log_space)
+    kf, ref = key_features(job.fmap, job.k, job.keep, job.log_space, job.causal,
+                           state.shift if state is not None else None)
+    check_feature_dims(qf.shape[-1], kf.shape[-1], job.fmap)
+    _validate.check_state_features(state, kf.shape[-1], job.map_name)
+    return qf, kf, ref
+
+
+def _with_scales(job: Job, qf: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor | None:
+    if job.log_decay is not None:  # a decay is a change of log-scale: ref' = r − G (forms/_common.py)
+        ref = decayed_ref(ref, job.log_decay)
+    if job.segments is not None:  # packed sequences: a jump in log-scale at each start (_packed.py)
+        ref = job.segments.expand(qf.shape[:-1]) if ref is None else ref.to(torch.float64) + job.segments
+    return ref
+
+
+def _decayed_state(
+    job: Job, stored_at: torch.Tensor | None, final: LinearAttentionState | None
+) -> LinearAttentionState | None:
+    """Sums stored at ref'_N = r_N − G_N are the decayed sums at scale r_N: the returned shift is r_N."""
+    if final is None or (job.log_decay is None and job.feature_gate is None):
+        return final
+    shift = stored_at[..., -1] if stored_at is not None else torch.zeros_like(final.shift, dtype=job.q.dtype)
+    return replace(final, shift=shift.to(job.q.dtype))
+
+
+def run_plain(job: Job, form: str) -> Result:
+    """parallel / global / causal chunked / recurrent on the features, with decays and packing as log-scales."""
+    qf, kf, stored = _features(job)
+    ref = _with_scales(job, qf, stored)
+    state, options = _plain_state(job), job.options()
+    final: LinearAttentionState | None
+    if form == "parallel":
+        out, final = parallel_attention(qf, kf, job.v, causal=job.causal, ref=ref, state=state,
+                                        want_state=job.return_state, **options)
+    elif form == "global":
+        out, final = global_attention(qf, kf, job.v, ref=ref, state=state, **options)
+    elif form == "recurrent":
+        out, final = recurrent_attention(qf, kf, job.v, ref=ref, state=state, **options)
+    else:
+        assert job.chunk_size is not None
+        out, final = causal_chunked_attention(qf, kf, job.v, ref=ref, state=state, chunk_size=job.chunk_size,
+                                              **options)
+    return out, _decayed_state(job, stored, final)
+
+
+def run_noncausal_chunked(job: Job) -> Result:
+    """The bounded-memory non-causal form: the feature map runs one chunk at a time."""
+    size = job.chunk_size
+    assert size is not None
+    # split once (a slice per chunk would cost a whole-input zero gradient per chunk in backward)
+    key_chunks, query_chunks = job.k.split(size, dim=-2), job.q.split(size, dim=-2)
+
+    def chunk_keys(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        chunk_keep = job.keep[..., start:end] if job.keep is not None else None
+        return key_features(job.fmap, key_chunks[start // size], chunk_keep, job.log_space, False, None)
+
+    def chunk_queries(start: int, end: int) -> torch.Tensor:
+        return query_features(job.fmap, query_chunks[start // size], job.log_space)
+
+    features = map_features(job.fmap, job.k[..., :1, :], is_query=False).shape[-1]
+    check_feature_dims(map_features(job.fmap, job.q[..., :1, :], is_query=True).shape[-1], features, job.fmap)
+    state = _plain_state(job)
+    _validate.check_state_features(state, features, job.map_name)
+    if state is None:
+        state = empty_state(job.q.shape[:-2], features, job.v.shape[-1], job.q)
+    return noncausal_chunked_attention(
+        chunk_queries, chunk_keys, job.v, num_queries=job.q.shape[-2], state=state, log_space=job.log_space,
+        chunk_size=size, **job.options(),
+    )
+
+
+def run_gated(job: Job, form: str) -> Result:
+    """Per-feature gates (GLA) in the chosen causal form; the per-token scale ref already decayed."""
+    qf, kf, stored = _features(job)
+    ref = _with_scales(job, qf, stored)
+    gate = job.feature_gate
+    assert gate is not None
+    _validate.check_gate_features(gate, kf.shape[-1])
+    state, options = _plain_state(job), job.options()
+    final: LinearAttentionState | None
+    if form == "chunked":  # the chunked form sums the gates block by block
+        assert job.chunk_size is not None
+        ref64 = ref.to(torch.float64) if ref is not None else None
+        out, final = gated_chunked_attention(qf, kf, job.v, gate=gate, ref=ref64, state=state,
+                                             chunk_size=job.chunk_size, **options)
+        return out, _decayed_state(job, stored, final)
+    scales = torch.cumsum(gate.to(torch.float64), dim=-2).neg_()  # −G_f (..., N, F)
+    if ref is not None:
+        scales = scales + ref.to(torch.float64).unsqueeze(-1)
+    if form == "parallel":
+        out, final = gated_parallel_attention(qf, kf, job.v, scales=scales, state=state,
+                                              want_state=job.return_state, **options)
+    else:
+        out, final = gated_recurrent_attention(qf, kf, job.v, scales=scales, state=state,
+                                               **options)
+    return out, _decayed_state(job, stored, final)
+
+
+def run_window(job: Job, form: str) -> Result:
+    """The window + sinks op in the chosen form."""
+    fmap = job.fmap
+    hybrid = Hybrid(lambda x, is_query: map_features(fmap, x, is_query=is_query), log_space=job.log_space,
+                    window=job.window, sinks=job.sinks, factor=job.window_factor, scale=job.softmax_scale,
+                    eps=job.eps, min_denom=job.min_denom)
+    keep = job.keep if job.keep is not None else torch.ones(job.k.shape[:-1], dtype=torch.bool, device=job.k.device)
+    state = job.state
+    assert state is None or isinstance(state, WindowAttentionState)
+    if form == "parallel":
+        return window_parallel(hybrid, job.q, job.k, job.v, keep, state, job.causal)
+    if form == "recurrent":
+        return window_recurrent(hybrid, job.q, job.k, job.v, keep, state)
+    assert job.chunk_size is not None
+    if not job.causal:
+        return noncausal_window_chunked(hybrid, job.q, job.k, job.v, keep, job.chunk_size), None
+    return causal_window_chunked(hybrid, job.q, job.k, job.v, keep, state, job.chunk_size)
+
+
+Runner = Callable[[Job], Result]
+
+
+def torch_runner(route: Route, causal: bool) -> Runner:
+    """The pure-PyTorch runner of ``route``."""
+    if route.kind == "window":
+        return lambda job: run_window(job, route.form)
+    if route.kind == "gated":
+        return lambda job: run_gated(job, route.form)
+    if route.form == "chunked" and not causal:
+        return run_noncausal_chunked
+    return lambda job: run_plain(job, route.form)

@@ -1,0 +1,267 @@
+"""The capability table: what each form, backend, decoding step and the context-parallel path supports.
+
+Every "can this path compute this call?" question is answered here, from what is known about a call before it runs
+(a :class:`Call`), as a list of reasons why not — empty when the path covers the call. ``linear_attention``,
+``decode``, the transformers cache and ``distributed`` ask; none of them decides on its own. When nothing fits,
+the error lists each candidate's reasons (as xformers' dispatch does); a single reason is raised as it is.
+
+A new computation (a form, a state kind, an update rule) enters as rows here and a runner in
+:mod:`linattn._dispatch`, not as flags threaded through ``functional``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .backends import triton as triton_backend
+from .errors import LinearAttentionError
+from .features import is_log_space, is_signed
+from .state import LinearAttentionState, WindowAttentionState
+
+BACKENDS = ("auto", "torch", "triton")
+# "auto" runs non-causal attention chunked beyond this many keys: measured faster from 8192 keys on (features and
+# GEMM operands stay in cache), while the global form wins up to 4096 (docs/benchmarks.md, benchmarks/run.py)
+NONCAUSAL_CHUNKED_ABOVE = 4096
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a path needs to know of a ``linear_attention`` call to say whether it covers it."""
+
+    kind: str  # "plain", "gated" (per-feature gates) or "window" (the window + sinks op)
+    causal: bool
+    form: str  # as asked: "auto" or a name of FORMS
+    num_queries: int
+    num_keys: int
+    chunk_size: int | None = None
+    carries_state: bool = False  # an initial state is given
+    normalize: bool = True
+    log_space: bool = False
+    decay: bool = False  # scalar decays (decay= or a per-token log_gate)
+    packed: bool = False  # cu_seqlens on the one-call path
+    options: tuple[tuple[str, Any], ...] = ()  # options a backend may not know, with their values
+
+
+@dataclass(frozen=True)
+class Route:
+    """One computation: ``kind`` × ``form``, its default chunk length, and why it cannot run a call."""
+
+    kind: str
+    form: str
+    chunk: int | None
+    reasons: Callable[[Call], list[str]]
+
+    @property
+    def name(self) -> str:
+        return self.form if self.kind == "plain" else f"{self.kind}.{self.form}"
+
+
+def _none(_: Call) -> list[str]:
+    return []
+
+
+def _causal_only(call: Call) -> list[str]:
+    return [] if call.causal else ["form='recurrent' is the causal token-by-token form; pass causal=True"]
+
+
+def _global(call: Call) -> list[str]:
+    return ["form='global' is non-causal; pass causal=False, or form='chunked'"] if call.causal else []
+
+
+def _window(extra: Callable[[Call], list[str]]) -> Callable[[Call], list[str]]:
+    def reasons(call: Call) -> list[str]:
+        found = [] if call.normalize else ["window: the hybrid shares softmax's normaliser; use normalize=True"]
+        if not call.causal and call.num_queries != call.num_keys:
+            found.append(
+                f"window: the non-causal band |t − j| < W pairs query t with key t, so Nq must equal Nk, got "
+                f"Nq={call.num_queries}, Nk={call.num_keys}"
+            )
+        return found + extra(call)
+
+    return reasons
+
+
+def _window_global(_: Call) -> list[str]:
+    return ["form='global' has no window; use form='chunked' (or 'auto') with window="]
+
+
+# default chunk lengths: causal 64 and non-causal 1024 (docs/benchmarks.md); per-feature gates 64, measured best of
+# 16/32/64 (docs/decay.md); the window's linear part 64
+ROUTES: tuple[Route, ...] = (
+    Route("plain", "parallel", None, _none),
+    Route("plain", "global", None, _global),
+    Route("plain", "chunked", 64, _none),  # non-causal: 1024, see chunk_size()
+    Route("plain", "recurrent", None, _causal_only),
+    Route("gated", "parallel", None, _none),
+    Route("gated", "global", None, _global),
+    Route("gated", "chunked", 64, _none),
+    Route("gated", "recurrent", None, _none),
+    Route("window", "parallel", None, _window(_none)),
+    Route("window", "global", None, _window(_window_global)),
+    Route("window", "chunked", 64, _window(_none)),
+    Route("window", "recurrent", None, _window(_causal_only)),
+)
+NONCAUSAL_CHUNK = 1024
+
+
+def chunk_size(route: Route, call: Call) -> int | None:
+    """The chunk length ``route`` runs ``call`` with: the one asked for, else the route's default."""
+    if call.chunk_size is not None:
+        return call.chunk_size
+    if route.kind == "plain" and route.form == "chunked" and not call.causal:
+        return NONCAUSAL_CHUNK
+    return route.chunk
+
+
+def auto_form(call: Call) -> str:
+    """The form "auto" picks (measured defaults): chunked for causal calls; non-causal calls global up to 4096 keys
+    unless a chunk size is asked for; the window's one-token continuation of a state token by token."""
+    if call.kind == "window":
+        return "recurrent" if call.causal and call.num_queries == 1 and call.carries_state else "chunked"
+    if call.causal or call.chunk_size is not None or call.num_keys > NONCAUSAL_CHUNKED_ABOVE:
+        return "chunked"
+    return "global"
+
+
+def refuse(what: str, candidates: list[tuple[str, list[str]]]) -> LinearAttentionError:
+    """The error when no candidate covers a call: a lone reason as it is, else every candidate's reasons."""
+    if len(candidates) == 1 and len(candidates[0][1]) == 1:
+        return LinearAttentionError(candidates[0][1][0])
+    lines = "".join(f"\n  - {name}: {reason}" for name, found in candidates for reason in found)
+    return LinearAttentionError(f"{what} covers this call:{lines}")
+
+
+def choose_route(call: Call) -> Route:
+    """The route that computes ``call`` (the asked form, or the "auto" choice), or an error listing the reasons."""
+    form = auto_form(call) if call.form == "auto" else call.form
+    route = next(r for r in ROUTES if r.kind == call.kind and r.form == form)
+    found = route.reasons(call)
+    if found:
+        raise refuse(f"no form of kind {call.kind!r}", [(route.name, found)])
+    return route
+
+
+def check_window_combination(window: object, **others: object) -> None:
+    """The window op does not (yet) compose with decays, gates, packing or the Triton backend: refuse, never
+    ignore. Checked before anything else runs (packed calls would otherwise split first)."""
+    if window is None:
+        return
+    given = [name for name, value in others.items() if value is not None and (name != "backend" or value == "triton")]
+    if given:
+        raise LinearAttentionError(
+            f"window: the sliding-window hybrid does not combine with {', '.join(given)} in this version; drop "
+            f"window= (decayed or gated linear attention alone), or drop {', '.join(given)} (the hybrid alone); "
+            "packed sequences can run one call per sequence"
+        )
+
+
+# ---- backends -------------------------------------------------------------------------------------------------
+
+
+def backend_reasons(backend: str, call: Call, route: Route, q: torch.Tensor, dtype: torch.dtype) -> list[str]:
+    """Why ``backend`` does not cover the call (before the feature map runs); [] when it does. ``torch`` runs every
+    route; ``triton`` declares its own limits (:func:`linattn.backends.triton.reasons`)."""
+    if backend == "torch":
+        return []
+    found = triton_backend.reasons(
+        q, causal=call.causal, form=route.form, log_space=call.log_space, chunk_size=call.chunk_size, dtype=dtype
+    )
+    if route.kind != "plain":
+        found.append(f"{route.kind} attention: the kernels compute plain causal linear attention")
+    return found + triton_backend.option_reasons(dict(call.options))
+
+
+def choose_backend(backend: str, call: Call, route: Route, q: torch.Tensor, dtype: torch.dtype) -> str:
+    """"torch" or "triton" for this call: "auto" takes triton for covered calls on CUDA tensors; a forced backend
+    that does not cover the call raises, listing every reason."""
+    if backend not in BACKENDS:
+        raise LinearAttentionError(f"backend: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "torch" or (backend == "auto" and q.device.type != "cuda"):
+        return "torch"
+    found = backend_reasons("triton", call, route, q, dtype)
+    if not found:
+        return "triton"
+    if backend == "triton":
+        raise triton_backend.refusal(found)
+    return "torch"
+
+
+# ---- decoding steps --------------------------------------------------------------------------------------------
+
+# linear_attention options a step reproduces; any other option (window=, sinks=, min_denom=, ...) is left to it
+STEP_OPTIONS = frozenset({"eps", "chunk_size", "form"})
+WINDOW_STEP_OPTIONS = STEP_OPTIONS | frozenset({"window", "sinks", "window_factor", "softmax_scale"})
+
+
+def _step_common(fmap: nn.Module, kv: torch.Tensor, options: dict[str, Any], allowed: frozenset[str]) -> list[str]:
+    found = []
+    if kv.dtype not in (torch.float32, torch.float64):
+        found.append(f"state in {kv.dtype}: the steps keep fp32 or fp64 sums")
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        found.append(f"options {', '.join(unknown)}: not reproduced by the step")
+    if not options.get("normalize", True):
+        found.append("normalize=False: the steps compute normalised attention")
+    if is_signed(fmap):
+        found.append("a signed feature map: the steps take positive maps")
+    return found
+
+
+def step_reasons(step: str, fmap: nn.Module, state: Any, options: dict[str, Any]) -> list[str]:
+    """Why the lean decoding step ``step`` ("plain": :class:`~linattn.decode.DecodeStep`, "window":
+    :class:`~linattn.decode.WindowDecodeStep`) does not compute what ``linear_attention(..., **options)`` would
+    from ``state``; [] when it does."""
+    if step == "plain":
+        if type(state) is not LinearAttentionState:
+            return [f"state {type(state).__name__}: the step continues a LinearAttentionState"]
+        return _step_common(fmap, state.kv, options, STEP_OPTIONS)
+    if type(state) is not WindowAttentionState:
+        return [f"state {type(state).__name__}: the window step continues a WindowAttentionState"]
+    found = [] if state.linear.kv.dim() == 4 else ["state: the window step needs batch shape (B, H)"]
+    found += _step_common(fmap, state.linear.kv, options, WINDOW_STEP_OPTIONS)
+    if is_log_space(fmap):
+        found.append("a log-space feature map: the window step keeps every sum at scale 1")
+    return found
+
+
+def choose_step(fmap: nn.Module, state: Any, options: dict[str, Any]) -> str | None:
+    """"plain" or "window": the lean step that continues ``state``, or None (``linear_attention`` runs instead)."""
+    for step in ("plain", "window"):
+        if not step_reasons(step, fmap, state, options):
+            return step
+    return None
+
+
+def step_kernel_reasons(kv: torch.Tensor, log_space: bool, eps: float) -> list[str]:
+    """Why the Triton decoding kernel does not run a :class:`~linattn.decode.DecodeStep` on this state."""
+    found = []
+    if not (kv.device.type == "cuda" or (kv.device.type == "cpu" and triton_backend.interpreting())):
+        found.append(f"device {kv.device}: the kernel runs on CUDA tensors (on CPU under TRITON_INTERPRET=1)")
+    if kv.dtype != torch.float32:
+        found.append(f"state in {kv.dtype}: the kernel keeps fp32 sums")
+    if log_space:
+        found.append("a log-space feature map")
+    if eps <= 0:
+        found.append("eps ≤ 0")
+    if max(kv.shape[-2:]) > triton_backend.MAX_DIM:
+        found.append(f"F or Dv > {triton_backend.MAX_DIM}")
+    error = triton_backend.import_error() if not found else None
+    return found + ([error] if error else [])
+
+
+# ---- context parallelism ---------------------------------------------------------------------------------------
+
+
+def context_parallel_reasons(per_feature_gate: bool) -> list[str]:
+    """Why a call cannot be split across ranks (each rank's slice summarised as a state); [] when it can."""
+    if per_feature_gate:
+        return [
+            "log_gate: per-feature gates (..., N, F) are not split across ranks yet (their summary would need a "
+            "per-feature total decay); pass one log-decay per token (..., N), or run on one process"
+        ]
+    return []
