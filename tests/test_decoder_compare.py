@@ -295,3 +295,14 @@ def test_compare_trains_lora_adapters_with_the_maps_frozen_and_only_for_their_ro
                 ["--end-to-end-lora", "2", "--end-to-end-steps", "1", "--end-to-end-lora-lr", "0"]):
         with pytest.raises(LinearAttentionError, match="lora"):
             main([*common, "--maps", "hedgehog+window", "--fitted-maps", base, *bad, "--out", str(tmp_path / "bad")])
+
+
+def test_lm_options_are_checked_before_the_model_loads(tmp_path):
+    from linattn.cli import main
+
+    common = ["compare", "no-such-model", "--lm", "--out", str(tmp_path / "out")]
+    for bad, match in ((["--maps", "elu", "nonesuch"], "unknown"), (["--window", "0"], "--window"),
+                       (["--end-to-end-steps", "2", "--maps", "elu"], "hedgehog\\+window")):
+        with pytest.raises(LinearAttentionError, match=match):
+            main([*common, *bad])
+    assert not (tmp_path / "out").exists()
