@@ -11,7 +11,8 @@ import torch
 pytest.importorskip("transformers")
 
 from linattn import LinearAttentionError  # noqa: E402
-from linattn.evaluate.lm_compare import looks_causal, window_sink_attention  # noqa: E402
+from linattn.evaluate.models import looks_causal  # noqa: E402
+from linattn.evaluate.window_softmax import window_sink_attention  # noqa: E402
 
 
 class Holder(torch.nn.Module):
@@ -237,24 +238,24 @@ def test_end_to_end_texts_are_written_once_and_read_back(tiny_folder, tmp_path):
 def test_end_to_end_texts_of_a_converted_model_are_found_from_any_install(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from linattn.evaluate.lm_compare import _sampled
+    from linattn.evaluate import lm_stages
 
     monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
     saved = tmp_path / "texts.json"
     settings = {"model": "m-0123456789ab", "prompts": ["a"], "tokens": 5, "seed": 0}
     saved.write_text(json.dumps({**settings, "texts": ["abcde"]}))
-    args = SimpleNamespace(end_to_end_tokens=5, end_to_end_texts=str(saved))
 
     def never(*_: object, **__: object) -> list[str]:
         raise AssertionError("sampled again")
 
+    monkeypatch.setattr(lm_stages, "sample_texts", never)
     # a GGUF conversion is named by the file's bytes (the same folder name in every install): the name is the key
     converted = SimpleNamespace(config=SimpleNamespace(_name_or_path=str(tmp_path / "cache" / "m-0123456789ab")))
-    assert _sampled(converted, None, ["a"], args, never) == ["abcde"]
+    assert lm_stages.sampled_texts(converted, None, ["a"], 5, str(saved)) == ["abcde"]
     # any other folder is known by its path
     other = SimpleNamespace(config=SimpleNamespace(_name_or_path=str(tmp_path / "m-0123456789ab")))
     with pytest.raises(LinearAttentionError, match="another model"):
-        _sampled(other, None, ["a"], args, never)
+        lm_stages.sampled_texts(other, None, ["a"], 5, str(saved))
 
 
 def test_compare_trains_lora_adapters_with_the_maps_frozen_and_only_for_their_row(tiny_folder, tmp_path):
@@ -294,3 +295,14 @@ def test_compare_trains_lora_adapters_with_the_maps_frozen_and_only_for_their_ro
                 ["--end-to-end-lora", "2", "--end-to-end-steps", "1", "--end-to-end-lora-lr", "0"]):
         with pytest.raises(LinearAttentionError, match="lora"):
             main([*common, "--maps", "hedgehog+window", "--fitted-maps", base, *bad, "--out", str(tmp_path / "bad")])
+
+
+def test_lm_options_are_checked_before_the_model_loads(tmp_path):
+    from linattn.cli import main
+
+    common = ["compare", "no-such-model", "--lm", "--out", str(tmp_path / "out")]
+    for bad, match in ((["--maps", "elu", "nonesuch"], "unknown"), (["--window", "0"], "--window"),
+                       (["--end-to-end-steps", "2", "--maps", "elu"], "hedgehog\\+window")):
+        with pytest.raises(LinearAttentionError, match=match):
+            main([*common, *bad])
+    assert not (tmp_path / "out").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -172,12 +173,14 @@ def test_report_table_sweep_trend_and_plots(tmp_path) -> None:
     ]
     result.skipped = {"broken": "an error"}
     written = write_report(result, str(tmp_path))
+    assert written[:2] == [str(tmp_path / "results.json"), str(tmp_path / "report.md")]
+    assert json.loads((tmp_path / "results.json").read_text())["rows"][5]["note"] == "fitted, 100 steps"
     report = (tmp_path / "report.md").read_text()
     assert "| hedgehog | 32 | 0.400 | 0.450 | 0.300 | 4.20 | 1.50 | fitted, 100 steps |" in report
     assert "`favor+`: 0.900 → 0.850 for m = 16, 32: falls monotonically." in report
     assert "`trig`: 5.000 → 7.000 for m = 16, 32: does not fall monotonically." in report
     assert "`broken`: an error" in report
-    if len(written) > 1:  # matplotlib installed: both plots
+    if len(written) > 2:  # matplotlib installed: both plots
         assert (tmp_path / "error_vs_features.png").stat().st_size > 1000
         assert (tmp_path / "frontier.png").stat().st_size > 1000
 

@@ -1,4 +1,4 @@
-"""The ``linattn`` command: ``linattn info``, ``linattn demo``."""
+"""The ``linattn`` command: ``info``, ``demo``, ``bench`` and ``compare``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from . import __version__, feature_maps
+from .evaluate.arguments import add_compare_arguments, add_lm_arguments
+from .evaluate.models import looks_causal
 from .forms import FORMS
 from .functional import linear_attention
 
@@ -57,7 +59,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from . import bench  # imported only when asked for: it pulls in the profiler and matplotlib
+    from . import bench  # each verb's job is imported when it runs: `linattn info` and `--help` load none of them
 
     return bench.cli(args)
 
@@ -86,13 +88,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from .evaluate.lm_compare import looks_causal
-
+    # the jobs are imported when they run: they load the training code (linattn.distill, linattn.hf), which the
+    # other verbs never need; transformers and matplotlib they import only when a model is loaded or a plot drawn
     if args.lm or looks_causal(args.model):  # causal LMs: perplexity and long-range probes per row
         from .evaluate import lm_compare
 
         return lm_compare.cli(args)
-    from .evaluate import compare  # imported only when asked for: it loads transformers and matplotlib
+    from .evaluate import compare
 
     return compare.cli(args)
 
@@ -102,11 +104,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
         "compare", help="every feature map against softmax attention on a real model (encoders: attention metrics; "
         "causal LMs such as smollm2: perplexity and long-range probes); Markdown report and plots"
     )
-    from .evaluate.arguments import add_compare_arguments
-
     add_compare_arguments(compare)
-    from .evaluate.lm_compare import add_lm_arguments
-
     add_lm_arguments(compare)
     compare.set_defaults(run=_compare)
 

@@ -5,7 +5,9 @@
   (encoders, and decoders such as the shipped SmolLM2: ``load_model("smollm2")``);
 - :func:`perplexity`, :func:`long_range_probes`: causal LMs scored on text, repeated passages and passkeys;
 - :func:`capture_metrics`: the metrics averaged over every layer and head of a capture;
-- :mod:`linattn.evaluate.compare`: the ``linattn compare`` job (table, Markdown report, plots).
+- :mod:`linattn.evaluate.compare`: the ``linattn compare`` job on encoders (table, Markdown report, plots);
+  :mod:`linattn.evaluate.lm_compare` the same on causal LMs (perplexity and long-range probes per row). Neither is
+  imported here: they load the training code (:mod:`linattn.distill`).
 
 transformers is imported only when a model is loaded or captured.
 """

@@ -1,11 +1,21 @@
-"""Command-line options of ``linattn compare`` (kept apart from compare.py so that ``--help`` imports nothing)."""
+"""Command-line options of ``linattn compare`` (kept apart from the jobs so that ``--help`` imports none of them).
+
+:func:`add_compare_arguments` adds the options of every comparison, :func:`add_lm_arguments` those of causal LMs
+(:mod:`linattn.evaluate.lm_compare`); both parsers share one ``argparse`` namespace, read by
+:func:`linattn.evaluate.compare.cli` or :meth:`linattn.evaluate.lm_config.LMCompareConfig.from_args`.
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+DEFAULT_OUT = "out/compare"
+LM_WINDOW, LM_SINKS = 64, 4  # the causal-LM window rows' defaults: StreamingLLM's 4 sinks, LoLCATs' 64-token window
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of every ``linattn compare`` run: model, texts, maps, fitting, output."""
     parser.add_argument("model", nargs="?", default=None,
                         help="transformers model name or folder (default: the shipped MiniLM-L6, offline)")
     parser.add_argument("text", nargs="?", default=None,
@@ -30,8 +40,61 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the fitted maps of each learned kind to this folder (safetensors)")
     parser.add_argument("--window", type=int, default=None,
                         help="also measure the sliding-window hybrid with this window W (docs/window.md; causal "
-                             "LMs: default 64)")
+                             f"LMs: default {LM_WINDOW})")
     parser.add_argument("--sinks", type=int, default=None,
-                        help="sink tokens kept exact in the hybrid rows (default 0; causal LMs: 4)")
-    parser.add_argument("--out", default="out/compare", help="folder for report.md, results.json and plots")
+                        help=f"sink tokens kept exact in the hybrid rows (default 0; causal LMs: {LM_SINKS})")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="folder for report.md, results.json and plots")
     parser.add_argument("--quiet", action="store_true", help="no table or progress bars")
+
+
+def add_lm_arguments(parser: argparse.ArgumentParser) -> None:
+    """The causal-LM options of ``linattn compare`` (options another part already defines are shared)."""
+    def add(flag: str, **options: Any) -> None:
+        if flag not in parser._option_string_actions:
+            parser.add_argument(flag, **options)
+
+    add("--lm", action="store_true", help="treat MODEL as a causal LM (detected for smollm2, GGUF, *ForCausalLM)")
+    add("--window", type=int, default=None, help=f"causal LMs: softmax window of the window rows ({LM_WINDOW})")
+    add("--sinks", type=int, default=None, help=f"causal LMs: sink tokens kept exact in the window rows ({LM_SINKS})")
+    add("--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="causal LMs: filler tokens")
+    add("--passkey-trials", type=int, default=3, help="causal LMs: passkey trials per filler length")
+    add("--repeat-trials", type=int, default=4, help="causal LMs: repeated passages")
+    add("--passage-tokens", type=int, default=128, help="causal LMs: tokens of the repeated passage")
+    add("--gap-tokens", type=int, default=512, help="causal LMs: tokens between the passage and its repeat")
+    add("--fitted-maps", default=None,
+        help="causal LMs: hedgehog maps saved earlier (skip the fit): maps fitted with the window serve the "
+             "hedgehog+window rows, others the hedgehog row")
+    add("--no-metrics", action="store_true", help="causal LMs: skip the per-head rel. error / KL")
+    add("--no-baselines", action="store_true", help="causal LMs: skip the softmax and window+sinks rows")
+    add("--end-to-end-steps", type=int, default=0,
+        help="causal LMs: also train the window-fitted maps end to end for this many steps (0: no such row)")
+    add("--end-to-end-samples", type=int, default=32,
+        help="causal LMs: texts sampled from the model for the end-to-end stage (the last 2 held out)")
+    add("--end-to-end-tokens", type=int, default=1024, help="causal LMs: tokens sampled per text")
+    add("--end-to-end-texts", default=None,
+        help="causal LMs: a JSON file of the end-to-end stage's sampled texts: read when it was written for the same "
+             "model, prompts and --end-to-end-tokens, else sampled and written there (sampling is minutes)")
+    add("--end-to-end-copies", action=argparse.BooleanOptionalAction, default=True,
+        help="causal LMs: also train on copying sequences built from the samples (a passage, other text, the "
+             "passage again)")
+    add("--end-to-end-corpus-orders", type=int, default=0,
+        help="causal LMs: also train the end-to-end stage on the training text itself, in this many paragraph "
+             "orders (and their copying sequences); 0: the samples alone")
+    add("--end-to-end-repeat-weight", type=float, default=1.0,
+        help="causal LMs: the loss weight of the positions that predict a copying sequence's repeat (others 1)")
+    add("--retrieval-heads", type=int, default=0,
+        help="causal LMs: the K heads that retrieve most beyond the window (retrieval_scores on the sampled texts): "
+             "with --retrieval-maps they take that file's maps; the end-to-end stage then trains only them")
+    add("--retrieval-maps", default=None,
+        help="causal LMs: a maps file (same layout as the hedgehog+window maps) whose retrieval heads' maps replace "
+             "those of the fitted/--fitted-maps maps, e.g. maps trained on copying sequences")
+    add("--train-other-heads", action="store_true",
+        help="causal LMs: the end-to-end stage trains the heads other than the --retrieval-heads (those stay as "
+             "they are)")
+    add("--end-to-end-lora", type=int, default=0, metavar="R",
+        help="causal LMs: the end-to-end stage trains rank-R adapters of every attention layer's q/k/v/o "
+             "projections instead of the maps (LoLCATs' fine-tuning stage: the model's weights change in effect, "
+             "and the row says so); 0: no adapters")
+    add("--end-to-end-lora-lr", type=float, default=0.0005, help="causal LMs: the adapters' Adam learning rate")
+    add("--gamma", action="store_true",
+        help="causal LMs: fit hedgehog+window with LoLCATs' per-head factor γ instead of the mass-preserving window")

@@ -11,22 +11,23 @@
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .. import feature_maps
 from ..data import load_text, paragraphs
+from ..distill import FittedFeatureMaps, fit_feature_map
 from ..errors import LinearAttentionError
 from ..feature_maps import FeatureMap
 from ..functional import linear_attention
 from .capture import AttentionCapture, capture_attention, load_model
 from .metrics import capture_metrics, capture_references
+from .report import number, write_report
 
 SWEEP_FEATURES = (16, 64, 256)
 
@@ -52,6 +53,9 @@ class Row:
 
 @dataclass
 class CompareResult:
+    """What the encoder comparison measured: the model's shape, the texts' sizes, the softmax reference and the
+    rows (written as results.json by :func:`~linattn.evaluate.report.write_report`)."""
+
     model_name: str
     layers: int
     heads: int
@@ -94,11 +98,6 @@ def time_per_token(fmap: Any, heads: int, head_dim: int, n: int, causal: bool, r
                 linear_attention(q, k, v, feature_map=fmap, causal=causal, **_signed_options(fmap), **(options or {}))
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:]) / n * 1e6
-
-
-def number(x: float) -> str:
-    """Three decimals, or scientific notation for the huge errors of signed maps."""
-    return f"{x:.3f}" if abs(x) < 1e4 else f"{x:.1e}"
 
 
 def _signed_options(fmap: Any) -> dict[str, Any]:
@@ -145,9 +144,6 @@ def run_compare(
     (:func:`_hybrid_rows`): the window alone, elu and each learned map (as fitted above) with the window, and
     each learned map fitted with the window in place, in both scale forms.
     """
-    from ..distill import FittedFeatureMaps, fit_feature_map
-    from .report import write_report
-
     began = time.perf_counter()
     say = print if progress else (lambda *args, **kwargs: None)
     if text is None:
@@ -240,9 +236,6 @@ def run_compare(
                      lambda kind, **extra: fit_feature_map(qs, ks, kind=kind, v=vs, causal=train.causal,
                                                            scale=train.scaling, window=window, sinks=sinks, **extra))
     result.seconds = time.perf_counter() - began
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as handle:
-        json.dump(asdict(result), handle, indent=1)
     written = write_report(result, out_dir)
     say(f"done in {result.seconds:.0f} s; wrote {', '.join(written)}", flush=True)
     return result

@@ -188,3 +188,18 @@ def load_model(
 def is_causal_lm(model: Any) -> bool:
     """Whether ``model`` is a transformers causal LM (an LM head over a decoder: ``*ForCausalLM``)."""
     return type(model).__name__.endswith("ForCausalLM")
+
+
+def looks_causal(name: str | None) -> bool:
+    """Whether ``linattn compare NAME`` takes the causal-LM path, judged without loading the model: smollm2, a
+    GGUF file, or a config naming a causal LM; False for the shipped encoder and for names that cannot be read."""
+    if name is None or name == "minilm":
+        return False
+    if name == "smollm2":
+        return True
+    try:
+        if _gguf_in(name) is not None:
+            return True
+        return _is_causal_lm(name, os.path.isdir(name))
+    except (OSError, ValueError, LinearAttentionError):
+        return False

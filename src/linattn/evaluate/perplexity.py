@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,9 +37,6 @@ class Perplexity:
     tokens: int
     seconds: float
     tokens_per_second: float
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 def _device(model: Any) -> torch.device:

@@ -1,0 +1,176 @@
+"""The training stages of the causal-LM comparison: the hedgehog fit, the sampled training texts, the retrieval
+heads and the end-to-end stage (maps or LoRA adapters trained against the model's own softmax attention).
+
+Each stage reads its options from :class:`~linattn.evaluate.lm_config.LMCompareConfig` and returns what it made;
+:mod:`linattn.evaluate.lm_compare` puts the results in rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import hf
+from ..data import load_text, paragraphs
+from ..distill import FittedFeatureMaps, fit_model_feature_maps
+from ..errors import LinearAttentionError
+from .capture import capture_attention, reordered
+from .end_to_end import copying_sequences, copying_weights, fit_end_to_end, retrieval_scores, sample_texts, top_heads
+from .lm_config import HELD_OUT_SAMPLES, EndToEndOptions, LMCompareConfig
+from .lora import add_lora
+from .models import cache_folder
+
+PROMPT_WORDS = 20  # each sampled text starts from the first words of a train paragraph
+PROMPT_TOKENS = 64  # room for the prompt beside the sampled tokens when a text is cut to token ids
+RETRIEVAL_SEQUENCES = 8  # training samples scored by retrieval_scores (two forward passes each with weights)
+
+
+def read_text(path: str | None, part: str) -> str:
+    """The text of file ``path``, or the shipped corpus's ``part`` ("train", "heldout") when None."""
+    if path is None:
+        return load_text(part)
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
+
+
+def fit_hedgehog(model: Any, tokenizer: Any, name: str, train: str, config: LMCompareConfig,
+                 *, with_window: bool) -> tuple[FittedFeatureMaps, int]:
+    """Hedgehog maps, one set per layer, fitted on the capture of ``train`` under the model's softmax attention;
+    ``with_window``: fitted with the softmax window and sinks in place (the hybrid's maps), with LoLCATs' per-head
+    factor γ under ``--gamma``. Returns the maps and the number of captured tokens."""
+    fit = config.fit
+    model.set_attn_implementation("sdpa")
+    capture = capture_attention(model, tokenizer, train, max_tokens=fit.max_tokens, model_name=name,
+                                orders=fit.orders)
+    options: dict[str, Any] = {"progress": not config.quiet}
+    if fit.steps is not None:
+        options["steps"] = fit.steps
+    if fit.num_features is not None:
+        options["num_features"] = fit.num_features
+    if with_window:
+        options.update(window=config.window, sinks=config.sinks, window_factor=fit.gamma)
+    return fit_model_feature_maps(capture, kind="hedgehog", **options), capture.num_tokens
+
+
+def sampled_texts(model: Any, tokenizer: Any, prompts: list[str], tokens: int, path: str | None) -> list[str]:
+    """The end-to-end stage's texts: ``tokens`` tokens sampled (seed 0) after each prompt, or read from ``path``
+    (``--end-to-end-texts``) when that file was written for the same model, prompts and length; sampling takes
+    minutes, so a run writes the file when it is missing."""
+    name = str(getattr(model.config, "_name_or_path", ""))
+    if os.path.dirname(os.path.abspath(name)) == os.path.abspath(cache_folder()):  # a GGUF conversion: its folder
+        name = os.path.basename(name)  # is named by the file's bytes, the same in every install; the path is not
+    settings = {"model": name, "prompts": prompts, "tokens": tokens, "seed": 0}
+    if path and os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            saved = json.load(handle)
+        if {key: saved.get(key) for key in settings} != settings:
+            raise LinearAttentionError(
+                f"--end-to-end-texts: {path} holds texts sampled for another model, other prompts or another "
+                "length; pass another path (it is written when missing) or remove it"
+            )
+        return list(saved["texts"])
+    texts = sample_texts(model, tokenizer, prompts, tokens=tokens, seed=0)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump({**settings, "texts": texts}, handle, ensure_ascii=False)
+    return texts
+
+
+def token_ids(tokenizer: Any, texts: list[str], tokens: int) -> list[torch.Tensor]:
+    """Each text as token ids (N,), cut where the end-to-end stage cuts them (``tokens`` and a prompt's room)."""
+    return [torch.as_tensor(tokenizer(text)["input_ids"][: tokens + PROMPT_TOKENS]) for text in texts]
+
+
+def training_sequences(model: Any, tokenizer: Any, train: str,
+                       options: EndToEndOptions) -> tuple[list[torch.Tensor], float]:
+    """The end-to-end stage's texts as token ids (N,) each, sampled from the model itself under softmax attention,
+    prompted by the train text's paragraphs (or read from ``--end-to-end-texts``); and the seconds that took."""
+    starts = [" ".join(paragraph.split()[:PROMPT_WORDS]) for paragraph in paragraphs(train)]
+    prompts = [starts[i % len(starts)] for i in range(options.samples)]
+    model.set_attn_implementation("sdpa")
+    begin = time.perf_counter()
+    texts = sampled_texts(model, tokenizer, prompts, options.tokens, options.texts)
+    return token_ids(tokenizer, texts, options.tokens), time.perf_counter() - begin
+
+
+def retrieval_heads(model: Any, plain: list[torch.Tensor], config: LMCompareConfig) -> torch.Tensor:
+    """(layers, heads) bool: the ``--retrieval-heads`` heads of highest :func:`~.end_to_end.retrieval_scores` on
+    the first training samples (never the held-out ones), under the model's softmax attention."""
+    model.set_attn_implementation("sdpa")
+    scored = plain[: min(RETRIEVAL_SEQUENCES, len(plain) - HELD_OUT_SAMPLES)]
+    scores = retrieval_scores(model, scored, window=config.window, sinks=config.sinks)
+    return top_heads(scores, config.end_to_end.retrieval_heads)
+
+
+@dataclass
+class TrainingSet:
+    """The end-to-end stage's sequences, held-out ones last, with their position weights (None: all 1)."""
+
+    sequences: list[torch.Tensor]
+    weights: list[Any] | None
+    held_out: int  # the last this many sequences are held out
+    copying: int  # copying sequences among them (of the samples and of the train text)
+    corpus: int  # orders of the train text among them
+
+
+def _with_copies(texts: list[torch.Tensor], options: EndToEndOptions, seed: int) -> list[tuple[torch.Tensor, Any]]:
+    """Each copying sequence of ``texts`` with its position weights (the repeat weighted)."""
+    if not texts or not options.copies:
+        return []
+    return list(zip(copying_sequences(texts, seed=seed), copying_weights(texts, options.repeat_weight, seed=seed),
+                    strict=True))
+
+
+def training_set(plain: list[torch.Tensor], corpus: list[torch.Tensor], options: EndToEndOptions) -> TrainingSet:
+    """The samples ``plain``, their copying sequences, the train text's orders ``corpus`` and theirs, in training
+    order: the last HELD_OUT_SAMPLES samples and the copying sequence of the last but one are held out."""
+    samples, copies, corpus_copies = [(x, None) for x in plain], _with_copies(plain, options, 0), _with_copies(
+        corpus, options, 1)
+    held = HELD_OUT_SAMPLES
+    ordered = (samples[:-held] + copies[:-1] + [(x, None) for x in corpus] + corpus_copies + samples[-held:]
+               + copies[-1:])
+    weights = None if options.repeat_weight == 1 else [marks for _, marks in ordered]
+    return TrainingSet([ids for ids, _ in ordered], weights, held + len(copies[-1:]),
+                       len(copies) + len(corpus_copies), len(corpus))
+
+
+def train_end_to_end(model: Any, tokenizer: Any, fitted: FittedFeatureMaps, config: LMCompareConfig, train: str,
+                     plain: list[torch.Tensor], heads: torch.Tensor | None) -> tuple[Any, Any, dict[str, Any]]:
+    """A copy of ``fitted`` trained end to end (:mod:`.end_to_end`) on the sampled sequences ``plain`` (and their
+    copying sequences, and the train text with ``--end-to-end-corpus-orders``); only the ``heads`` marked, when
+    given (the others with ``--train-other-heads``). ``fitted`` stays as it was. With ``--end-to-end-lora R`` the
+    maps stay as they are and rank-R adapters are trained instead (detached from the model on return). Returns the
+    copy, the adapters (or None) and what it took."""
+    options = config.end_to_end
+    corpus: list[torch.Tensor] = []
+    if options.corpus_orders:  # the training text itself, in paragraph orders, beside the samples
+        corpus = token_ids(tokenizer, reordered(train, options.corpus_orders, seed=0), options.tokens)
+    data = training_set(plain, corpus, options)
+    if heads is not None and options.train_other_heads:
+        heads = ~heads
+    tuned = copy.deepcopy(fitted)
+    hf.linearize(model, tuned)
+    adapters = add_lora(model, rank=options.lora_rank) if options.lora_rank else None
+    if adapters is not None:
+        heads = None  # every map stays as it is (the retrieval heads' maps may come from --retrieval-maps)
+    try:
+        info = fit_end_to_end(model, tokenizer, data.sequences, max_tokens=options.tokens + PROMPT_TOKENS,
+                              steps=options.steps, held_out=data.held_out, progress=not config.quiet, heads=heads,
+                              weights=data.weights, adapters=adapters, adapter_lr=options.lora_lr,
+                              train_maps=adapters is None)
+    finally:
+        if adapters is not None:
+            adapters.remove()  # attached again for its own row only
+    model.set_attn_implementation("sdpa")
+    return tuned, adapters, {"samples": len(plain), "copying_sequences": data.copying,
+                             "corpus_sequences": data.corpus, "tokens": options.tokens, "steps": options.steps,
+                             "heads": None if heads is None else int(heads.sum()),
+                             "repeat_weight": options.repeat_weight, "lora_rank": options.lora_rank,
+                             "best_held_out_kl": info["best_held_out"], "history": info["history"]}
