@@ -142,10 +142,13 @@ def linear_attention(
     log_space = is_log_space(fmap)
     _check_map_normaliser(fmap, log_space, normalize, min_denom)
 
-    kind = "window" if window is not None else "gated" if feature_gate is not None else "plain"
-    options = (("decay", decay), ("log_gate", log_gate), ("cu_seqlens", cu_seqlens))
-    call = Call(kind, causal, form, q.shape[-2], k.shape[-2], chunk_size, initial_state is not None, normalize,
-                log_space, log_decay is not None, segments is not None, options)
+    call = Call(
+        kind="window" if window is not None else "gated" if feature_gate is not None else "plain",
+        causal=causal, form=form, num_queries=q.shape[-2], num_keys=k.shape[-2], chunk_size=chunk_size,
+        carries_state=initial_state is not None, normalize=normalize, log_space=log_space,
+        decay=log_decay is not None, packed=segments is not None,
+        options=(("decay", decay), ("log_gate", log_gate), ("cu_seqlens", cu_seqlens)),
+    )
     route = choose_route(call)
     out_dtype = q.dtype
     chosen = choose_backend(backend, call, route, q, out_dtype)
@@ -167,14 +170,13 @@ def linear_attention(
             "use causal=True for streaming and decoding"
         )
     job = Job(
-        fmap, q, k, v, keep, _checked_state(initial_state, window, sinks, q, k, v, compute, log_space), causal,
-        route_chunk(route, call), log_space, return_state, normalize, eps, min_denom, log_decay, feature_gate,
-        segments,
+        fmap, q, k, v, keep, _checked_state(initial_state, window, sinks, q, k, v, compute, log_space),
+        causal=causal, chunk_size=route_chunk(route, call), log_space=log_space, return_state=return_state,
+        normalize=normalize, eps=eps, min_denom=min_denom, log_decay=log_decay, feature_gate=feature_gate,
+        segments=segments, window=window or 0, sinks=sinks,
+        window_factor=_validate.window_factor(window_factor, q.shape[:-2], q.dtype, q.device),
+        softmax_scale=1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale),
     )
-    if window is not None:
-        job.window, job.sinks = window, sinks
-        job.window_factor = _validate.window_factor(window_factor, q.shape[:-2], q.dtype, q.device)
-        job.softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
 
     # under torch.autocast the GEMMs below would run in bf16/fp16 again: the fp32 accumulation is the point
     with torch.autocast(q.device.type, enabled=False) if _autocast_on(q.device.type) else nullcontext():

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _validate
+from .capabilities import check_window_combination
 from .decode import DecodeStep, WindowDecodeStep, lean_step
 from .errors import LinearAttentionError
 from .feature_maps import FeatureMap
@@ -133,11 +135,9 @@ class LinearAttention(nn.Module):
         self.feature_map = resolve_feature_map(feature_map, head_dim)
         self._decay_options(decay, gate, output_norm, layer_index, num_layers, factory)
         if window is not None:
-            if decay is not None or gate is not None:
-                raise LinearAttentionError(
-                    "window: the sliding-window hybrid does not combine with decay/gate in this version; use one"
-                )
-            self.options.update(window=window, sinks=sinks)  # checked by linear_attention on the first call
+            check_window_combination(window, decay=decay, gate=gate)
+            _validate.check_window_options(window, sinks, None, None)
+            self.options.update(window=window, sinks=sinks)
         elif sinks:
             raise LinearAttentionError(f"sinks={sinks}: sink tokens belong to the window hybrid; pass window=W too")
 

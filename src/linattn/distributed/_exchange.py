@@ -243,9 +243,3 @@ def make_header(values: dict[str, int | float | torch.Tensor]) -> torch.Tensor:
         else:
             row.append(torch.tensor([int(value)], dtype=torch.int64))
     return torch.cat(row)
-
-
-def payload_size(batch: int, features: int, values: int, decay: bool) -> int:
-    """Numbers one rank contributes: S (F·Dv) + z (F) + shift (1) [+ slice log-decay (1)] per batch×head row."""
-    return batch * (features * values + features + 1 + int(decay))
-

@@ -39,15 +39,19 @@ import torch
 
 from .. import hf
 from ..distill import FittedFeatureMaps, load_feature_maps
+from .arguments import add_lm_arguments  # noqa: F401  (re-exported: the names' old home)
 from .capture import capture_attention
 from .lm_config import EndToEndOptions, LMCompareConfig
 from .lm_stages import fit_hedgehog, read_text, retrieval_heads, train_end_to_end, training_sequences
 from .metrics import capture_metrics, capture_references
-from .models import load_model
+from .models import (
+    load_model,
+    looks_causal,  # noqa: F401  (re-exported)
+)
 from .perplexity import perplexity
 from .probes import long_range_probes
 from .report import number, write_lm_report
-from .window_softmax import use_window_softmax
+from .window_softmax import use_window_softmax, window_sink_attention  # noqa: F401  (re-exported)
 
 
 @dataclass

@@ -32,7 +32,8 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.nn.functional as F
 
-from ._common import NEG_INF, rowdot, scale_between
+from ..features import finite
+from ._common import rowdot, scale_between
 
 # Elements of Q, K and V per block (over all batch and head rows): about 4 MiB of fp32, so a block's operands stay
 # in cache. Measured on a 2-core CPU at B·H=8, F=Dv=64, N=16384 (this gives 1024 tokens per block): blocks of
@@ -141,7 +142,7 @@ class _Block:
             scale_in = scale_in.to(torch.float64)
             scales = torch.cat([scale_in.unsqueeze(-1), ends[..., :-1]], dim=-1)  # (..., b): scale entering chunk c
             self.scale_out = ends[..., -1]  # fp64, carried to the next block
-            base = torch.where(ends == NEG_INF, 0.0, ends)  # (..., b); -inf only while every key so far is masked
+            base = finite(ends)  # (..., b); -inf only while every key so far is masked
             local = (r - base.unsqueeze(-1)).to(q.dtype)  # (..., b, C), ≤ 0
             entry = (scales - base).to(q.dtype).unsqueeze(-1)  # (..., b, 1), ≤ 0
             self.masked_decay = scale_between(local.unsqueeze(-2), local.unsqueeze(-1), keep)  # E (..., b, C, C)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..features import finite
 from ..state import LinearAttentionState
 from ._common import NEG_INF, finalize, scale_between
 
@@ -188,7 +189,7 @@ def _block(
     chunks, dtype = qc.shape[-3], q.dtype
     ends = r[..., -1, :]  # (..., b, F): the scale each chunk's update is stored at
     entering = torch.cat([scale_in.unsqueeze(-2), ends[..., :-1, :]], dim=-2)  # (..., b, F)
-    base = torch.where(ends == NEG_INF, 0.0, ends)
+    base = finite(ends)
     local = (r - base.unsqueeze(-2)).to(dtype)  # (..., b, C, F) ≤ 0: only local differences reach fp32
     entry = (entering - base).to(dtype).unsqueeze(-2)  # (..., b, 1, F)
     weights = _intra_weights(qc, kc, local)  # (..., b, C, C)

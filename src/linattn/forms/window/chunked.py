@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...features import NEG_INF
+from ...features import NEG_INF, key_scales
 from ...state import LinearAttentionState, WindowAttentionState
 from .. import causal_fn
 from . import fused
@@ -110,7 +110,7 @@ def causal_window_chunked(
         start = state.linear.shift  # (...): ≥ log φ of every earlier key, and of the buffers (recomputed here)
         if sink_len + ring_len:
             start = torch.maximum(start, logs_all[..., : sink_len + ring_len, :].amax((-1, -2)))
-        r = torch.maximum(torch.cummax(logs.amax(-1), dim=-1).values, start.unsqueeze(-1))  # (..., N)
+        r = key_scales(logs, True, start)  # (..., N)
     fill = NEG_INF if hybrid.log_space else 0.0
 
     # linear part: position i holds key n0 − W + i (buffer while i < W, zero before the sequence, zero for sinks)

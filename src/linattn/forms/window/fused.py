@@ -406,30 +406,3 @@ def exact_part(
         return a, None, mass.reshape(*batch, n) if mass is not None else None
     weight = torch.exp(lse - top).reshape(*batch, n)  # Σ_exact e^{s−m}
     return weight.unsqueeze(-1) * a, weight, None
-
-
-class MassCombine(torch.autograd.Function):
-    """out = (num_lin + M·A) / d, d = den_lin + M + eps (clamped and guarded as :func:`._common.finalize`): the mass
-    form's output from the linear part's (num, den), the window's softmax average A and its mass M, in one pass
-    forward and without keeping the numerator (autograd would keep num_lin + M·A for the division)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, lin_num: torch.Tensor, lin_den: torch.Tensor, a: torch.Tensor, mass: torch.Tensor, eps: float,
-        min_denom: float | None,
-    ) -> torch.Tensor:
-        divisor, constant = causal_fn._denominator(lin_den + mass + eps, min_denom)  # (..., N)
-        out = torch.addcmul(lin_num, mass.unsqueeze(-1), a).div_(divisor.unsqueeze(-1))  # (..., N, Dv)
-        ctx.save_for_backward(a, mass, divisor, constant, out)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    @causal_fn._without_autocast  # backward may run inside an autocast region: recompute in the forward's dtypes
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        a, mass, divisor, constant, out = ctx.saved_tensors
-        scaled = grad / divisor.unsqueeze(-1)  # ∂L/∂num
-        grad_den = rowdot(scaled, out).neg_().masked_fill_(constant, 0.0)  # 0 where d is constant
-        grad_a = scaled * mass.unsqueeze(-1) if ctx.needs_input_grad[2] else None
-        grad_mass = rowdot(scaled, a).add_(grad_den)
-        return scaled, grad_den, grad_a, grad_mass, None, None

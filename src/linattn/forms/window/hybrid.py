@@ -4,12 +4,13 @@ combination of the linear and exact parts on one scale (see the package docstrin
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from ...features import NEG_INF, scale_between, stabilise_queries, stored_at
-from .._common import finalize
-from . import fused
+from ...features import NEG_INF, finite, scale_between, stabilise_queries, stored_at
+from .. import causal_fn
+from .._common import finalize, rowdot
 from .band import Band, Sinks, band_sums
 
 Features = Callable[[torch.Tensor, bool], torch.Tensor]  # (x, is_query) → φ(x), or log φ(x) for log-space maps
@@ -54,7 +55,7 @@ class Hybrid:
         win_num, win_den, mass = exact
         if self.factor is None and win_den is None:  # the window part already normalised (fused)
             assert mass is not None
-            return fused.MassCombine.apply(lin_num, lin_den, win_num, mass, self.eps, self.min_denom)
+            return MassCombine.apply(lin_num, lin_den, win_num, mass, self.eps, self.min_denom)
         if self.factor is None:
             assert mass is not None and win_den is not None
             share = mass / torch.where(win_den == 0, torch.ones_like(win_den), win_den)  # (..., N)
@@ -64,7 +65,7 @@ class Hybrid:
             assert win_den is not None
             gamma = self.factor.unsqueeze(-1)  # per head: (..., 1) against rows (..., N)
             if c is not None and r is not None:
-                scale = c + torch.where(r == NEG_INF, 0.0, r)  # linear part's true scale: stored·e^{c+R}
+                scale = c + finite(r)  # linear part's true scale: stored·e^{c+R}
                 common = scale.clamp(min=0)
                 lin_factor, win_factor = torch.exp(scale - common), gamma * torch.exp(-common)
                 num = lin_factor.unsqueeze(-1) * lin_num + win_factor.unsqueeze(-1) * win_num
@@ -94,7 +95,7 @@ class Hybrid:
             sink_max = (sink_scores.detach() if shape_only else sink_scores).amax(-1)
             sink_max = torch.nn.functional.pad(sink_max, (0, pad), value=NEG_INF).unflatten(-1, (blocks, size))
             row_max = torch.maximum(row_max, sink_max)
-        row_max = torch.where(row_max == NEG_INF, 0.0, row_max).unsqueeze(-1)  # no exact keys: weights all 0
+        row_max = finite(row_max).unsqueeze(-1)  # no exact keys: weights all 0
         probs = scores.sub_(row_max).exp_() if shape_only else torch.exp(scores - row_max)  # 0 outside the band
         win_num = (probs @ band.values).flatten(-3, -2)[..., :n, :]  # (..., N, Dv)
         win_den = probs.sum(-1).flatten(-2)[..., :n]
@@ -124,3 +125,30 @@ class Hybrid:
                 sink_weights = sink_weights.masked_fill(~sink.mask, 0.0)
             mass = mass + sink_weights.sum(-1)
         return win_num, win_den, mass
+
+
+class MassCombine(torch.autograd.Function):
+    """out = (num_lin + M·A) / d, d = den_lin + M + eps (clamped and guarded as :func:`.._common.finalize`): the mass
+    form's output from the linear part's (num, den), the window's softmax average A and its mass M, in one pass
+    forward and without keeping the numerator (autograd would keep num_lin + M·A for the division)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, lin_num: torch.Tensor, lin_den: torch.Tensor, a: torch.Tensor, mass: torch.Tensor, eps: float,
+        min_denom: float | None,
+    ) -> torch.Tensor:
+        divisor, constant = causal_fn._denominator(lin_den + mass + eps, min_denom)  # (..., N)
+        out = torch.addcmul(lin_num, mass.unsqueeze(-1), a).div_(divisor.unsqueeze(-1))  # (..., N, Dv)
+        ctx.save_for_backward(a, mass, divisor, constant, out)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @causal_fn._without_autocast  # backward may run inside an autocast region: recompute in the forward's dtypes
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        a, mass, divisor, constant, out = ctx.saved_tensors
+        scaled = grad / divisor.unsqueeze(-1)  # ∂L/∂num
+        grad_den = rowdot(scaled, out).neg_().masked_fill_(constant, 0.0)  # 0 where d is constant
+        grad_a = scaled * mass.unsqueeze(-1) if ctx.needs_input_grad[2] else None
+        grad_mass = rowdot(scaled, a).add_(grad_den)
+        return scaled, grad_den, grad_a, grad_mass, None, None

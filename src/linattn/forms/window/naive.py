@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ...features import NEG_INF, scale_between
+from ...features import NEG_INF, finite, scale_between
+from ...features import key_scales as running_scales
 from ...state import WindowAttentionState
 from .chunked import empty_window_state, next_state
 from .hybrid import Hybrid
@@ -46,7 +47,7 @@ def window_parallel(
         if causal:
             assert state is not None
             start = torch.maximum(state.linear.shift, logs[..., :old, :].amax((-1, -2))) if old else state.linear.shift
-            r = torch.maximum(torch.cummax(logs[..., old:, :].amax(-1), -1).values, start.unsqueeze(-1))  # (..., N)
+            r = running_scales(logs[..., old:, :], True, start)  # (..., N)
             key_scales = torch.cat([start.unsqueeze(-1).expand(*start.shape, old), r], dim=-1)  # (..., X)
         else:
             top = logs.amax((-1, -2))  # (...): one scale for all
@@ -72,7 +73,7 @@ def window_parallel(
 
     scores = ((q @ xk.transpose(-1, -2)) * hybrid.scale).masked_fill(~exact, NEG_INF)  # (..., N, X)
     row_max = scores.amax(-1, keepdim=True)
-    probs = torch.exp(scores - torch.where(row_max == NEG_INF, 0.0, row_max))
+    probs = torch.exp(scores - finite(row_max))
     mass = weights.masked_fill(~exact, 0.0).sum(-1) if hybrid.factor is None else None
     out = hybrid.combine((lin_num, lin_den), (probs @ xv, probs.sum(-1), mass), c, r)
     if not causal:
