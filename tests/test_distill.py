@@ -1,4 +1,5 @@
-"""linattn.distill: fitting learned maps on a tiny problem, determinism, early stopping, save/load per model."""
+"""linattn.train.distill (imported through its old path, linattn.distill): fitting learned maps on a tiny problem,
+determinism, early stopping, save/load per model."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_whole_model_fit_save_and_load(tmp_path) -> None:
 
 
 def test_sequences_per_step_and_evaluation_subset(monkeypatch) -> None:
-    from linattn import distill
+    from linattn.train import distill  # where fit_feature_map looks its helpers up
 
     qs, ks, _ = _problem(seed=5, sequences=4)
     calls: list[tuple[str, int]] = []
@@ -172,7 +173,7 @@ def test_fitting_refuses_non_finite_activations(where: str) -> None:
 def test_fitting_stops_with_a_clear_error_when_the_loss_turns_non_finite(monkeypatch) -> None:
     """The guard itself: whatever makes a loss non-finite mid-fit (here head 1's loss from the 6th call on), the
     fit stops with an error instead of returning the initial map with a NaN history."""
-    import linattn.distill as distill
+    import linattn.train.distill as distill
 
     original, calls = distill._loss, []
 

@@ -1,4 +1,5 @@
-"""linattn.evaluate.end_to_end: maps trained on the model's next-token distribution; texts sampled from the model."""
+"""linattn.train.end_to_end (imported through its old path, linattn.evaluate.end_to_end): maps trained on the
+model's next-token distribution; texts sampled from the model."""
 
 from __future__ import annotations
 

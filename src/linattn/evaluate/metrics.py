@@ -43,14 +43,7 @@ def _as_tensor(x: Any, name: str) -> torch.Tensor:
     return x
 
 
-def scale_for_map(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(c·q, c·k, s) with c = (s·√d)^½, so that a map built for the scale 1/√d sees the scale s."""
-    head_dim = q.shape[-1]
-    s = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    if not s > 0 or not math.isfinite(s):
-        raise LinearAttentionError(f"scale: must be a positive finite number, got {scale!r}")
-    c = math.sqrt(s * math.sqrt(head_dim))
-    return q * c, k * c, s
+from ..feature_maps.scaling import scale_for_map  # noqa: E402 - kept importable from here
 
 
 def softmax_weights(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:

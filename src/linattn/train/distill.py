@@ -1,0 +1,426 @@
+"""Fit learned feature maps (``hedgehog``, ``t2r``) to imitate softmax attention, and save/load them per model.
+
+For each head, with softmax weights A = softmax(s·q kᵀ) (s = 1/√d by default) and the map's weights
+Â_ij = φ(q_i)·φ(k_j) / Σ_j' φ(q_i)·φ(k_j'), the loss is the mean row cross-entropy −Σ_j A_ij log Â_ij (Hedgehog's
+attention distillation; it equals KL(A‖Â) up to a constant), plus optionally ``mse_weight`` times the relative
+output error ‖Â v − A v‖² / ‖A v‖² (as in LoLCATs) when values are given. Every head has its own parameters and
+its own loss, so one optimiser fits all heads at once exactly as if each were fitted alone.
+
+Generalising from a few hundred tokens: the defaults (tied query/key projection, m = 2d, identity × 2
+initialisation, Gaussian jitter of q and k, random key subsets, 4 sequences per step, 600 steps) were chosen on
+MiniLM-L6 attention, measured on held-out text (docs/evaluation.md gives the figures); pass many sequences, e.g.
+the text captured in several paragraph orders (``capture_attention(..., orders=4)``), and each step samples 4
+of them. A seeded fraction ``holdout`` of the query rows of every sequence is kept out of the loss; each head
+keeps the parameters of its best held-out loss (per-head early stopping, on a fixed subset of ``eval_rows``
+held-out rows), and fitting stops once no head has improved for ``patience`` evaluations.
+``anchor`` adds λ‖W − W₀‖² (a pull towards the initialisation); it did not help on MiniLM and is off.
+
+:func:`fit_model_feature_maps` returns a :class:`~linattn.feature_maps.fitted.FittedFeatureMaps` (one map per
+layer, saved and read by :func:`~linattn.feature_maps.fitted.load_feature_maps`); both are re-exported here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import LinearAttentionError
+from ..feature_maps import LearnedProjectionMap, create
+from ..feature_maps.fitted import FORMAT_VERSION, FittedFeatureMaps, check_head_mask, load_feature_maps
+from ..feature_maps.scaling import scale_for_map
+
+__all__ = [
+    "FORMAT_VERSION",
+    "FittedFeatureMaps",
+    "check_head_mask",
+    "fit_feature_map",
+    "fit_model_feature_maps",
+    "load_feature_maps",
+]
+
+
+def _as_list(x: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+    items = [x] if isinstance(x, torch.Tensor) else list(x)
+    if not items or not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in items):
+        raise LinearAttentionError(f"{name}: expected a tensor (H, N, d) or a non-empty list of such tensors")
+    return items
+
+
+def _prepare(
+    q: torch.Tensor | Sequence[torch.Tensor],
+    k: torch.Tensor | Sequence[torch.Tensor],
+    v: torch.Tensor | Sequence[torch.Tensor] | None,
+    scale: float | None,
+    causal: bool,
+) -> list[dict[str, torch.Tensor]]:
+    """Per sequence: scaled q, k (H, N, d) float32, softmax weights A (H, N, N), and A v when v is given."""
+    qs, ks = _as_list(q, "q"), _as_list(k, "k")
+    vs = _as_list(v, "v") if v is not None else [None] * len(qs)
+    if not len(qs) == len(ks) == len(vs):
+        raise LinearAttentionError(f"q, k, v: got {len(qs)}, {len(ks)}, {len(vs)} sequences; pass one each")
+    heads, dim = qs[0].shape[0], qs[0].shape[-1]
+    sequences = []
+    for index, (qi, ki, vi) in enumerate(zip(qs, ks, vs, strict=True)):
+        for name, tensor in (("q", qi), ("k", ki), ("v", vi)):
+            if tensor is not None and not bool(torch.isfinite(tensor).all()):
+                raise LinearAttentionError(
+                    f"{name}: sequence {index} holds {int((~torch.isfinite(tensor)).sum())} NaN/inf values; fitting "
+                    "needs finite activations (capture them in fp32 from a model whose outputs are finite)"
+                )
+        if qi.shape[0] != heads or qi.shape[-1] != dim or ki.shape[-1] != dim or ki.shape[1] != qi.shape[1]:
+            raise LinearAttentionError(
+                f"q, k: every sequence needs q (H={heads}, N, d={dim}) and k (Hkv, N, d), got {tuple(qi.shape)} "
+                f"and {tuple(ki.shape)}"
+            )
+        if heads % ki.shape[0]:
+            raise LinearAttentionError(f"k: {ki.shape[0]} heads do not divide q's {heads} heads")
+        group = heads // ki.shape[0]
+        qi, ki = qi.detach().float(), ki.detach().float().repeat_interleave(group, dim=0)
+        mq, mk, _ = scale_for_map(qi, ki, scale)  # mq·mkᵀ/√d = scale·q·kᵀ
+        # the softmax rows are formed per batch (:func:`_batch`), never stored whole: (H, N, N) per sequence is
+        # 1.1 GB at 270 heads and N = 1,024, and long captures are what fits for long contexts need
+        item = {"q": mq, "k": mk, "causal": torch.tensor(causal), "q_std": mq.std(dim=(-1, -2), keepdim=True),
+                "k_std": mk.std(dim=(-1, -2), keepdim=True)}
+        if vi is not None:
+            item["v"] = vi.detach().float().repeat_interleave(group, dim=0)
+        sequences.append(item)
+    return sequences
+
+
+def _batch(
+    item: dict[str, torch.Tensor], rows: torch.Tensor, keys: torch.Tensor | None, noise: float,
+    generator: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    """Query rows ``rows`` against keys ``keys`` (None: all) of one sequence, as tensors for :func:`_loss`.
+
+    The target is the softmax restricted to the chosen keys (renormalised), a valid attention distribution in
+    its own right. With ``noise``, q and k get Gaussian noise of ``noise`` × their per-head std and the target is
+    recomputed on the noisy inputs (maps see the scale 1/√d).
+    """
+    causal = bool(item["causal"])
+    keys = torch.arange(item["k"].shape[1]) if keys is None else keys
+    q, k = item["q"][:, rows], item["k"][:, keys]  # (H, R, d), (H, K, d)
+    mask = keys.unsqueeze(0) <= rows.unsqueeze(-1) if causal else None  # (R, K): row i sees keys j ≤ i
+    if noise:
+        q = q + noise * item["q_std"] * torch.randn(q.shape, generator=generator)
+        k = k + noise * item["k_std"] * torch.randn(k.shape, generator=generator)
+    # softmax over the chosen keys (causal: j ≤ i) = the full row restricted to them and renormalised
+    logits = (q / math.sqrt(q.shape[-1])) @ k.transpose(-1, -2)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(logits, dim=-1)  # (H, R, K)
+    batch = {"q": q, "k": k, "weights": weights}
+    if mask is not None:
+        batch["mask"] = mask
+    if "v" in item:
+        batch["v"] = item["v"][:, keys]
+        batch["output"] = weights @ batch["v"]
+    return batch
+
+
+def _loss(fmap: LearnedProjectionMap, batch: dict[str, torch.Tensor], mse_weight: float) -> torch.Tensor:
+    """Per head and row (H, R): cross-entropy −Σ_j A_ij log Â_ij = log Σ_j S_ij − Σ_j A_ij log S_ij with
+    S_ij = φ(q_i)·φ(k_j), plus ``mse_weight`` · ‖Ŷ_i − Y_i‖² / mean_i ‖Y_i‖² when values are present."""
+    qf = fmap.scaled_features(batch["q"], is_query=True)  # (H, R, F), up to a constant per row
+    kf = fmap.scaled_features(batch["k"], is_query=False)  # (H, K, F), up to a constant per head
+    # + 1e-6: a row whose features are all zero (relu maps) gets uniform weights and a finite loss, not 0/0
+    scores = qf @ kf.transpose(-1, -2) + 1e-6  # (H, R, K)
+    if "mask" in batch:
+        scores = scores.masked_fill(~batch["mask"], 0.0)
+        scores = scores.clamp_min(1e-30)  # masked scores are 0, where xlogy's gradient would be 0/0
+    norm = scores.sum(-1)  # (H, R)
+    loss = torch.log(norm) - torch.special.xlogy(batch["weights"], scores).sum(-1)
+    if mse_weight and "v" in batch:
+        exact = batch["output"]
+        approx = (scores @ batch["v"]) / norm.unsqueeze(-1)  # (H, R, dv)
+        scale = exact.square().sum(-1).mean(-1, keepdim=True)  # (H, 1)
+        loss = loss + mse_weight * (approx - exact).square().sum(-1) / scale
+    return loss
+
+
+def _window_masks(rows: torch.Tensor, keys: torch.Tensor, window: int, sinks: int, causal: bool
+                  ) -> dict[str, torch.Tensor]:
+    """Which keys (K,) each query row (R,) of a batch scores exactly (window, sinks) and which linearly: (R, K)."""
+    distance = rows.unsqueeze(-1) - keys
+    visible = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
+    near = (distance < window) if causal else (distance.abs() < window)
+    exact = visible & (near | (keys < sinks))
+    return {"exact": exact, "linear": visible & ~exact}
+
+
+def _hybrid_loss(fmap: LearnedProjectionMap, batch: dict[str, torch.Tensor], mse_weight: float,
+                 log_gamma: torch.Tensor | None) -> torch.Tensor:
+    """Per head and row (H, R): cross-entropy −Σ_j A_ij log Ĥ_ij against the full hybrid row Ĥ (window and sink
+    keys exact, the others linear; see :mod:`linattn.forms.window`): mass-preserving form when ``log_gamma`` is
+    None, else the γ form with γ = exp(log_gamma) (H,)."""
+    exact, linear, target = batch["exact"], batch["linear"], batch["weights"]
+    logits = (batch["q"] / math.sqrt(batch["q"].shape[-1])) @ batch["k"].transpose(-1, -2)  # (H, R, K)
+    exact_logits = logits.masked_fill(~exact, float("-inf"))
+    if log_gamma is None:  # per-row constants of φ(q) and per-head ones of φ(k) cancel: scaled features suffice
+        qf = fmap.scaled_features(batch["q"], is_query=True)
+        kf = fmap.scaled_features(batch["k"], is_query=False)
+    else:  # the γ form compares φ(q)·φ(k) with γ·e^{s − max}: the map's true scale matters
+        qf, kf = fmap.features(batch["q"], is_query=True), fmap.features(batch["k"], is_query=False)
+    scores = (qf @ kf.transpose(-1, -2) + 1e-6).clamp_min(1e-30)  # (H, R, K), as in _loss
+    lin_scores = scores.masked_fill(~linear, 0.0)
+    shape = torch.log_softmax(exact_logits, dim=-1).masked_fill(~exact, 0.0)  # log softmax over exact keys
+    if log_gamma is None:
+        mass = scores.masked_fill(~exact, 0.0).sum(-1)  # (H, R): what the map gives the exact keys
+        log_exact = torch.log(mass.clamp_min(1e-30)).unsqueeze(-1) + shape
+    else:
+        top = exact_logits.amax(-1, keepdim=True).clamp_min(-1e30)
+        log_exact = (log_gamma.view(-1, 1, 1) + exact_logits - top).masked_fill(~exact, 0.0)
+        mass = (log_exact.exp() * exact).sum(-1)
+    norm = lin_scores.sum(-1) + mass  # (H, R): the shared normaliser
+    loss = torch.log(norm) - torch.special.xlogy(target * linear, lin_scores).sum(-1)
+    loss = loss - (target * exact * log_exact).sum(-1)
+    if mse_weight and "v" in batch:
+        weights = lin_scores + torch.exp(log_exact) * exact
+        approx = (weights @ batch["v"]) / norm.unsqueeze(-1)
+        scale = batch["output"].square().sum(-1).mean(-1, keepdim=True)
+        loss = loss + mse_weight * (approx - batch["output"]).square().sum(-1) / scale
+    return loss
+
+
+def fit_feature_map(
+    q: torch.Tensor | Sequence[torch.Tensor],
+    k: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    kind: str = "hedgehog",
+    seed: int = 0,
+    v: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    num_features: int | None = None,
+    tied: bool = True,
+    init_scale: float = 2.0,
+    steps: int = 600,
+    lr: float = 0.02,
+    batch_rows: int = 128,
+    batch_keys: int | None = 128,
+    batch_sequences: int | None = 4,
+    holdout: float = 0.2,
+    holdout_by: str = "rows",
+    eval_every: int = 10,
+    eval_rows: int | None = 768,
+    patience: int = 6,
+    anchor: float = 0.0,
+    mse_weight: float = 0.0,
+    noise: float = 0.2,
+    progress: bool = False,
+    window: int | None = None,
+    sinks: int = 0,
+    window_factor: bool = False,
+    **map_options: Any,
+) -> LearnedProjectionMap:
+    """Fit a learned map, one set of parameters per head, to imitate softmax attention on q, k.
+
+    Args:
+        q: ``(H, N, d)`` queries, or a list of such for several sequences of different lengths (attention is
+            taken within each sequence). k: ``(Hkv, N, d)`` likewise (Hkv dividing H: grouped-query attention).
+        kind: a registered learned map (``"hedgehog"``, ``"t2r"``) built with ``num_heads=H``.
+        seed: the map's initialisation, the held-out rows and the row batches; the same seed gives the same map.
+        v: values ``(Hkv, N, dv)`` (or a list), needed only for ``mse_weight > 0``.
+        causal, scale: the attention to imitate (scale default 1/√d, as in
+            :func:`linattn.evaluate.attention_metrics`).
+        num_features: the map's m (default 2d: hedgehog F = 4d, t2r F = 2d). tied: one projection for queries
+            and keys (default; halves the parameters, which generalises better from little text).
+        init_scale, map_options: passed to the map (``init_scale`` multiplies the identity initialisation:
+            sharper softmax features from the start; e.g. ``init="random"``).
+        steps, lr: Adam steps and learning rate. batch_rows, batch_keys: query rows and keys (None: all) sampled
+            per sequence in each step; the target is softmax over the sampled keys, renormalised.
+            batch_sequences: sequences sampled per step (None: all), so that many sequences (e.g. a text captured
+            in several paragraph orders) cost no more per step.
+        holdout, holdout_by, eval_every, patience: early stopping on held-out query rows (``"rows"``) or whole
+            held-out sequences (``"sequences"``); see the module docstring; patience counts evaluations.
+            eval_rows: evaluate on a fixed seeded subset of at most about this many held-out rows (None: all).
+        anchor: weight of the pull λ‖W − W₀‖² towards the initialisation. mse_weight: weight of the output loss.
+        noise: Gaussian jitter on q and k (× their per-head std) in each step, the target recomputed on the
+            jittered inputs: it makes the map match exp(q·k/√d) around the training tokens, not only at them.
+        progress: show a tqdm progress bar with the held-out loss.
+        window, sinks: fit for the sliding-window hybrid (``linear_attention(..., window=W, sinks=S)``): the loss
+            is on the full hybrid row (window and sink keys exact, the rest through the map, one normaliser), so
+            the map spends its capacity on the keys outside the window. Every key of each sampled row is used.
+            window_factor: fit the γ form too (a per-head factor, ``fmap.window_factor``); default the
+            parameter-free mass-preserving form. The map remembers ``window``, ``sinks``, ``window_factor``.
+
+    Returns:
+        The fitted map (``num_heads=H``) in eval mode, holding for each head its parameters at the evaluation of
+        its best held-out loss; ``fit_history`` on it lists (step, mean train loss, mean held-out loss).
+
+    >>> import torch
+    >>> q, k = torch.randn(2, 4, 64, 16).unbind(0)
+    >>> fmap = fit_feature_map(q, k, steps=5)
+    >>> fmap(q).shape   # hedgehog with m = 2d features per sign: F = 4d
+    torch.Size([4, 64, 64])
+    """
+    if not 0.0 <= holdout < 1.0:
+        raise LinearAttentionError(f"holdout: a fraction in [0, 1), got {holdout!r}")
+    if steps < 0 or patience < 1 or eval_every < 1 or batch_rows < 1:
+        raise LinearAttentionError(f"steps must be ≥ 0 and patience, eval_every, batch_rows ≥ 1, got steps={steps},"
+                                   f" patience={patience}, eval_every={eval_every}, batch_rows={batch_rows}")
+    if mse_weight and v is None:
+        raise LinearAttentionError("mse_weight > 0 needs the values: pass v=...")
+    if window is not None and (not isinstance(window, int) or window < 1 or sinks < 0):
+        raise LinearAttentionError(f"window, sinks: expected an int ≥ 1 and an int ≥ 0, got {window!r}, {sinks!r}")
+    if window is not None:
+        batch_keys = None  # the hybrid row needs every key: the linear part's mass depends on all of them
+    sequences = _prepare(q, k, v, scale, causal)
+    heads, dim = sequences[0]["q"].shape[0], sequences[0]["q"].shape[-1]
+    if not isinstance(create(kind, head_dim=dim), LearnedProjectionMap):
+        raise LinearAttentionError(f"kind: {kind!r} is not a learned projection map; use 'hedgehog' or 't2r'")
+    num_features = 2 * dim if num_features is None else num_features
+    fmap = create(kind, head_dim=dim, num_heads=heads, num_features=num_features, tied=tied, seed=seed,
+                  init_scale=init_scale, **map_options)
+    assert isinstance(fmap, LearnedProjectionMap)
+    generator = torch.Generator().manual_seed(seed)
+    if holdout_by == "sequences" and len(sequences) >= 2:
+        # whole sequences (a seeded choice, about `holdout` of the tokens, at least one) are held out: early
+        # stopping then watches text the map was not fitted on, which is what generalisation to new text needs
+        shuffled = torch.randperm(len(sequences), generator=generator).tolist()
+        budget = holdout * sum(item["q"].shape[1] for item in sequences)
+        held_out: list[int] = []
+        for index in shuffled[:-1]:
+            if not held_out or sum(sequences[i]["q"].shape[1] for i in held_out) < budget:
+                held_out.append(index)
+        for index, item in enumerate(sequences):
+            rows = torch.arange(item["q"].shape[1])
+            item["held"], item["train"] = (rows, rows[:0]) if index in held_out else (rows[:0], rows)
+    elif holdout_by in ("rows", "sequences"):
+        for item in sequences:  # a seeded random subset of each sequence's query rows is held out
+            order = torch.randperm(item["q"].shape[1], generator=generator)
+            cut = int(round(holdout * len(order)))
+            item["held"], item["train"] = order[:cut].sort().values, order[cut:].sort().values
+    else:
+        raise LinearAttentionError(f"holdout_by: 'rows' or 'sequences', got {holdout_by!r}")
+    training = [item for item in sequences if len(item["train"])]
+    if not training:
+        raise LinearAttentionError("q: no query rows left to train on after the holdout; pass more tokens")
+    if eval_rows is not None:  # a fixed seeded subset of the held-out rows, spread evenly over the sequences
+        share = max(1, eval_rows // max(1, sum(bool(len(item["held"])) for item in sequences)))
+        for item in sequences:
+            if len(item["held"]) > share:
+                keep = torch.randperm(len(item["held"]), generator=generator)[:share]
+                item["held"] = item["held"][keep.sort().values]
+    held_rows = sum(len(item["held"]) for item in sequences)
+
+    log_gamma = torch.zeros(1, heads, requires_grad=True) if window is not None and window_factor else None
+
+    def loss_of(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        if window is None:
+            return _loss(fmap, batch, mse_weight)
+        batch.update(_window_masks(rows, torch.arange(batch["k"].shape[1]), window, sinks, causal))
+        return _hybrid_loss(fmap, batch, mse_weight, log_gamma[0] if log_gamma is not None else None)
+
+    initial = fmap.weight.detach().clone()
+    # each (P, H, ...): the head is dim 1, so heads are kept independently
+    params = list(fmap.parameters()) + ([log_gamma] if log_gamma is not None else [])
+    best = [p.detach().clone() for p in params]
+    best_loss = torch.full((heads,), math.inf)
+    optimiser = torch.optim.Adam(params, lr=lr)
+    history: list[tuple[int, float, float]] = []
+    bar = _progress(steps, progress, kind)
+    stale = 0
+    train_loss = torch.zeros(heads)
+    for step in range(steps + 1):
+        if step % eval_every == 0 or step == steps:
+            with torch.no_grad():
+                watched = torch.zeros(heads)
+                for item in sequences:
+                    rows = item["held"] if held_rows else item["train"]
+                    watched += loss_of(_batch(item, rows, None, 0.0, generator), rows).sum(-1)
+            improved = watched < best_loss
+            stale = 0 if bool(improved.any()) else stale + 1
+            best_loss = torch.where(improved, watched, best_loss)
+            with torch.no_grad():  # per-head early stopping: keep each head's best parameters
+                for saved, param in zip(best, params, strict=True):
+                    saved[:, improved] = param.detach()[:, improved]
+            _check_finite_loss(watched, step, "held-out")
+            watched_mean = float(watched.mean()) / max(held_rows, 1)
+            history.append((step, float(train_loss.mean()), watched_mean))
+            if bar is not None:
+                bar.set_postfix(held_out=f"{watched_mean:.4f}")
+            if stale >= patience:
+                break
+        if step == steps:
+            break
+        total = torch.zeros(())
+        train_loss = torch.zeros(heads)
+        chosen = training
+        if batch_sequences and batch_sequences < len(training):
+            chosen = [training[i] for i in torch.randperm(len(training), generator=generator)[:batch_sequences]]
+        for item in chosen:
+            pick = torch.randperm(len(item["train"]), generator=generator)[:batch_rows]
+            n = item["k"].shape[1]
+            keys = None
+            if batch_keys and not causal and n > batch_keys:
+                keys = torch.randperm(n, generator=generator)[:batch_keys].sort().values
+            batch = _batch(item, item["train"][pick], keys, noise, generator)
+            losses = loss_of(batch, item["train"][pick]).mean(-1)  # (H,)
+            total = total + losses.sum() / len(chosen)
+            train_loss += losses.detach() / len(chosen)
+        if anchor:
+            total = total + anchor * (fmap.weight - initial).square().sum()
+        _check_finite_loss(train_loss, step, "training")
+        optimiser.zero_grad()
+        total.backward()
+        optimiser.step()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    with torch.no_grad():
+        for saved, param in zip(best, params, strict=True):
+            param.copy_(saved)
+    fmap.fit_history = history  # type: ignore[assignment]
+    fmap.window, fmap.sinks = window, sinks  # type: ignore[assignment]
+    fmap.window_factor = log_gamma[0].detach().exp() if log_gamma is not None else None  # type: ignore[assignment]
+    return fmap.eval()
+
+
+def _check_finite_loss(per_head: torch.Tensor, step: int, kind: str) -> None:
+    """Stop, rather than return a map whose history is NaN, once a head's loss is no longer finite."""
+    bad = (~torch.isfinite(per_head)).nonzero().flatten().tolist()
+    if bad:
+        raise LinearAttentionError(
+            f"fitting: the {kind} loss of head(s) {bad} became non-finite at step {step}; lower lr (e.g. lr=0.005) "
+            "or init_scale, or check the activations for extreme values"
+        )
+
+
+def _progress(steps: int, enabled: bool, kind: str) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # the bar is a convenience: fitting works without tqdm
+        return None
+    return tqdm(total=steps, desc=f"fitting {kind}", leave=False)
+
+
+def fit_model_feature_maps(
+    capture: Any, *, kind: str = "hedgehog", seed: int = 0, **fit_options: Any
+) -> FittedFeatureMaps:
+    """Fit one map per layer (parameters per head) on an :class:`~linattn.evaluate.AttentionCapture`.
+
+    All layers are fitted in one optimisation (heads are independent, see :func:`fit_feature_map`), then split
+    per layer. ``fit_options`` go to :func:`fit_feature_map` (``num_features``, ``tied``, ``steps``, ``window``,
+    ``sinks``, ``window_factor``, ...); a window fit is recorded (:meth:`FittedFeatureMaps.window_options`).
+    """
+    qs, ks, vs = capture.all_heads()  # lists of (L·H, N, d)
+    if fit_options.get("mse_weight"):
+        fit_options["v"] = vs
+    stacked = fit_feature_map(qs, ks, kind=kind, seed=seed, causal=capture.causal, scale=capture.scaling,
+                              **fit_options)
+    heads = capture.num_heads
+    options = {"num_features": stacked.num_features, "tied": stacked.tied}
+    fitted = FittedFeatureMaps(capture.model_name, kind, capture.num_layers, heads, capture.head_dim, options)
+    fitted.maps = [stacked.head_slice(i * heads, (i + 1) * heads).eval() for i in range(capture.num_layers)]
+    fitted.window, fitted.sinks = getattr(stacked, "window", None), getattr(stacked, "sinks", 0)
+    gamma = getattr(stacked, "window_factor", None)  # (L·H,) for the γ form
+    if gamma is not None:
+        fitted.window_factors = [gamma[i * heads : (i + 1) * heads].clone() for i in range(capture.num_layers)]
+    return fitted
