@@ -1,4 +1,4 @@
-"""Where a causal fit's time goes (linattn.distill): ``_prepare``, one training step, one evaluation.
+"""Where a causal fit's time goes (linattn.train): ``_prepare``, one training step, one evaluation.
 
 Random q, k of SmolLM2's shapes (30 layers × 9 heads = 270 heads fitted together, 3 key/value heads per 9, d = 64)
 and sequences of 512 tokens: the cost depends on the shapes only. Each part is timed 3 times, median reported.
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from linattn.distill import _batch, _loss, _prepare
+from linattn.train.distill import _batch, _loss, _prepare
 from linattn.feature_maps import create
 
 

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--maps", default=None, help="fitted maps file (linattn.distill save()); default elu")
+    parser.add_argument("--maps", default=None, help="fitted maps file (FittedFeatureMaps.save()); default elu")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=4096)
     args = parser.parse_args(argv)

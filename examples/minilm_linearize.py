@@ -1,7 +1,7 @@
 """Linearize all-MiniLM-L6-v2 and compare its sentence embeddings with the original's.
 
 Every attention layer of the pretrained encoder is switched to linear attention (``linattn.hf.linearize``) with
-(a) Hedgehog maps fitted per layer and head to the model's own softmax attention (``linattn.distill``) on the
+(a) Hedgehog maps fitted per layer and head to the model's own softmax attention (``linattn.train``) on the
 corpus's train split, (b) elu+1, (c) FAVOR+ (m = 128 random features per head). For each, the sentence embeddings
 (mean pooling over non-padding tokens, L2-normalised) of the held-out split's sentences are compared with the
 softmax model's by cosine similarity. Nothing is fine-tuned: only the feature maps change.
@@ -38,7 +38,7 @@ def heldout_sentences(min_words: int = 4) -> list[str]:
 
 def fit_maps(model: Any, tokenizer: Any, name: str, path: str = FITTED_MAPS) -> Any:
     """Capture q, k on the train split and fit one Hedgehog map per layer (per-head parameters); save to ``path``."""
-    from linattn.distill import fit_model_feature_maps
+    from linattn.train import fit_model_feature_maps
     from linattn.evaluate import capture_attention
 
     capture = capture_attention(model, tokenizer, load_text("train"), max_tokens=CAPTURE_TOKENS, model_name=name,
@@ -74,9 +74,9 @@ def compare(model: Any, tokenizer: Any, sentences: list[str], fitted: Any, *, fa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fit", action="store_true", help="refit the Hedgehog maps (and overwrite the shipped file)")
-    parser.add_argument("--maps", default=FITTED_MAPS, help="fitted maps file (linattn.distill format)")
+    parser.add_argument("--maps", default=FITTED_MAPS, help="fitted maps file (linattn.feature_maps.fitted format)")
     args = parser.parse_args()
-    from linattn.distill import load_feature_maps
+    from linattn.feature_maps.fitted import load_feature_maps
     from linattn.evaluate import load_model
 
     torch.manual_seed(0)

@@ -288,7 +288,7 @@ def test_compare_trains_lora_adapters_with_the_maps_frozen_and_only_for_their_ro
     assert "adapters" not in (tmp_path / "plain" / "report.md").read_text()
     moved = info["best_held_out_kl"] < info["history"][0][2]
     assert (rows[adapted]["perplexity"] != rows["hedgehog fitted with window"]["perplexity"]) == moved
-    assert (tmp_path / "b" / "lora.safetensors").is_file()  # the adapters; the maps were not trained
+    assert (tmp_path / "b" / "lora" / "adapter_model.safetensors").is_file()  # the adapters; the maps were not trained
     assert not (tmp_path / "b" / "hedgehog_window_end_to_end.safetensors").exists()
     for bad in (["--end-to-end-lora", "2"], ["--end-to-end-lora", "-1", "--end-to-end-steps", "1"],
                 ["--end-to-end-lora", "2", "--end-to-end-steps", "1", "--retrieval-heads", "2"],

@@ -88,7 +88,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    # the jobs are imported when they run: they load the training code (linattn.distill, linattn.hf), which the
+    # the jobs are imported when they run: they load the training code (linattn.train, linattn.hf), which the
     # other verbs never need; transformers and matplotlib they import only when a model is loaded or a plot drawn
     if args.lm or looks_causal(args.model):  # causal LMs: perplexity and long-range probes per row
         from .evaluate import lm_compare

@@ -7,7 +7,7 @@ model that dispatches through them switches by the library's own switch:
 >>> import linattn.hf                                                   # doctest: +SKIP
 >>> model = AutoModel.from_pretrained(path, attn_implementation="linattn")   # doctest: +SKIP
 >>> model.set_attn_implementation("linattn")                           # or on a loaded model   # doctest: +SKIP
->>> linattn.hf.linearize(model, fitted)          # per-layer fitted maps (linattn.distill), and switch  # doctest: +SKIP
+>>> linattn.hf.linearize(model, fitted)          # per-layer fitted maps (linattn.train), and switch  # doctest: +SKIP
 
 What the model's attention becomes, per layer and head (q, k: (B, H, N, d) after the model's own projections,
 rotary embeddings included; s: the model's softmax scale):
@@ -15,7 +15,7 @@ rotary embeddings included; s: the model's softmax scale):
     out_t = φ(c·q_t)·Σ_j φ(c·k_j) v_jᵀ / (φ(c·q_t)·Σ_j φ(c·k_j) + eps),   c = (s·√d)^½, j over kept keys (≤ t if causal)
 
 **Scale.** Feature maps see q and k, not q·kᵀ, so the scale cannot be applied to the product. Maps here are built
-for the standard scale s = 1/√d (FAVOR+ divides by d^¼ itself; :mod:`linattn.distill` fits maps at the scale the
+for the standard scale s = 1/√d (FAVOR+ divides by d^¼ itself; :mod:`linattn.train.distill` fits maps at the scale the
 model uses, expressed the same way), so q and k are each multiplied by c, which is 1 for s = 1/√d: the map then
 sees the model's raw q and k. This is the convention of :mod:`linattn.evaluate`.
 
@@ -48,6 +48,7 @@ from torch import nn
 from ._rows import by_rows, left_pads  # noqa: F401  (re-exported: the names' old home)
 from .errors import LinearAttentionError
 from .feature_maps import create
+from .feature_maps.fitted import load_feature_maps
 from .functional import linear_attention
 
 IMPLEMENTATION = "linattn"
@@ -247,7 +248,7 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
     Args:
         model: a loaded transformers model whose attention dispatches through ``AttentionInterface``.
         feature_maps: one of
-            - fitted maps from :mod:`linattn.distill` (a ``FittedFeatureMaps``, its ``.maps`` one per layer), or
+            - fitted maps from :mod:`linattn.train.distill` (a ``FittedFeatureMaps``, its ``.maps`` one per layer), or
               the path of a file written by its ``save()``,
             - a sequence of map modules, one per attention layer (per-head maps with the model's head count),
             - a registered name (``"elu"``, ``"favor+"``, ...): one new map per layer, built with ``options``
@@ -263,8 +264,6 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
     """
     register()
     if isinstance(feature_maps, str | os.PathLike) and os.path.isfile(feature_maps):
-        from .distill import load_feature_maps
-
         feature_maps = load_feature_maps(os.fspath(feature_maps))  # before the options: a file carries its window
     attention_options, options = _split_options(dict(options), feature_maps)
     modules = attention_modules(model)

@@ -7,7 +7,7 @@
 - :func:`capture_metrics`: the metrics averaged over every layer and head of a capture;
 - :mod:`linattn.evaluate.compare`: the ``linattn compare`` job on encoders (table, Markdown report, plots);
   :mod:`linattn.evaluate.lm_compare` the same on causal LMs (perplexity and long-range probes per row). Neither is
-  imported here: they load the training code (:mod:`linattn.distill`).
+  imported here: they load the training code (:mod:`linattn.train`).
 
 transformers is imported only when a model is loaded or captured.
 """

@@ -2,7 +2,7 @@
 
 1. Capture q, k, v of every layer and head of the model on the train text and on the held-out text.
 2. For each map in ``feature_maps.available()``: learned maps are fitted on the train capture
-   (:func:`linattn.distill.fit_feature_map`, one parameter set per layer and head); random maps are measured at
+   (:func:`linattn.train.distill.fit_feature_map`, one parameter set per layer and head); random maps are measured at
    several feature counts m (the mean over ``seeds`` draws); every other map is created with
    ``create(name, head_dim=d)``. All are measured on the held-out capture (:func:`capture_metrics`).
 3. Time per token of a forward pass at a long N (random inputs, the model's head count and head dimension).
@@ -21,10 +21,11 @@ import torch
 
 from .. import feature_maps
 from ..data import load_text, paragraphs
-from ..distill import FittedFeatureMaps, fit_feature_map
 from ..errors import LinearAttentionError
 from ..feature_maps import FeatureMap
+from ..feature_maps.fitted import FittedFeatureMaps
 from ..functional import linear_attention
+from ..train.distill import fit_feature_map
 from .capture import AttentionCapture, capture_attention, load_model
 from .metrics import capture_metrics, capture_references
 from .report import number, write_report
@@ -140,9 +141,9 @@ def run_compare(
     train text is captured in pieces of ≤ ``fit_max_tokens`` (None: the model's limit), in ``fit_orders``
     paragraph orders (:func:`~linattn.evaluate.capture_attention`'s ``orders``). ``save_maps``: a folder
     where each learned kind's fitted maps are written (``{kind}.safetensors``, loadable with
-    :func:`linattn.distill.load_feature_maps`). ``window``, ``sinks``: also measure the sliding-window hybrid
-    (:func:`_hybrid_rows`): the window alone, elu and each learned map (as fitted above) with the window, and
-    each learned map fitted with the window in place, in both scale forms.
+    :func:`linattn.feature_maps.fitted.load_feature_maps`). ``window``, ``sinks``: also measure the sliding-window
+    hybrid (:func:`_hybrid_rows`): the window alone, elu and each learned map (as fitted above) with the window,
+    and each learned map fitted with the window in place, in both scale forms.
     """
     began = time.perf_counter()
     say = print if progress else (lambda *args, **kwargs: None)

@@ -6,12 +6,12 @@ Rows (each on the same held-out text of the shipped corpus, or ``--heldout``):
 - ``window+sinks``: softmax over the ``--window`` most recent keys and the first ``--sinks`` tokens only (SDPA with
   an explicit band-and-sink mask; no linear part): what local attention alone achieves;
 - ``elu``, ``favor+``: linear attention with a fixed map (:func:`linattn.hf.linearize`);
-- ``hedgehog``: maps fitted on the train text (:func:`linattn.distill.fit_model_feature_maps`), or loaded with
+- ``hedgehog``: maps fitted on the train text (:func:`linattn.train.distill.fit_model_feature_maps`), or loaded with
   ``--fitted-maps FILE``;
 - hybrids (``hedgehog+window``, ``elu+window``: the maps above beside the softmax window; ``hedgehog fitted with
-  window``: maps fitted with the window in place, :func:`linattn.distill.fit_feature_map` ``window=``);
+  window``: maps fitted with the window in place, :func:`linattn.train.distill.fit_feature_map` ``window=``);
 - with ``--retrieval-heads K --retrieval-maps FILE``: the K heads that retrieve most beyond the window
-  (:func:`~linattn.evaluate.end_to_end.retrieval_scores`) take FILE's maps, the others keep the hybrid's; an
+  (:func:`~linattn.train.end_to_end.retrieval_scores`) take FILE's maps, the others keep the hybrid's; an
   end-to-end stage (``--end-to-end-steps``) then trains only those K heads.
 
 Columns: held-out perplexity (:func:`~linattn.evaluate.perplexity`), the repeated-passage perplexity and passkey
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from .. import hf
-from ..distill import FittedFeatureMaps, load_feature_maps
+from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
 from .arguments import add_lm_arguments  # noqa: F401  (re-exported: the names' old home)
 from .capture import capture_attention
 from .lm_config import EndToEndOptions, LMCompareConfig
@@ -239,7 +239,7 @@ class _Comparison:
                                                  heads)
         self.result["end_to_end"] = {**info, "seconds": time.perf_counter() - begin}
         if adapters is not None:
-            self.save(adapters, "lora.safetensors")
+            self.save(adapters, "lora")
         else:
             self.save(tuned, "hedgehog_window_end_to_end.safetensors")
         return MapRow(label + end_to_end_label(self.config.end_to_end, heads, adapters is not None), tuned,

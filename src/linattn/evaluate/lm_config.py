@@ -44,7 +44,7 @@ class ProbeOptions:
 
 @dataclass(frozen=True)
 class FitOptions:
-    """How the hedgehog rows' maps are fitted (:func:`linattn.distill.fit_model_feature_maps`), loaded, saved."""
+    """How the hedgehog rows' maps are fitted (:func:`linattn.train.distill.fit_model_feature_maps`), loaded, saved."""
 
     steps: int | None  # None: the fit's default
     num_features: int | None  # None: the fit's default

@@ -18,12 +18,20 @@ import torch
 
 from .. import hf
 from ..data import load_text, paragraphs
-from ..distill import FittedFeatureMaps, fit_model_feature_maps
 from ..errors import LinearAttentionError
+from ..feature_maps.fitted import FittedFeatureMaps
+from ..train.distill import fit_model_feature_maps
+from ..train.end_to_end import (
+    copying_sequences,
+    copying_weights,
+    fit_end_to_end,
+    retrieval_scores,
+    sample_texts,
+    top_heads,
+)
+from ..train.lora import add_lora
 from .capture import capture_attention, reordered
-from .end_to_end import copying_sequences, copying_weights, fit_end_to_end, retrieval_scores, sample_texts, top_heads
 from .lm_config import HELD_OUT_SAMPLES, EndToEndOptions, LMCompareConfig
-from .lora import add_lora
 from .models import cache_folder
 
 PROMPT_WORDS = 20  # each sampled text starts from the first words of a train paragraph

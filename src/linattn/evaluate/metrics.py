@@ -25,7 +25,9 @@ import torch
 from torch import nn
 
 from ..errors import LinearAttentionError
-from ..functional import FeatureMapLike, linear_attention, resolve_feature_map
+from ..feature_maps.scaling import scale_for_map
+from ..features import FeatureMapLike, resolve_feature_map
+from ..functional import linear_attention
 
 WEIGHT_FLOOR = 1e-12
 
@@ -41,9 +43,6 @@ def _as_tensor(x: Any, name: str) -> torch.Tensor:
         raise LinearAttentionError(f"{name}: expected a floating tensor of shape (..., N, d), got dtype {x.dtype} "
                                    f"shape {tuple(x.shape)}")
     return x
-
-
-from ..feature_maps.scaling import scale_for_map  # noqa: E402 - kept importable from here
 
 
 def softmax_weights(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:

@@ -68,7 +68,7 @@ def write_report(result: Any, out_dir: str) -> list[str]:
         "One quick measurement per map: on a shared machine it is noisy; `linattn bench` times carefully.",
         "- random maps: mean over seeds at each m (each seed an independent draw per head); learned maps: "
         "fitted with the defaults of "
-        "`linattn.distill.fit_feature_map`.",
+        "`linattn.train.distill.fit_feature_map`.",
         "",
         *markdown_table(["map", "F", "rel. error", "rel. error (total)", "KL", "entropy", "µs/token", "note"],
                         [_table_row(row) for row in sorted(result.rows, key=lambda r: (r.name, r.feature_dim))],

@@ -1,7 +1,7 @@
 """Learned feature maps: a trainable projection followed by a positive nonlinearity.
 
 The seed's compromise between ELU+1 (fast, poor) and FAVOR+ (better, random): a deterministic map with learned
-projections, fitted to mimic softmax attention (see :mod:`linattn.distill`).
+projections, fitted to mimic softmax attention (see :mod:`linattn.train.distill`).
 
 - ``t2r`` (Kasai et al., "Finetuning Pretrained Transformers into RNNs", 2021): φ(x) = relu(Wx + b), F = m.
 - ``hedgehog`` (Zhang et al., "The Hedgehog & the Porcupine", 2024): z = Wx + b,
