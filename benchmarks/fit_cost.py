@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from linattn.train.distill import _batch, _loss, _prepare
 from linattn.feature_maps import create
+from linattn.train.distill import _batch, _loss, _prepare
 
 
 def main() -> None:

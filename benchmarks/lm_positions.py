@@ -16,11 +16,11 @@ import torch
 
 from linattn import hf
 from linattn.data import load_text
-from linattn.feature_maps.fitted import load_feature_maps
 from linattn.evaluate.lm_compare import LM_SINKS, LM_WINDOW, use_window_softmax
 from linattn.evaluate.models import load_model
 from linattn.evaluate.perplexity import score_tokens
 from linattn.evaluate.probes import repeat_perplexity, repeated_passages
+from linattn.feature_maps.fitted import load_feature_maps
 
 EDGES = (1, 128, 256, 512, 768)
 

@@ -4,7 +4,8 @@ End-to-end training on plain text (maps A) and on copying sequences (maps B) pul
 A is better on plain text, B on the repeated passage (docs/models.md, "Staged"). Here the heads are ranked by
 :func:`linattn.train.end_to_end.retrieval_scores` on the first 8 training samples (the texts of
 ``--texts``, written by ``linattn compare ... --end-to-end-texts``; never the held-out text), and the top k take
-B's maps (:meth:`linattn.feature_maps.fitted.FittedFeatureMaps.with_heads`). Each row: held-out perplexity and repeated-passage
+B's maps (:meth:`linattn.feature_maps.fitted.FittedFeatureMaps.with_heads`). Each row: held-out perplexity and
+repeated-passage
 perplexity (the ``linattn compare`` probes: 4 passages of 128 tokens after 512), and the same two measures on
 training-side sequences (the 2 samples and the copying sequence the end-to-end stage held out), which is what a
 choice of k may look at.
@@ -36,12 +37,12 @@ import torch
 
 from linattn import hf
 from linattn.data import load_text
-from linattn.feature_maps.fitted import load_feature_maps
-from linattn.train.end_to_end import _copy_plans, copying_sequences, retrieval_scores, top_heads
 from linattn.evaluate.lm_compare import LM_SINKS, LM_WINDOW, RETRIEVAL_SEQUENCES, use_window_softmax
 from linattn.evaluate.models import load_model
 from linattn.evaluate.perplexity import score_tokens
 from linattn.evaluate.probes import Probe, repeat_perplexity, repeated_passages
+from linattn.feature_maps.fitted import load_feature_maps
+from linattn.train.end_to_end import _copy_plans, copying_sequences, retrieval_scores, top_heads
 
 
 def main() -> None:

@@ -38,8 +38,8 @@ def heldout_sentences(min_words: int = 4) -> list[str]:
 
 def fit_maps(model: Any, tokenizer: Any, name: str, path: str = FITTED_MAPS) -> Any:
     """Capture q, k on the train split and fit one Hedgehog map per layer (per-head parameters); save to ``path``."""
-    from linattn.train import fit_model_feature_maps
     from linattn.evaluate import capture_attention
+    from linattn.train import fit_model_feature_maps
 
     capture = capture_attention(model, tokenizer, load_text("train"), max_tokens=CAPTURE_TOKENS, model_name=name,
                                 orders=CAPTURE_ORDERS)
@@ -76,8 +76,8 @@ def main() -> None:
     parser.add_argument("--fit", action="store_true", help="refit the Hedgehog maps (and overwrite the shipped file)")
     parser.add_argument("--maps", default=FITTED_MAPS, help="fitted maps file (linattn.feature_maps.fitted format)")
     args = parser.parse_args()
-    from linattn.feature_maps.fitted import load_feature_maps
     from linattn.evaluate import load_model
+    from linattn.feature_maps.fitted import load_feature_maps
 
     torch.manual_seed(0)
     model, tokenizer, name = load_model()
