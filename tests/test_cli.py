@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 
 import linattn
+from linattn import LinearAttentionError
 from linattn.cli import main
 
 
@@ -49,3 +51,27 @@ def test_compare_end_to_end_on_the_shipped_model(tmp_path, capsys):
     assert "captured in 2 paragraph orders" in report and "| hedgehog | 128 |" in report
     fitted = load_feature_maps(str(maps / "hedgehog.safetensors"))
     assert (fitted.num_layers, fitted.num_heads, fitted.kind) == (6, 12, "hedgehog")
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (["compare", "no-such-model"], r"model: 'no-such-model' is neither a shipped model \(minilm, smollm2\)"),
+        (["compare", "minilm", "MISSING"], r"text: no such file '.*missing.txt'"),
+        (["compare", "minilm", "BINARY"], r"text: '.*binary.txt' is not UTF-8 text"),
+        (["compare", "minilm", "--heldout", "FOLDER"], r"--heldout: '.*' is not a file"),
+    ],
+    ids=["unknown-model", "missing-text", "binary-text", "folder-as-text"],
+)
+def test_cli_errors_are_one_line_with_exit_code_2(argv, pattern, tmp_path, capsys):
+    """A bad model name or text file is reported in one line (no traceback), before any model loads."""
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00 not text")
+    paths = {"MISSING": str(tmp_path / "missing.txt"), "BINARY": str(tmp_path / "binary.txt"),
+             "FOLDER": str(tmp_path)}
+    argv = [paths.get(arg, arg) for arg in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert re.search(pattern, err), err
+    with pytest.raises(LinearAttentionError, match=pattern):  # --debug: the error itself, with its traceback
+        main(["--debug", *argv])

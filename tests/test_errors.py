@@ -95,6 +95,36 @@ BAD_CALLS = {
         lambda: linattn.linear_attention(np.ones((4, 3), dtype=np.int32), *qkv(4, 3)[1:]),
         r"q: NumPy dtype int32 is not floating point",
     ),
+    "numpy-mixed-with-torch": (
+        lambda: linattn.linear_attention(np.ones((4, 3), dtype=np.float32), *qkv(4, 3)[1:]),
+        r"q, k, v: NumPy arrays mixed with torch tensors",
+    ),
+    "causal-string": (
+        lambda: linattn.linear_attention(*qkv(4, 3), causal="False"),  # a non-empty string is truthy
+        r"causal: expected True or False, got 'False' \(str\)",
+    ),
+    "normalize-int": (lambda: linattn.linear_attention(*qkv(4, 3), normalize=0), r"normalize: expected True or False"),
+    "signed-callable-normalized": (
+        lambda: linattn.linear_attention(*qkv(2, 8, 3), feature_map=lambda x: x),
+        r"feature_map '<lambda>': returned negative features .*normalize=False.*min_denom",
+    ),
+    "nonfinite-features-checked": (
+        lambda: linattn.linear_attention(*qkv(4, 3), feature_map=lambda x: 1 / (x - x), check_finite=True),
+        r"feature_map '<lambda>': 12 non-finite feature\(s\) for the queries",
+    ),
+    "head-dim-zero": (lambda: linattn.linear_attention(*qkv(2, 4, 0)), r"q: the head dimension is 0"),
+    "value-dim-zero": (
+        lambda: linattn.linear_attention(torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 0)),
+        r"v: the head dimension is 0",
+    ),
+    "batch-zero-causal": (
+        lambda: linattn.linear_attention(*qkv(0, 2, 4, 3), causal=True), r"q: a batch or head dimension is 0"
+    ),
+    "heads-zero": (lambda: linattn.linear_attention(*qkv(1, 0, 4, 3)), r"q: a batch or head dimension is 0"),
+    "meta-tensors": (
+        lambda: linattn.linear_attention(*(torch.empty(2, 4, 3, device="meta") for _ in range(3)), causal=True),
+        r"q: a meta tensor has no values",
+    ),
 }
 
 

@@ -207,6 +207,26 @@ def test_linearize_rejects_mismatched_maps():
         hf.linearize(nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"window": -1}, r"window: expected an int ≥ 1"),
+        ({"window": 8, "sinks": -2}, r"sinks: expected an int ≥ 0"),
+        ({"eps": -1.0}, r"eps: expected a number ≥ 0"),
+        ({"chunk_size": 0}, r"chunk_size: expected a positive int"),
+        ({"form": "fast"}, r"form: unknown form 'fast'"),
+        ({"window": 8, "decay": 0.9}, r"does not combine with decay"),
+        ({"backend": "cuda"}, r"backend: unknown backend 'cuda'"),
+        ({"normalize": "yes"}, r"normalize: expected True or False"),
+    ],
+)
+def test_linearize_checks_every_option_at_the_call(options, pattern):
+    """A bad option fails when linearize is called, not at the model's first forward."""
+    model = tiny_bert()
+    with pytest.raises(LinearAttentionError, match=pattern):
+        hf.linearize(model, "elu", **options)
+
+
 def test_linearize_from_a_saved_fitted_maps_file(tmp_path):
     from linattn.distill import FittedFeatureMaps
 

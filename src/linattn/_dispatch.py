@@ -64,6 +64,8 @@ class Job:
     sinks: int = 0
     window_factor: torch.Tensor | None = None  # broadcast to the batch dims, or None (the mass form)
     softmax_scale: float = 1.0
+    check_finite: bool = False  # the features too, not only q, k, v
+    nonnegative: bool = False  # a map of unknown positivity under normalize=True: refuse negative features
 
     @property
     def map_name(self) -> str:
@@ -71,6 +73,10 @@ class Job:
 
     def options(self) -> dict[str, Any]:
         return {"normalize": self.normalize, "eps": self.eps, "min_denom": self.min_denom}
+
+    def checks(self) -> dict[str, bool]:
+        """The feature checks of :func:`linattn.features.map_features` this call asks for."""
+        return {"finite": self.check_finite, "nonnegative": self.nonnegative}
 
 
 def _plain_state(job: Job) -> LinearAttentionState | None:
@@ -81,9 +87,9 @@ def _plain_state(job: Job) -> LinearAttentionState | None:
 def _features(job: Job) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Query and key features, the keys' log-scale ref with any decay and packing jumps applied."""
     state = _plain_state(job)
-    qf = query_features(job.fmap, job.q, job.log_space)
+    qf = query_features(job.fmap, job.q, job.log_space, **job.checks())
     kf, ref = key_features(job.fmap, job.k, job.keep, job.log_space, job.causal,
-                           state.shift if state is not None else None)
+                           state.shift if state is not None else None, **job.checks())
     check_feature_dims(qf.shape[-1], kf.shape[-1], job.fmap)
     _validate.check_state_features(state, kf.shape[-1], job.map_name)
     return qf, kf, ref
@@ -136,10 +142,11 @@ def run_noncausal_chunked(job: Job) -> Result:
 
     def chunk_keys(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         chunk_keep = job.keep[..., start:end] if job.keep is not None else None
-        return key_features(job.fmap, key_chunks[start // size], chunk_keep, job.log_space, False, None)
+        return key_features(job.fmap, key_chunks[start // size], chunk_keep, job.log_space, False, None,
+                            **job.checks())
 
     def chunk_queries(start: int, end: int) -> torch.Tensor:
-        return query_features(job.fmap, query_chunks[start // size], job.log_space)
+        return query_features(job.fmap, query_chunks[start // size], job.log_space, **job.checks())
 
     features = map_features(job.fmap, job.k[..., :1, :], is_query=False).shape[-1]
     check_feature_dims(map_features(job.fmap, job.q[..., :1, :], is_query=True).shape[-1], features, job.fmap)
@@ -182,8 +189,8 @@ def run_gated(job: Job, form: str) -> Result:
 
 def run_window(job: Job, form: str) -> Result:
     """The window + sinks op in the chosen form."""
-    fmap = job.fmap
-    hybrid = Hybrid(lambda x, is_query: map_features(fmap, x, is_query=is_query), log_space=job.log_space,
+    fmap, checks = job.fmap, job.checks()
+    hybrid = Hybrid(lambda x, is_query: map_features(fmap, x, is_query=is_query, **checks), log_space=job.log_space,
                     window=job.window, sinks=job.sinks, factor=job.window_factor, scale=job.softmax_scale,
                     eps=job.eps, min_denom=job.min_denom)
     keep = job.keep if job.keep is not None else torch.ones(job.k.shape[:-1], dtype=torch.bool, device=job.k.device)

@@ -21,6 +21,18 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
             raise LinearAttentionError(f"{name}: expected shape (..., N, D), got {tuple(x.shape)}")
         if x.shape[-2] == 0:
             raise LinearAttentionError(f"{name}: the sequence is empty (shape {tuple(x.shape)}); pass N ≥ 1")
+        if x.shape[-1] == 0:
+            raise LinearAttentionError(f"{name}: the head dimension is 0 (shape {tuple(x.shape)}); pass D ≥ 1")
+        if 0 in x.shape[:-2]:
+            raise LinearAttentionError(
+                f"{name}: a batch or head dimension is 0 (shape {tuple(x.shape)}); there is nothing to attend: "
+                "skip the call for an empty batch"
+            )
+        if x.device.type == "meta":
+            raise LinearAttentionError(
+                f"{name}: a meta tensor has no values to attend over; materialise the module first (e.g. "
+                "module.to_empty(device=...) and load its weights)"
+            )
     if not q.dtype == k.dtype == v.dtype:
         raise LinearAttentionError(
             f"q, k, v: dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
@@ -59,6 +71,13 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
             "for decoding, pass the earlier tokens as initial_state"
         )
     return group
+
+
+def check_flags(**flags: object) -> None:
+    """Flags that must be True or False: a string such as "False" is truthy and would silently mean True."""
+    for name, value in flags.items():
+        if not isinstance(value, bool) and type(value).__name__ != "bool_":  # NumPy's bool_ is fine too
+            raise LinearAttentionError(f"{name}: expected True or False, got {value!r} ({type(value).__name__})")
 
 
 def check_options(

@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 import math
 import platform
+import sys
 import time
 from collections.abc import Sequence
 
 import torch
 
 from . import __version__, feature_maps
+from .data import check_text_file
+from .errors import LinearAttentionError
 from .evaluate.arguments import add_compare_arguments, add_lm_arguments
-from .evaluate.models import looks_causal
+from .evaluate.models import check_model_name, looks_causal
 from .forms import FORMS
 from .functional import linear_attention
 
@@ -88,6 +91,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    check_model_name(args.model)  # before anything loads: a name that needs a download fails at once
+    check_text_file(args.text, "text")
+    check_text_file(args.heldout, "--heldout")
     # the jobs are imported when they run: they load the training code (linattn.train, linattn.hf), which the
     # other verbs never need; transformers and matplotlib they import only when a model is loaded or a plot drawn
     if args.lm or looks_causal(args.model):  # causal LMs: perplexity and long-range probes per row
@@ -111,6 +117,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="linattn", description="Linear attention for PyTorch and NumPy.")
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="version, torch, device, forms, feature maps").set_defaults(run=_info)
     demo = sub.add_parser("demo", help="a small end-to-end example: error and time per form")
@@ -119,4 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_bench(sub)
     _add_compare(sub)
     args = parser.parse_args(argv)
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except (LinearAttentionError, OSError, UnicodeDecodeError) as error:
+        if args.debug:
+            raise
+        # a bad input or file, already explained: one line, as argparse reports a bad flag (exit code 2)
+        print(f"linattn {args.command}: error: {error} (--debug shows the traceback)", file=sys.stderr)
+        return 2

@@ -67,8 +67,15 @@ def map_label(fmap: nn.Module) -> str:
     return repr(getattr(inner, "__name__", inner)) if inner is not None else type(fmap).__name__
 
 
-def map_features(fmap: nn.Module, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
-    """The map's features of ``x`` (..., N, D) → (..., N, F), checked: any map, a user's callable or module too."""
+def map_features(
+    fmap: nn.Module, x: torch.Tensor, *, is_query: bool, finite: bool = False, nonnegative: bool = False
+) -> torch.Tensor:
+    """The map's features of ``x`` (..., N, D) → (..., N, F), checked: any map, a user's callable or module too.
+
+    ``finite``: raise on NaN or +inf features (``check_finite=True``; log-space maps may return −inf, log 0).
+    ``nonnegative``: raise on a negative feature — for maps whose positivity is unknown (plain callables) under
+    ``normalize=True``, where a negative feature can make the denominator φ(q)·Σφ(k) zero or negative.
+    """
     features = fmap.features(x, is_query=is_query) if isinstance(fmap, FeatureMap) else fmap(x)
     role = "queries" if is_query else "keys"
     if not isinstance(features, torch.Tensor):
@@ -86,7 +93,24 @@ def map_features(fmap: nn.Module, x: torch.Tensor, *, is_query: bool) -> torch.T
         raise LinearAttentionError(
             f"feature_map {map_label(fmap)}: returned dtype {features.dtype} for the {role}; return floating point"
         )
-    return features if features.dtype == x.dtype else features.to(x.dtype)
+    features = features if features.dtype == x.dtype else features.to(x.dtype)
+    if finite:
+        bad = torch.isnan(features) | (features == float("inf"))
+        if not is_log_space(fmap):
+            bad = bad | torch.isinf(features)
+        if bool(bad.any()):
+            raise LinearAttentionError(
+                f"feature_map {map_label(fmap)}: {int(bad.sum())} non-finite feature(s) for the {role} from finite "
+                "inputs; check the map (an overflowing exp? a division by zero?)"
+            )
+    if nonnegative and features.numel() and bool((features < 0).any()):
+        raise LinearAttentionError(
+            f"feature_map {map_label(fmap)}: returned negative features for the {role} with normalize=True, so the "
+            "denominator φ(q)·Σφ(k) can be zero or negative. Pass normalize=False (unnormalised linear attention), "
+            "min_denom=... to clamp the denominator, or a FeatureMap subclass (positive = True) if its kernel is "
+            "positive although its features are not"
+        )
+    return features
 
 
 def check_feature_dims(query_dim: int, key_dim: int, fmap: nn.Module) -> None:
@@ -136,9 +160,9 @@ def key_scales(logs: torch.Tensor, causal: bool, start: torch.Tensor | None = No
     return ref
 
 
-def query_features(fmap: nn.Module, q: torch.Tensor, log_space: bool) -> torch.Tensor:
-    """φ(q), or for log-space maps φ(q) at each row's own scale."""
-    qf = map_features(fmap, q, is_query=True)
+def query_features(fmap: nn.Module, q: torch.Tensor, log_space: bool, **checks: bool) -> torch.Tensor:
+    """φ(q), or for log-space maps φ(q) at each row's own scale; ``checks`` as :func:`map_features`."""
+    qf = map_features(fmap, q, is_query=True, **checks)
     return stabilise_queries(qf)[0] if log_space else qf
 
 
@@ -149,9 +173,10 @@ def key_features(
     log_space: bool,
     causal: bool,
     start: torch.Tensor | None,
+    **checks: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Key features with masked keys zeroed, and (log-space maps) the log-scale ref they are stored at."""
-    kf = map_features(fmap, k, is_query=False)
+    kf = map_features(fmap, k, is_query=False, **checks)
     if log_space:
         if keep is not None:
             kf = kf.masked_fill(~keep.unsqueeze(-1), NEG_INF)

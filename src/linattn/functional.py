@@ -15,6 +15,7 @@ from .backends import select_backend
 from .capabilities import Call, check_window_combination, choose_backend, choose_route
 from .capabilities import chunk_size as route_chunk
 from .errors import LinearAttentionError
+from .feature_maps import CallableFeatureMap
 from .features import (  # noqa: F401  (re-exported: the names' old home)
     FeatureMapLike,
     is_log_space,
@@ -110,8 +111,13 @@ def linear_attention(
     torch.Size([2, 4, 100, 16])
     """
     q, q_numpy = _to_torch(q, "q")
-    k, _ = _to_torch(k, "k")
-    v, _ = _to_torch(v, "v")
+    k, k_numpy = _to_torch(k, "k")
+    v, v_numpy = _to_torch(v, "v")
+    if not q_numpy == k_numpy == v_numpy:
+        raise LinearAttentionError(
+            "q, k, v: NumPy arrays mixed with torch tensors; pass all three as one kind (NumPy in → NumPy out)"
+        )
+    _validate.check_flags(causal=causal, normalize=normalize, return_state=return_state, check_finite=check_finite)
     check_window_combination(window, decay=decay, log_gate=log_gate, cu_seqlens=cu_seqlens, backend=backend)
     if isinstance(initial_state, WindowAttentionState) and window is None:
         raise LinearAttentionError(
@@ -176,6 +182,8 @@ def linear_attention(
         segments=segments, window=window or 0, sinks=sinks,
         window_factor=_validate.window_factor(window_factor, q.shape[:-2], q.dtype, q.device),
         softmax_scale=1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale),
+        check_finite=check_finite,
+        nonnegative=normalize and min_denom is None and isinstance(fmap, CallableFeatureMap),
     )
 
     # under torch.autocast the GEMMs below would run in bf16/fp16 again: the fp32 accumulation is the point

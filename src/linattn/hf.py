@@ -45,10 +45,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _validate
 from ._rows import by_rows, left_pads  # noqa: F401  (re-exported: the names' old home)
+from .capabilities import BACKENDS, check_window_combination
 from .errors import LinearAttentionError
 from .feature_maps import create
 from .feature_maps.fitted import load_feature_maps
+from .forms import FORMS
 from .functional import linear_attention
 
 IMPLEMENTATION = "linattn"
@@ -242,6 +245,18 @@ def _split_options(options: dict[str, Any], fitted: Any) -> tuple[dict[str, Any]
     return attention, options
 
 
+def _check_attention_options(options: dict[str, Any]) -> None:
+    """The options every attention call will get, checked as ``linear_attention`` would check them."""
+    get = options.get
+    _validate.check_flags(**{name: options[name] for name in ("normalize", "check_finite") if name in options})
+    _validate.check_options(get("chunk_size"), get("eps", 1e-6), get("min_denom"), get("form", "auto"), FORMS)
+    _validate.check_window_options(get("window"), get("sinks", 0), get("window_factor"), get("softmax_scale"))
+    check_window_combination(get("window"), decay=get("decay"), log_gate=get("log_gate"),
+                             backend=get("backend"))
+    if get("backend", "auto") not in BACKENDS:
+        raise LinearAttentionError(f"backend: unknown backend {get('backend')!r}; choose one of {', '.join(BACKENDS)}")
+
+
 def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP, **options: Any) -> nn.Module:
     """Install feature maps in every attention layer of a transformers ``model`` and switch it to ``"linattn"``.
 
@@ -266,6 +281,7 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
     if isinstance(feature_maps, str | os.PathLike) and os.path.isfile(feature_maps):
         feature_maps = load_feature_maps(os.fspath(feature_maps))  # before the options: a file carries its window
     attention_options, options = _split_options(dict(options), feature_maps)
+    _check_attention_options(attention_options)  # at the call, not at the model's first forward
     modules = attention_modules(model)
     if not modules:
         raise LinearAttentionError(

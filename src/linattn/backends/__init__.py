@@ -50,8 +50,8 @@ def _triton_run(dtype: torch.dtype, *, forced: bool, torch_run: Runner) -> Runne
                 _validate.check_state_features(state, q.shape[-1], job.map_name)
                 return causal_attention(q, k.to(dtype), v.to(dtype), state=state, dtype=dtype, elu=True, **options)
         job = replace(job, q=q.float(), k=k.float(), v=v.float())
-        qf = query_features(fmap, job.q, False)
-        kf, _ = key_features(fmap, job.k, keep, False, True, None)  # ordinary map: masked keys are zeroed
+        qf = query_features(fmap, job.q, False, **job.checks())
+        kf, _ = key_features(fmap, job.k, keep, False, True, None, **job.checks())  # masked keys are zeroed
         found = triton_backend.shape_reasons(kf.shape[-1], v.shape[-1], dtype)
         if found:
             if forced:

@@ -10,6 +10,7 @@ True
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 
 from ..errors import LinearAttentionError
@@ -22,6 +23,23 @@ def load_text(split: str = "train") -> str:
     if split not in SPLITS:
         raise LinearAttentionError(f"split: expected one of {SPLITS}, got {split!r}")
     return resources.files(__name__).joinpath(f"{split}.txt").read_text(encoding="utf-8")
+
+
+def check_text_file(path: str | None, name: str) -> None:
+    """A text file given on the command line exists, is a file, and reads as UTF-8 (None: the shipped corpus)."""
+    if path is None:
+        return
+    if not os.path.exists(path):
+        raise LinearAttentionError(f"{name}: no such file {path!r}; pass the path of a UTF-8 text file")
+    if not os.path.isfile(path):
+        raise LinearAttentionError(f"{name}: {path!r} is not a file; pass the path of a UTF-8 text file")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            handle.read()
+    except UnicodeDecodeError as error:
+        raise LinearAttentionError(
+            f"{name}: {path!r} is not UTF-8 text (byte {error.start}: {error.reason}); pass a plain text file"
+        ) from None
 
 
 def paragraphs(text: str) -> list[str]:

@@ -185,6 +185,26 @@ def load_model(
     return model.to(device).eval(), tokenizer, name
 
 
+def check_model_name(name: str | None) -> None:
+    """A model the command can load without a download: a shipped short name, a local folder or GGUF file, or a
+    model already in the local Hugging Face cache. Anything else fails at once (rather than after the hub's
+    retries), naming the short names."""
+    if name is None or name in SHORT_NAMES or os.path.exists(name):
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json")
+    except (ImportError, ValueError):  # no hub client, or not a valid repository id
+        cached = None
+    if not isinstance(cached, str):
+        raise LinearAttentionError(
+            f"model: {name!r} is neither a shipped model ({', '.join(SHORT_NAMES)}), a local folder or GGUF file, "
+            "nor in the local Hugging Face cache; linattn does not download models: fetch it first (e.g. "
+            "`huggingface-cli download NAME`) or pass a folder"
+        )
+
+
 def is_causal_lm(model: Any) -> bool:
     """Whether ``model`` is a transformers causal LM (an LM head over a decoder: ``*ForCausalLM``)."""
     return type(model).__name__.endswith("ForCausalLM")

@@ -47,8 +47,10 @@ class FeatureMap(nn.Module):
 class CallableFeatureMap(FeatureMap):
     """Wraps a plain callable ``fn(x) -> features`` (torch, or NumPy for NumPy inputs) as a feature map.
 
-    The callable is applied to queries and keys alike. Its positivity is unknown, so the core does not refuse
-    ``normalize=True`` for it: a signed callable is the caller's responsibility.
+    The callable is applied to queries and keys alike. Its positivity is unknown, so under ``normalize=True``
+    (without ``min_denom``) the core checks that its features are ≥ 0 and refuses negative ones, which could make
+    the denominator zero or negative; a map with a positive kernel but signed features declares it as a
+    :class:`FeatureMap` subclass instead.
     """
 
     def __init__(self, fn: Callable[..., object], *, numpy: bool = False) -> None:
