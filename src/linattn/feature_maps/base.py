@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import LinearAttentionError
+
 
 class FeatureMap(nn.Module):
     """Base class of feature maps φ: (..., N, D) → (..., N, F).
@@ -66,8 +68,6 @@ class CallableFeatureMap(FeatureMap):
         if isinstance(result, np.ndarray):
             return torch.from_numpy(np.ascontiguousarray(result)).to(device=x.device, dtype=x.dtype)
         if not isinstance(result, torch.Tensor):
-            from ..errors import LinearAttentionError
-
             name = getattr(self.fn, "__name__", repr(self.fn))
             raise LinearAttentionError(
                 f"feature_map {name!r}: returned {type(result).__name__}; it must return a tensor (or a NumPy "
