@@ -34,8 +34,10 @@ def test_token_by_token_recurrent_steps_equal_one_recurrent_call_bit_for_bit():
     """Where bit-identity honestly holds, it is asserted. relu features are exact (no rounding, so no kernel can
     change them), and the recurrent form does the same per-token operations, on tensors of the same shapes, whether
     the tokens come in one call or one call each: S += k⊗v (correctly rounded products and sums), then (1, F) @ (F, Dv)
-    products of identical shapes. The chunked forms or projection maps would not qualify: there the call's length
-    changes GEMM shapes (tests/reference.py, SHAPE_ULPS)."""
+    products of identical shapes. The calls differ in length (20 tokens against 1 each), the operations do not: only
+    the strides of the per-token views differ (also identical at F = 64 and 128, and under the other-kernels
+    settings). The chunked forms or projection maps would not qualify: there the call's length changes GEMM shapes
+    (tests/reference.py, SHAPE_ULPS)."""
     generator = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 3, 20, 8, generator=generator) for _ in range(3))
     whole = linattn.linear_attention(q, k, v, causal=True, feature_map="relu", form="recurrent")

@@ -468,3 +468,105 @@ def test_window_decode_step_refuses_what_it_cannot_reproduce():
     assert not supports_window(create("elu"), state, {"window": 4, "min_denom": 1e-3})
     assert not supports_window(favor_map(8)[0], state, {"window": 4})  # log-space: linear_attention's path
     assert not supports_window(create("elu"), plain, {})
+
+
+def window_definition(q, k, v, phi, *, window, sinks, causal, factor, scale, eps=1e-6, min_denom=None):
+    """(out, divisor) of the hybrid written from its definition with the two options hybrid_reference leaves at their
+    defaults: exact keys weigh M_t·e^{s·q_t·k_j}/Σ_exact e^{s·q_t·k_j'} (factor None, M_t the exact keys' kernel
+    mass) or γ·e^{s·q_t·k_j − max}, s = ``scale``, the map seeing q and k unscaled; every other visible key weighs
+    φ(q_t)·φ(k_j); divisor = max(Σ_j w_tj + eps, min_denom)."""
+    q, k, v = q.double(), k.double(), v.double()
+    n = q.shape[-2]
+    t, j = torch.arange(n).unsqueeze(-1), torch.arange(n)
+    visible = (j <= t) if causal else torch.ones(n, n, dtype=torch.bool)
+    near = ((t - j) < window) if causal else ((t - j).abs() < window)
+    exact = visible & (near | (j < sinks))
+    kernel = phi(q) @ phi(k).transpose(-1, -2)
+    scores = scale * (q @ k.transpose(-1, -2))
+    soft = torch.where(exact, (scores - scores.masked_fill(~exact, -math.inf).amax(-1, keepdim=True)).exp(), 0.0)
+    if factor is None:
+        mass = torch.where(exact, kernel, 0.0).sum(-1, keepdim=True)
+        window_weights = mass * soft / soft.sum(-1, keepdim=True)
+    else:
+        window_weights = factor * soft
+    weights = torch.where(visible & ~exact, kernel, 0.0) + window_weights
+    divisor = weights.sum(-1, keepdim=True) + eps
+    if min_denom is not None:
+        divisor = divisor.clamp(min=min_denom)
+    return (weights @ v) / divisor, divisor.squeeze(-1)
+
+
+def window_forms(causal):
+    return ["parallel", "chunked"] + (["recurrent"] if causal else [])
+
+
+@pytest.mark.parametrize("factor", [None, 0.6], ids=["mass", "gamma"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_softmax_scale_follows_its_definition(causal, factor):
+    """softmax_scale=s weighs the exact keys by e^{s·q·k} (the map still sees q, k unscaled), in every form and in
+    the decode step, against the float64 definition within 1e-10 (float64 rounding of sums of a few dozen terms, as
+    in test_forms_match_reference). Left out it is 1/√d: the same call as passing 1/√d, bit for bit (the same float
+    in the same shapes). Negative control: the output with s = 0.9 differs from the definition at 1/√d = 0.354 by
+    ≥ 1e-3 relative (measured 9e-3 to 0.5), 10⁷× the tolerance: a form that ignored the option would fail."""
+    q, k, v = inputs(2, 3, 37, 8, seed=11)
+    options = {"window": 5, "sinks": 2, "window_factor": factor, "causal": causal}
+    defined = {"window": 5, "sinks": 2, "factor": factor, "causal": causal}
+    expected, _ = window_definition(q, k, v, elu1, scale=0.9, **defined)
+    default, _ = window_definition(q, k, v, elu1, scale=1 / math.sqrt(8), **defined)
+    for form in window_forms(causal):
+        out = linear_attention(q, k, v, softmax_scale=0.9, form=form, chunk_size=8, **options)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10, msg=form)
+        assert float((out - default).norm() / default.norm()) >= 1e-3, form  # a wrong scale is seen
+        plain = linear_attention(q, k, v, form=form, chunk_size=8, **options)
+        assert torch.equal(plain, linear_attention(q, k, v, softmax_scale=1 / math.sqrt(8), form=form, chunk_size=8,
+                                                   **options))
+        torch.testing.assert_close(plain, default, rtol=1e-10, atol=1e-10, msg=form)
+    if causal:  # the decode step takes the option too
+        from linattn.decode import WindowDecodeStep
+
+        prefill = 20
+        _, state = linear_attention(q[..., :prefill, :], k[..., :prefill, :], v[..., :prefill, :], softmax_scale=0.9,
+                                    return_state=True, **options)
+        step = WindowDecodeStep(create("elu"), state, window_factor=factor, softmax_scale=0.9)
+        outs = [step(q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :]) for t in range(prefill, 37)]
+        torch.testing.assert_close(torch.cat(outs, -2), expected[..., prefill:, :], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("factor", [None, 0.6], ids=["mass", "gamma"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_min_denom_clamps_the_hybrid_denominator_after_eps(causal, factor):
+    """min_denom=m divides by max(Σ_j w_tj + eps, m), in every form, against the float64 definition within 1e-10,
+    gradients included (where the clamp holds, the divisor is a constant): float64 rounding of sums of a few dozen
+    terms, as in test_forms_match_reference. m lies halfway between the two middle rows' Σ w + eps, so the clamp
+    acts on half the rows and no row sits at the clamp's kink (there the gradient is either side's, and a form
+    rounding to the other side would disagree by 1e-2); eps is a quarter of the median Σ w (not the default 1e-6),
+    so the order of clamp and eps shows. Negative controls: dividing by Σ w + eps unclamped, or clamping before
+    adding eps (max(Σ w, m) + eps), each differs from the output by ≥ 1e-2 relative (measured ≥ 0.1)."""
+    q, k, v = inputs(2, 3, 37, 8, seed=12)
+    q = q * 2  # a wider spread of denominators between rows
+    defined = {"window": 5, "sinks": 2, "factor": factor, "causal": causal, "scale": 1 / math.sqrt(8)}
+    _, sums = window_definition(q, k, v, elu1, eps=0.0, **defined)
+    eps = float(sums.median()) / 4
+    defined["eps"] = eps
+    unclamped, divisor = window_definition(q, k, v, elu1, **defined)
+    ranked = divisor.flatten().sort().values
+    middle = ranked.numel() // 2
+    # halfway between two rows' divisors: no row sits at the clamp's kink, where the gradient is either side's
+    min_denom = float(ranked[middle - 1] + ranked[middle]) / 2
+    assert float(ranked[middle] - ranked[middle - 1]) > 1e-9 * min_denom
+    assert 0.3 <= float((divisor < min_denom).double().mean()) <= 0.7  # the clamp acts on about half the rows
+    expected, _ = window_definition(q, k, v, elu1, min_denom=min_denom, **defined)
+    clamp_first = (unclamped * divisor.unsqueeze(-1)) / ((divisor - eps).clamp(min=min_denom) + eps).unsqueeze(-1)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected_grads = torch.autograd.grad(
+        (window_definition(*leaves, elu1, min_denom=min_denom, **defined)[0] * v.flip(-1)).sum(), leaves
+    )
+    for form in window_forms(causal):
+        out = linear_attention(*leaves, window=5, sinks=2, window_factor=factor, causal=causal, eps=eps,
+                               min_denom=min_denom, form=form, chunk_size=8)
+        torch.testing.assert_close(out.detach(), expected, rtol=1e-10, atol=1e-10, msg=form)
+        for wrong in (unclamped, clamp_first):
+            assert float((out.detach() - wrong).norm() / wrong.norm()) >= 1e-2, form
+        grads = torch.autograd.grad((out * v.flip(-1)).sum(), leaves)
+        for got, want in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10, msg=form)
