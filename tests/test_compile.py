@@ -28,10 +28,8 @@ def test_window_compiles_to_one_graph_with_eager_values(options):
     check_against_eager(options, backward=False)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 def test_window_compiles_to_one_graph_with_eager_gradients(causal):
-    # tracing the backward of the window's autograd Functions takes most of a minute on a CPU
     check_against_eager({"causal": causal}, backward=True)
 
 
