@@ -193,17 +193,20 @@ def run_window(job: Job, form: str) -> Result:
     hybrid = Hybrid(lambda x, is_query: map_features(fmap, x, is_query=is_query, **checks), log_space=job.log_space,
                     window=job.window, sinks=job.sinks, factor=job.window_factor, scale=job.softmax_scale,
                     eps=job.eps, min_denom=job.min_denom)
-    keep = job.keep if job.keep is not None else torch.ones(job.k.shape[:-1], dtype=torch.bool, device=job.k.device)
     state = job.state
     assert state is None or isinstance(state, WindowAttentionState)
-    if form == "parallel":
-        return window_parallel(hybrid, job.q, job.k, job.v, keep, state, job.causal)
-    if form == "recurrent":
+    if form in ("parallel", "recurrent"):  # the quadratic forms mask by value, with no branch on it
+        keep = job.keep
+        if keep is None:
+            keep = torch.ones(job.k.shape[:-1], dtype=torch.bool, device=job.k.device)
+        if form == "parallel":
+            return window_parallel(hybrid, job.q, job.k, job.v, keep, state, job.causal)
         return window_recurrent(hybrid, job.q, job.k, job.v, keep, state)
     assert job.chunk_size is not None
+    # the chunked forms take None for no mask: whether there is padding is then known without reading a value
     if not job.causal:
-        return noncausal_window_chunked(hybrid, job.q, job.k, job.v, keep, job.chunk_size), None
-    return causal_window_chunked(hybrid, job.q, job.k, job.v, keep, state, job.chunk_size)
+        return noncausal_window_chunked(hybrid, job.q, job.k, job.v, job.keep, job.chunk_size), None
+    return causal_window_chunked(hybrid, job.q, job.k, job.v, job.keep, state, job.chunk_size)
 
 
 Runner = Callable[[Job], Result]

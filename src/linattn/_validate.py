@@ -301,11 +301,15 @@ def check_window_options(window: object, sinks: object, factor: object, softmax_
     if softmax_scale is not None and not (isinstance(softmax_scale, int | float) and 0 < softmax_scale < float("inf")):
         raise LinearAttentionError(f"softmax_scale: expected a positive finite number or None, got {softmax_scale!r}")
     if isinstance(factor, torch.Tensor):
-        if not factor.is_floating_point() or not bool(torch.isfinite(factor).all()) or bool((factor < 0).any()):
-            raise LinearAttentionError(
-                f"window_factor: expected finite values ≥ 0 (dtype {factor.dtype}, shape {tuple(factor.shape)}); "
-                "parametrise a learned factor e.g. as exp(log_gamma)"
-            )
+        message = (f"window_factor: expected finite values ≥ 0 (dtype {factor.dtype}, shape {tuple(factor.shape)}); "
+                   "parametrise a learned factor e.g. as exp(log_gamma)")
+        if not factor.is_floating_point():
+            raise LinearAttentionError(message)
+        valid = (torch.isfinite(factor) & (factor >= 0)).all()
+        if torch.compiler.is_compiling():  # a branch on the values would break the graph: checked when it runs
+            torch._assert_async(valid, message)
+        elif not bool(valid):
+            raise LinearAttentionError(message)
     elif factor is not None and not (isinstance(factor, int | float) and 0 <= factor < float("inf")):
         raise LinearAttentionError(f"window_factor: expected None, a number ≥ 0 or a tensor, got {factor!r}")
 

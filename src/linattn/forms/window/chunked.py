@@ -85,13 +85,29 @@ def next_state(
     )
 
 
+def masks_any(keep: torch.Tensor | None, state: WindowAttentionState | None) -> bool:
+    """Whether a key of this call (``keep``, None: no mask given) or of the state's window buffer is masked: the
+    fused exact part takes no padding. No mask and no buffered keys: not, without looking at any value. Under
+    torch.compile a mask's values are unknown when the graph is traced (a branch on them is a data-dependent guard
+    that breaks the graph), so a given mask counts as padding there: the band path is right for any mask."""
+    masks = [x for x in (keep, state.keep if state is not None else None) if x is not None and x.numel()]
+    if not masks:
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    return not all(bool(x.all()) for x in masks)
+
+
 def causal_window_chunked(
-    hybrid: Hybrid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+    hybrid: Hybrid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
     state: WindowAttentionState | None, chunk_size: int,
 ) -> tuple[torch.Tensor, WindowAttentionState]:
-    """The causal hybrid: linear part through the chunked Function, exact part banded. keep (..., N) bool."""
+    """The causal hybrid: linear part through the chunked Function, exact part banded. keep (..., N) bool, or None
+    (no padding)."""
     window, sinks, n = hybrid.window, hybrid.sinks, q.shape[-2]
-    padded = not bool(keep.all()) or (state is not None and not bool(state.keep.all()))
+    padded = masks_any(keep, state)
+    if keep is None:  # the state's buffers and the sink mask still take one
+        keep = torch.ones(k.shape[:-1], dtype=torch.bool, device=k.device)
     qf, c = hybrid.query_features(q)
     prev_keys = [state.sink_keys, state.keys] if state is not None else []
     prev_keep = [state.sink_keep, state.keep] if state is not None else []
@@ -182,12 +198,13 @@ def causal_window_chunked(
 
 
 def noncausal_window_chunked(
-    hybrid: Hybrid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, chunk_size: int
+    hybrid: Hybrid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, chunk_size: int
 ) -> torch.Tensor:
     """The non-causal hybrid (Nq = Nk): band |i − j| < W and sinks exact; the rest through two shifted causal
-    passes, keys j ≤ i − W and (on the reversed sequence) j ≥ i + W. All keys at one log-scale (the maximum)."""
+    passes, keys j ≤ i − W and (on the reversed sequence) j ≥ i + W. All keys at one log-scale (the maximum).
+    keep (..., N) bool, or None (no padding)."""
     window, sinks, n = hybrid.window, hybrid.sinks, q.shape[-2]
-    padded = not bool(keep.all())
+    padded = masks_any(keep, None)
     qf, c = hybrid.query_features(q)
     logs = hybrid.key_logs(k, keep if padded else None)
     r = None
@@ -215,7 +232,7 @@ def noncausal_window_chunked(
     if count:
         positions = torch.arange(n, device=q.device)
         outside = (positions.unsqueeze(-1) - positions[:count]).abs() >= window  # (N, S)
-        sink_mask = outside & keep[..., :count].unsqueeze(-2)
+        sink_mask = outside & keep[..., :count].unsqueeze(-2) if keep is not None else outside
     if not padded:  # the banded Function (fused); every key at one scale, so its features serve the mass
         zero = (rows_like(k, front, 0.0), rows_like(v, front, 0.0), rows_like(features, front, 0.0))
         sink_parts = None
@@ -227,6 +244,7 @@ def noncausal_window_chunked(
             front, sink_parts,
         )
     else:
+        assert keep is not None  # padding needs a mask
         band = Band(
             [rows_like(k, front, 0.0), k], [rows_like(v, front, 0.0), v],
             torch.cat([keep.new_zeros(*keep.shape[:-1], front), keep], dim=-1), front,

@@ -131,10 +131,9 @@ class _Layout:
         """The tile's key-side rows: key blocks b … b+m−1 of each of its query blocks, (…, G, m·C, ·)."""
         r, first, count = tile
         size, spans = self.size, self.spans
-        if r is not None:  # an overlapping view: tile b starts C rows after tile b−1
-            row, dim = main[r], main.shape[2]  # (N, D), contiguous
-            offset = row.storage_offset() + (first * size - self.prefix) * dim
-            return row.as_strided((count, spans * size, dim), (size * dim, dim, 1), offset)
+        if r is not None:  # an overlapping view: tile b starts C rows after tile b−1 (unfold, not as_strided
+            start = first * size - self.prefix  # on a storage offset, which torch.compile cannot trace)
+            return main[r, start : start + (count + spans - 1) * size].unfold(0, spans * size, size).transpose(1, 2)
         joined = rows(prefix, main, first * size, (first + count + spans - 1) * size)
         joined = joined.unflatten(1, (count + spans - 1, size))  # (R, G + m − 1, C, ·)
         return torch.cat([joined[:, j : j + count] for j in range(spans)], dim=2)
