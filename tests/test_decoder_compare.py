@@ -97,14 +97,16 @@ def test_compare_on_a_tiny_causal_lm_writes_every_row(tiny_folder, tmp_path):
     assert rows["window1000+sinks0"]["perplexity"] == pytest.approx(rows["softmax"]["perplexity"], rel=1e-4)
     assert rows["elu"]["perplexity"] != pytest.approx(rows["softmax"]["perplexity"], rel=1e-2)
     assert "kl" in rows["elu"] and "kl" not in rows["softmax"]
-    assert "| hedgehog |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| hedgehog |" in report
+    assert f"Held-out text `{tiny_folder / 'heldout.txt'}`;" in report and "shipped corpus" not in report
     # maps fitted with the window in place make a hybrid; a window longer than the text leaves no key to the linear
     # part, and the mass-preserving window is then softmax itself (the eps of the shared normaliser aside)
     for hybrid in ("hedgehog fitted with window", "hedgehog+window", "elu+window"):
         assert rows[hybrid]["perplexity"] == pytest.approx(rows["softmax"]["perplexity"], rel=1e-3), hybrid
 
 
-def test_compare_trains_the_window_maps_end_to_end_on_sampled_text(tiny_folder, tmp_path):
+def test_compare_trains_the_window_maps_end_to_end_on_sampled_text(tiny_folder, tmp_path, capsys):
     from linattn.cli import main
 
     out = tmp_path / "out"
@@ -133,8 +135,12 @@ def test_compare_trains_the_window_maps_end_to_end_on_sampled_text(tiny_folder, 
                  "--no-metrics", "--no-baselines", "--maps", "hedgehog+window", "--fitted-maps",
                  str(tmp_path / "maps" / "hedgehog_window.safetensors"), "--end-to-end-steps", "1",
                  "--end-to-end-samples", "3", "--end-to-end-tokens", "20", "--save-maps", str(tmp_path / "new"),
-                 "--out", str(again), "--quiet"])
+                 "--out", str(again)])
     assert code == 0
+    # without --quiet a line announces each row as it starts: the rows take minutes and print nothing till done
+    printed = capsys.readouterr().out
+    assert "measuring hedgehog fitted with window ...\n" in printed
+    assert "measuring hedgehog fitted with window, end to end ... (the rows so far took" in printed
     result = json.loads((again / "results.json").read_text())
     assert result["fit_tokens"] == 0  # loaded, not fitted
     assert result["rows"][0]["perplexity"] == pytest.approx(fitted["perplexity"], rel=1e-6)
@@ -174,7 +180,7 @@ def test_compare_gives_the_retrieval_heads_other_maps_and_trains_only_them(tiny_
     moved = any(not torch.equal(source.maps[l].weight[:, h], before.maps[l].weight[:, h]) for l, h in marked)
     assert (result["rows"][1]["perplexity"] != result["rows"][0]["perplexity"]) == moved
     with pytest.raises(LinearAttentionError, match="retrieval-heads"):
-        main([*common, "--fitted-maps", base, "--retrieval-maps", other, "--out", str(tmp_path / "third")])
+        main(["--debug", *common, "--fitted-maps", base, "--retrieval-maps", other, "--out", str(tmp_path / "third")])
     # the other way round: the retrieval heads stay, the other heads are trained, the repeat weighted
     assert main([*common, "--fitted-maps", base, "--retrieval-heads", "3", "--train-other-heads",
                  "--end-to-end-repeat-weight", "4", "--end-to-end-steps", "2", "--save-maps", str(tmp_path / "c"),
@@ -201,7 +207,7 @@ def test_compare_gives_the_retrieval_heads_other_maps_and_trains_only_them(tiny_
     assert info["heads"] == 2 and info["corpus_sequences"] == 2
     assert info["copying_sequences"] > samples_copies  # the text's own copies too, each with its weights
     with pytest.raises(LinearAttentionError, match="train-other-heads"):
-        main([*common, "--fitted-maps", base, "--train-other-heads", "--out", str(tmp_path / "fifth")])
+        main(["--debug", *common, "--fitted-maps", base, "--train-other-heads", "--out", str(tmp_path / "fifth")])
 
 
 def test_end_to_end_texts_are_written_once_and_read_back(tiny_folder, tmp_path):
@@ -210,7 +216,7 @@ def test_end_to_end_texts_are_written_once_and_read_back(tiny_folder, tmp_path):
     texts = tmp_path / "texts.json"
 
     def run(out: str, tokens: str = "20") -> dict:
-        code = main(["compare", str(tiny_folder), str(tiny_folder / "train.txt"), "--heldout",
+        code = main(["--debug", "compare", str(tiny_folder), str(tiny_folder / "train.txt"), "--heldout",
                      str(tiny_folder / "heldout.txt"), "--window", "8", "--sinks", "1", "--passkey-lengths", "40",
                      "--passkey-trials", "1", "--repeat-trials", "1", "--passage-tokens", "12", "--gap-tokens", "40",
                      "--steps", "1", "--fit-max-tokens", "128", "--fit-orders", "1", "--no-metrics", "--no-baselines",
@@ -294,15 +300,29 @@ def test_compare_trains_lora_adapters_with_the_maps_frozen_and_only_for_their_ro
                 ["--end-to-end-lora", "2", "--end-to-end-steps", "1", "--retrieval-heads", "2"],
                 ["--end-to-end-lora", "2", "--end-to-end-steps", "1", "--end-to-end-lora-lr", "0"]):
         with pytest.raises(LinearAttentionError, match="lora"):
-            main([*common, "--maps", "hedgehog+window", "--fitted-maps", base, *bad, "--out", str(tmp_path / "bad")])
+            main(["--debug", *common, "--maps", "hedgehog+window", "--fitted-maps", base, *bad, "--out",
+                  str(tmp_path / "bad")])
 
 
 def test_lm_options_are_checked_before_the_model_loads(tmp_path):
     from linattn.cli import main
 
-    common = ["compare", "no-such-model", "--lm", "--out", str(tmp_path / "out")]
+    folder = tmp_path / "not-a-model"  # passes the name check (a local folder); only loading it would fail
+    folder.mkdir()
+    common = ["compare", str(folder), "--lm", "--out", str(tmp_path / "out")]
     for bad, match in ((["--maps", "elu", "nonesuch"], "unknown"), (["--window", "0"], "--window"),
                        (["--end-to-end-steps", "2", "--maps", "elu"], "hedgehog\\+window")):
         with pytest.raises(LinearAttentionError, match=match):
-            main([*common, *bad])
+            main(["--debug", *common, *bad])
     assert not (tmp_path / "out").exists()
+
+
+def test_lm_report_names_the_held_out_text(tmp_path):
+    from linattn.evaluate.report import write_lm_report
+
+    result = {"model": "tiny", "passage_tokens": 12, "gap_tokens": 40, "window": 8, "sinks": 1, "threads": 2,
+              "rows": [], "heldout": "texts/mine.txt"}
+    write_lm_report(result, str(tmp_path))
+    assert "Held-out text `texts/mine.txt`;" in (tmp_path / "report.md").read_text()
+    write_lm_report({**result, "heldout": None}, str(tmp_path))
+    assert "Held-out text of the shipped corpus;" in (tmp_path / "report.md").read_text()

@@ -185,6 +185,120 @@ def test_report_table_sweep_trend_and_plots(tmp_path) -> None:
         assert (tmp_path / "frontier.png").stat().st_size > 1000
 
 
+def test_signed_maps_are_reported_apart_and_left_out_of_the_plots(tmp_path) -> None:
+    from linattn.evaluate.compare import CompareResult, Row
+    from linattn.evaluate.report import SIGNED_NOTE, _plotted, write_report
+
+    result = CompareResult("tiny", 2, 3, 8, False, 100, 120, 3.0, 5.0, 1024, 2)
+    result.rows = [
+        Row("elu", 8, 0.8, 0.82, 1.7, 5.0, 1.0),
+        Row("identity", 8, 3.5e9, 3.4e9, 7.6, 3.8, 1.0, signed=True),
+        Row("trig", 32, 1.3e45, 1e45, 18.3, 3.0, 2.0, num_features=16, default=False, signed=True),
+        Row("trig", 64, 3e44, 3e44, 18.3, 3.0, 3.0, num_features=32, default=True, signed=True),
+    ]
+    write_report(result, str(tmp_path))
+    report = (tmp_path / "report.md").read_text()
+    ranked, _, apart = report.partition(SIGNED_NOTE)
+    assert "| elu |" in ranked and "identity" not in ranked and "`trig`" not in ranked  # no sweep trend either
+    assert "| identity | 8 | 3.5e+09 |" in apart and "| trig (m=16) | 32 | 1.3e+45 |" in apart
+    assert json.loads((tmp_path / "results.json").read_text())["rows"][1]["signed"] is True
+    assert [row.name for row in _plotted(result)] == ["elu"]
+
+
+def test_every_map_has_its_own_colour_in_every_plot() -> None:
+    pytest.importorskip("matplotlib")
+    from linattn import feature_maps
+    from linattn.evaluate.report import map_colours
+
+    names = ["uniform (no attention)", *feature_maps.available(), "elu + window (W=64)", "hedgehog + window (W=64)"]
+    colours = map_colours(names)
+    assert len(set(colours.values())) == len(set(names))
+    assert map_colours(list(reversed(names))) == colours  # by name: the same whichever rows a plot shows first
+
+
+def test_overlapping_plot_labels_are_moved_apart() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    from linattn.evaluate.report import spread_labels
+
+    fig, ax = plt.subplots()
+    labels = [ax.annotate(f"map {i}", (1.0, 0.5 + 0.001 * i), xytext=(3, 0), textcoords="offset points")
+              for i in range(6)]
+    spread_labels(fig, labels)
+    renderer = fig.canvas.get_renderer()
+    boxes = [Text.get_window_extent(label, renderer) for label in labels]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    plt.close(fig)
+
+
+def test_progress_bars_only_on_a_terminal(monkeypatch) -> None:
+    pytest.importorskip("tqdm")
+    import io
+
+    from linattn.train.distill import fit_feature_map, progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    log = io.StringIO()  # a redirected stderr: not a TTY
+    monkeypatch.setattr("sys.stderr", log)
+    assert progress_bar(10, "fitting") is None
+    q, k = torch.randn(2, 2, 16, 4).unbind(0)
+    fit_feature_map(q, k, steps=3, progress=True)
+    assert log.getvalue() == ""
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    bar = progress_bar(10, "fitting")
+    assert bar is not None
+    bar.close()
+    assert progress_bar(10, "fitting", enabled=False) is None
+    assert "fitting" in terminal.getvalue()
+
+
+def test_transformers_bars_follow_the_terminal_rule_while_a_model_loads(monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    import io
+
+    from transformers.utils import logging as hf_logging
+
+    from linattn.evaluate.models import _bars_on_terminal_only
+
+    log = io.StringIO()
+    monkeypatch.setattr("sys.stderr", log)
+    with _bars_on_terminal_only():
+        for _ in hf_logging.tqdm(range(3), desc="Loading weights"):
+            pass
+    assert log.getvalue() == ""
+    assert getattr(hf_logging, "_tqdm_hook", None) is None  # restored
+
+
+def test_splitting_a_long_text_does_not_warn_about_the_models_limit() -> None:
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from linattn.data import load_text
+    from linattn.evaluate.capture import split_sequences
+    from linattn.evaluate.models import default_model_path
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
+    except LinearAttentionError:
+        pytest.skip("the shipped MiniLM is not installed")
+    text = load_text("heldout")
+    assert len(tokenizer(text, verbose=False)["input_ids"]) > tokenizer.model_max_length  # the case that warned
+    pieces = split_sequences(text, tokenizer, tokenizer.model_max_length)  # as for the train text
+    assert len(pieces) > 1
+    # the tokenizer records the warning it gave ("Token indices sequence length is longer than ..."); its logger's
+    # handler writes to the stderr of transformers' import, which no capture here sees
+    assert not tokenizer.deprecation_warnings.get("sequence-length-is-longer-than-the-specified-maximum")
+
+
 def test_per_head_wrapper_applies_each_heads_map() -> None:
     from linattn import feature_maps
     from linattn.evaluate.compare import PerHead

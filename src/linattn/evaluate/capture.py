@@ -38,7 +38,9 @@ def split_sequences(text: str, tokenizer: Any, max_tokens: int) -> list[str]:
     current = ""
     for paragraph in paragraphs(text):
         candidate = f"{current} {paragraph}".strip()
-        if current and len(tokenizer(candidate)["input_ids"]) > max_tokens:
+        # verbose=False: a candidate longer than the model's limit is expected here (it is what ends a piece),
+        # and transformers would warn that running it through the model would fail
+        if current and len(tokenizer(candidate, verbose=False)["input_ids"]) > max_tokens:
             pieces.append(current)
             candidate = paragraph
         current = candidate

@@ -6,13 +6,15 @@
    several feature counts m (the mean over ``seeds`` draws); every other map is created with
    ``create(name, head_dim=d)``. All are measured on the held-out capture (:func:`capture_metrics`).
 3. Time per token of a forward pass at a long N (random inputs, the model's head count and head dimension).
-4. Print the table as rows finish; write ``report.md``, ``results.json`` and PNG plots to the output folder.
+4. Print the table as rows finish (signed maps apart, after it: :data:`~linattn.evaluate.report.SIGNED_NOTE`);
+   write ``report.md``, ``results.json`` and PNG plots to the output folder.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +30,7 @@ from ..functional import linear_attention
 from ..train.distill import fit_feature_map
 from .capture import AttentionCapture, capture_attention, load_model
 from .metrics import capture_metrics, capture_references
-from .report import number, write_report
+from .report import SIGNED_NOTE, number, write_report
 
 SWEEP_FEATURES = (16, 64, 256)
 
@@ -50,6 +52,7 @@ class Row:
     seeds: int = 1
     window: int | None = None
     sinks: int = 0
+    signed: bool = False  # φ(q)·φ(k) can be negative: its error is not comparable (report.SIGNED_NOTE)
 
 
 @dataclass
@@ -197,11 +200,11 @@ def run_compare(
         row = Row(name, metrics["feature_dim"], metrics["rel_error"], metrics["rel_error_total"], metrics["kl"],
                   metrics["entropy_linear"],
                   time_per_token(timing_map, heads, dim, long_n, test.causal, options=timing_options),
-                  num_features, default, note, seeds_used, (hybrid or {}).get("window"), (hybrid or {}).get("sinks", 0))
+                  num_features, default, note, seeds_used, (hybrid or {}).get("window"), (hybrid or {}).get("sinks", 0),
+                  signed=getattr(fmap, "positive", True) is False)
         result.rows.append(row)
-        label = name if default else f"{name} (m={num_features})"
-        say(f"{label:<22}{row.feature_dim:>6}{number(row.rel_error):>9}{number(row.kl):>8}"
-            f"{row.entropy_linear:>9.2f}{row.us_per_token:>10.2f}", flush=True)
+        if not row.signed:  # signed rows are printed apart at the end, with the reason
+            say(_console_row(row), flush=True)
 
     measure("uniform (no attention)", _Uniform(), _Uniform())
     learned: dict[str, Any] = {}  # fitted maps by kind, for the hybrid rows
@@ -236,10 +239,21 @@ def run_compare(
         _hybrid_rows(measure, learned, dim, window, sinks,
                      lambda kind, **extra: fit_feature_map(qs, ks, kind=kind, v=vs, causal=train.causal,
                                                            scale=train.scaling, window=window, sinks=sinks, **extra))
+    signed = [row for row in result.rows if row.signed]
+    if signed:
+        say("\n" + textwrap.fill(SIGNED_NOTE, 118), flush=True)
+        for row in signed:
+            say(_console_row(row), flush=True)
     result.seconds = time.perf_counter() - began
     written = write_report(result, out_dir)
     say(f"done in {result.seconds:.0f} s; wrote {', '.join(written)}", flush=True)
     return result
+
+
+def _console_row(row: Row) -> str:
+    label = row.name if row.default else f"{row.name} (m={row.num_features})"
+    return (f"{label:<22}{row.feature_dim:>6}{number(row.rel_error):>9}{number(row.kl):>8}"
+            f"{row.entropy_linear:>9.2f}{row.us_per_token:>10.2f}")
 
 
 class _Zero(FeatureMap):

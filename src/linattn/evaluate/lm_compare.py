@@ -116,7 +116,7 @@ class _Comparison:
         self.result: dict[str, Any] = {
             "model": self.name, "layers": self.model.config.num_hidden_layers, "window": config.window,
             "sinks": config.sinks, "passage_tokens": probes.passage_tokens, "gap_tokens": probes.gap_tokens,
-            "threads": torch.get_num_threads(), "rows": [],
+            "heldout": config.heldout, "threads": torch.get_num_threads(), "rows": [],
         }
         self.metrics_capture: Any = None
         self.references: Any = None
@@ -143,6 +143,15 @@ class _Comparison:
                                                  max_tokens=self.config.max_tokens, model_name=self.name)
         self.references = capture_references(self.metrics_capture)
 
+    def starting(self, label: str) -> None:
+        """One console line as a row starts (unless ``--quiet``): a row takes minutes on a CPU, and nothing else
+        is printed until its line of the table."""
+        if self.config.quiet:
+            return
+        done = [row["seconds"] for row in self.result["rows"]]
+        pace = f" (the rows so far took {sum(done) / len(done):.0f} s each)" if done else ""
+        print(f"measuring {label} ...{pace}", flush=True)
+
     def record(self, label: str, row: dict[str, Any], seconds: float, **extra: Any) -> None:
         """Add a finished row; rewrite the report files and print the row."""
         row.update(name=label, seconds=seconds, **extra)
@@ -167,12 +176,14 @@ class _Comparison:
 
     def measure_baselines(self) -> None:
         """The softmax row (the model as it is) and the window+sinks row (softmax over the window alone)."""
+        self.starting("softmax")
         begin = time.perf_counter()
         self.record("softmax", self.score(), time.perf_counter() - begin)
+        label = f"window{self.config.window}+sinks{self.config.sinks}"
+        self.starting(label)
         begin = time.perf_counter()
         use_window_softmax(self.model, self.config.window, self.config.sinks)
-        self.record(f"window{self.config.window}+sinks{self.config.sinks}", self.score(),
-                    time.perf_counter() - begin)
+        self.record(label, self.score(), time.perf_counter() - begin)
 
     def map_rows(self) -> list[MapRow]:
         """The linear rows of ``--maps`` in order, their maps fitted, loaded or trained (the hybrids come later)."""
@@ -254,6 +265,7 @@ class _Comparison:
 
     def measure(self, row: MapRow) -> None:
         """Linearize the model with the row's maps (its adapters attached for it alone) and record its scores."""
+        self.starting(row.label)
         begin = time.perf_counter()
         hf.linearize(self.model, row.maps, **row.options)
         if row.adapters is not None:

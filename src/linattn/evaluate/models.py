@@ -17,10 +17,12 @@ Names understood by :func:`load_model`:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,20 +171,45 @@ def load_model(
         name = path = str(name_or_path)
     if shipped:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the shipped weights never need the network
-    gguf = _gguf_in(path)
-    if gguf is not None:
-        path = _converted(gguf)
-        causal_lm = True if causal_lm is None else causal_lm
-    local = os.path.isdir(path)
-    try:
-        if causal_lm is None:
-            causal_lm = _is_causal_lm(path, local)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
-        auto = AutoModelForCausalLM if causal_lm else AutoModel
-        model: Any = auto.from_pretrained(path, local_files_only=local, dtype=torch.float32)
-    except (OSError, ValueError) as error:
-        raise LinearAttentionError(f"model: could not load {path!r} with transformers: {error}") from error
+    with _bars_on_terminal_only():
+        gguf = _gguf_in(path)
+        if gguf is not None:
+            path = _converted(gguf)
+            causal_lm = True if causal_lm is None else causal_lm
+        local = os.path.isdir(path)
+        try:
+            if causal_lm is None:
+                causal_lm = _is_causal_lm(path, local)
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
+            auto = AutoModelForCausalLM if causal_lm else AutoModel
+            model: Any = auto.from_pretrained(path, local_files_only=local, dtype=torch.float32)
+        except (OSError, ValueError) as error:
+            raise LinearAttentionError(f"model: could not load {path!r} with transformers: {error}") from error
     return model.to(device).eval(), tokenizer, name
+
+
+@contextlib.contextmanager
+def _bars_on_terminal_only() -> Iterator[None]:
+    """transformers' bars (e.g. "Loading weights") off while stderr is not a terminal, as linattn's own
+    (:func:`linattn.train.distill.progress_bar`): in a redirected log every redraw is a line. Through transformers'
+    tqdm hook, for this block only; a hook set by the caller still runs."""
+    from transformers.utils import logging as hf_logging
+
+    set_hook = getattr(hf_logging, "set_tqdm_hook", None)
+    if set_hook is None:  # a transformers without the hook: its bars as they are
+        yield
+        return
+    previous = getattr(hf_logging, "_tqdm_hook", None)
+
+    def hook(factory: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kwargs = {"disable": None, **kwargs}  # tqdm's None: off when the output is not a TTY
+        return previous(factory, args, kwargs) if previous is not None else factory(*args, **kwargs)
+
+    set_hook(hook)
+    try:
+        yield
+    finally:
+        set_hook(previous)
 
 
 def check_model_name(name: str | None) -> None:

@@ -240,7 +240,7 @@ def fit_feature_map(
         anchor: weight of the pull λ‖W − W₀‖² towards the initialisation. mse_weight: weight of the output loss.
         noise: Gaussian jitter on q and k (× their per-head std) in each step, the target recomputed on the
             jittered inputs: it makes the map match exp(q·k/√d) around the training tokens, not only at them.
-        progress: show a tqdm progress bar with the held-out loss.
+        progress: show a tqdm progress bar with the held-out loss (on a terminal only: :func:`progress_bar`).
         window, sinks: fit for the sliding-window hybrid (``linear_attention(..., window=W, sinks=S)``): the loss
             is on the full hybrid row (window and sink keys exact, the rest through the map, one normaliser), so
             the map spends its capacity on the keys outside the window. Every key of each sampled row is used.
@@ -322,7 +322,7 @@ def fit_feature_map(
     best_loss = torch.full((heads,), math.inf)
     optimiser = torch.optim.Adam(params, lr=lr)
     history: list[tuple[int, float, float]] = []
-    bar = _progress(steps, progress, kind)
+    bar = progress_bar(steps, f"fitting {kind} ({heads} heads)", progress)
     stale = 0
     train_loss = torch.zeros(heads)
     for step in range(steps + 1):
@@ -391,14 +391,24 @@ def _check_finite_loss(per_head: torch.Tensor, step: int, kind: str) -> None:
         )
 
 
-def _progress(steps: int, enabled: bool, kind: str) -> Any:
+def progress_bar(total: int, desc: str, enabled: bool = True) -> Any:
+    """A tqdm bar for fitting and the compare job, or None: not ``enabled``, tqdm missing, or stderr not a terminal.
+
+    Every bar of the package is made here so that all follow one rule: a bar redrawn in a redirected log writes
+    one line per update and buries the output, so ``disable=None`` (tqdm's "off when the file is not a TTY").
+    In a notebook tqdm.auto's widget ignores that test and shows the bar.
+    """
     if not enabled:
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:  # the bar is a convenience: fitting works without tqdm
         return None
-    return tqdm(total=steps, desc=f"fitting {kind}", leave=False)
+    bar = tqdm(total=total, desc=desc, leave=False, disable=None)
+    if bar.disable:
+        bar.close()
+        return None
+    return bar
 
 
 def fit_model_feature_maps(
@@ -409,8 +419,11 @@ def fit_model_feature_maps(
     All layers are fitted in one optimisation (heads are independent, see :func:`fit_feature_map`), then split
     per layer. ``fit_options`` go to :func:`fit_feature_map` (``num_features``, ``tied``, ``steps``, ``window``,
     ``sinks``, ``window_factor``, ...); a window fit is recorded (:meth:`FittedFeatureMaps.window_options`).
+    A progress bar over the fit's steps (all layers' heads at once) is shown on a terminal unless
+    ``progress=False``: a model's fit takes minutes to tens of minutes.
     """
     qs, ks, vs = capture.all_heads()  # lists of (L·H, N, d)
+    fit_options.setdefault("progress", True)
     if fit_options.get("mse_weight"):
         fit_options["v"] = vs
     stacked = fit_feature_map(qs, ks, kind=kind, seed=seed, causal=capture.causal, scale=capture.scaling,
