@@ -240,7 +240,8 @@ def test_progress_bars_only_on_a_terminal(monkeypatch) -> None:
     pytest.importorskip("tqdm")
     import io
 
-    from linattn.train.distill import fit_feature_map, progress_bar
+    from linattn._progress import progress_bar
+    from linattn.train.distill import fit_feature_map
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -191,7 +191,7 @@ def load_model(
 @contextlib.contextmanager
 def _bars_on_terminal_only() -> Iterator[None]:
     """transformers' bars (e.g. "Loading weights") off while stderr is not a terminal, as linattn's own
-    (:func:`linattn.train.distill.progress_bar`): in a redirected log every redraw is a line. Through transformers'
+    (:func:`linattn._progress.progress_bar`): in a redirected log every redraw is a line. Through transformers'
     tqdm hook, for this block only; a hook set by the caller still runs."""
     from transformers.utils import logging as hf_logging
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .._progress import progress_bar
 from ..errors import LinearAttentionError
 from ..feature_maps import LearnedProjectionMap, create
 from ..feature_maps.fitted import FORMAT_VERSION, FittedFeatureMaps, check_head_mask, load_feature_maps
@@ -389,26 +390,6 @@ def _check_finite_loss(per_head: torch.Tensor, step: int, kind: str) -> None:
             f"fitting: the {kind} loss of head(s) {bad} became non-finite at step {step}; lower lr (e.g. lr=0.005) "
             "or init_scale, or check the activations for extreme values"
         )
-
-
-def progress_bar(total: int, desc: str, enabled: bool = True) -> Any:
-    """A tqdm bar for fitting and the compare job, or None: not ``enabled``, tqdm missing, or stderr not a terminal.
-
-    Every bar of the package is made here so that all follow one rule: a bar redrawn in a redirected log writes
-    one line per update and buries the output, so ``disable=None`` (tqdm's "off when the file is not a TTY").
-    In a notebook tqdm.auto's widget ignores that test and shows the bar.
-    """
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # the bar is a convenience: fitting works without tqdm
-        return None
-    bar = tqdm(total=total, desc=desc, leave=False, disable=None)
-    if bar.disable:
-        bar.close()
-        return None
-    return bar
 
 
 def fit_model_feature_maps(
