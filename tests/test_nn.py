@@ -181,7 +181,7 @@ def test_bad_calls_raise():
         encoder(torch.randn(1, 3, 8), key_padding_mask=torch.ones(1, 3))  # not bool
 
 
-# --- decays and gates (issue 13) ---
+# --- decays and gates ---
 
 DECAY_CASES = {
     "retnet": {"decay": "retnet"},
