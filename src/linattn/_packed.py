@@ -20,21 +20,18 @@ import torch
 
 from . import _validate
 from .errors import LinearAttentionError
+from .features import is_log_space, resolve_feature_map
 from .state import LinearAttentionState
 
 
-def vectorised(
-    q: object, causal: bool, initial_state: object, return_state: bool, feature_map: object,
-    resolve: Callable[..., Any],
-) -> bool:
-    """Whether the one-call path applies (see the module docstring); ``resolve`` gives the feature-map module of
-    ``feature_map`` (the caller's resolver: a map named once is created once and cached)."""
+def vectorised(q: object, causal: bool, initial_state: object, return_state: bool, feature_map: object) -> bool:
+    """Whether the one-call path applies (see the module docstring)."""
     if not causal or initial_state is not None or return_state or not isinstance(q, torch.Tensor) or q.dim() < 2:
         return False
     if not q.is_floating_point():
         return False
-    fmap = resolve(feature_map, q.shape[-1], device=q.device)
-    return not getattr(fmap, "log_space", False)
+    fmap = resolve_feature_map(feature_map, q.shape[-1], device=q.device)  # type: ignore[arg-type]
+    return not is_log_space(fmap)
 
 
 def segment_jumps(cu_seqlens: object, q: torch.Tensor) -> torch.Tensor:

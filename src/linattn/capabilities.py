@@ -42,9 +42,8 @@ class Call:
     carries_state: bool = False  # an initial state is given
     normalize: bool = True
     log_space: bool = False
-    decay: bool = False  # scalar decays (decay= or a per-token log_gate)
-    packed: bool = False  # cu_seqlens on the one-call path
-    options: tuple[tuple[str, Any], ...] = ()  # options a backend may not know, with their values
+    # options a backend may not know (decays, gates, packing), with their values: each one given is a reason
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,7 @@ def linear_attention(
         )
     segments = None
     if cu_seqlens is not None:
-        if not _packed.vectorised(q, causal, initial_state, return_state, feature_map, resolve_feature_map):
+        if not _packed.vectorised(q, causal, initial_state, return_state, feature_map):
             assert not isinstance(initial_state, WindowAttentionState)  # refused above, with or without window=
             packed = _packed.packed_attention(
                 linear_attention, q, k, v, cu_seqlens, initial_state=initial_state, return_state=return_state,
@@ -152,7 +152,6 @@ def linear_attention(
         kind="window" if window is not None else "gated" if feature_gate is not None else "plain",
         causal=causal, form=form, num_queries=q.shape[-2], num_keys=k.shape[-2], chunk_size=chunk_size,
         carries_state=initial_state is not None, normalize=normalize, log_space=log_space,
-        decay=log_decay is not None, packed=segments is not None,
         options=(("decay", decay), ("log_gate", log_gate), ("cu_seqlens", cu_seqlens)),
     )
     route = choose_route(call)

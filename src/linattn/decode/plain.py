@@ -12,7 +12,7 @@ from ..capabilities import step_kernel_reasons, step_reasons
 from ..errors import LinearAttentionError
 from ..feature_maps import FeatureMap
 from ..feature_maps.elementwise import EluFeatureMap
-from ..features import scale_between, stabilise_queries, stored_at
+from ..features import is_log_space, scale_between, stabilise_queries, stored_at
 from ..state import LinearAttentionState
 from ._step import _repeat_heads, _Step
 
@@ -38,7 +38,7 @@ class DecodeStep(_Step):
                 f"state: a decode step needs a state of batch shape (B, H), got kv of shape {tuple(state.kv.shape)}"
             )
         self.fmap = fmap
-        self.log_space = bool(getattr(fmap, "log_space", False))
+        self.log_space = is_log_space(fmap)
         self.features = fmap.features if isinstance(fmap, FeatureMap) else None
         self.eps = float(eps)
         # contiguous copies, owned by the step and updated in place from now on

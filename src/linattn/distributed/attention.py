@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .. import _validate
 from ..capabilities import context_parallel_reasons
 from ..errors import LinearAttentionError
-from ..features import NEG_INF, FeatureMapLike, repeat_kv_heads, resolve_feature_map, scale_between
+from ..features import NEG_INF, FeatureMapLike, is_log_space, repeat_kv_heads, resolve_feature_map, scale_between
 from ..forms import FORMS
 from ..functional import linear_attention
 from ..state import LinearAttentionState
@@ -244,7 +244,7 @@ def context_parallel_attention(
             "eps": _exchange.float_bits(eps),
             "min_denom": _exchange.float_bits(-1.0 if min_denom is None else min_denom),
             "mask": int(key_padding_mask is not None),
-            "log_space": int(bool(getattr(fmap, "log_space", False))),
+            "log_space": int(is_log_space(fmap)),
             "decay": int(decay is not None or log_gate is not None),
             "feature_map": _exchange.fingerprint(fmap) if fmap is not None else 0,
         }
@@ -265,7 +265,7 @@ def context_parallel_attention(
     if total_decay is not None:  # (...) after the shifts: the slice's total log-decay
         parts.append(total_decay.reshape(-1))
     payload = torch.cat(parts)
-    if not causal and not getattr(fmap, "log_space", False):
+    if not causal and not is_log_space(fmap):
         total_tokens = int(table[:, _exchange.FIELDS.index("k_tokens")].sum()) if validate else None
         return _noncausal_all_reduce(q, k, v, payload, state, header, total_tokens, rank, world, group, fmap,
                                      chunk_size, options)

@@ -26,6 +26,7 @@ from ..data import load_text, paragraphs
 from ..errors import LinearAttentionError
 from ..feature_maps import FeatureMap
 from ..feature_maps.fitted import FittedFeatureMaps
+from ..features import is_signed
 from ..functional import linear_attention
 from ..train.distill import fit_feature_map
 from .capture import AttentionCapture, capture_attention, load_model
@@ -105,7 +106,7 @@ def time_per_token(fmap: Any, heads: int, head_dim: int, n: int, causal: bool, r
 
 
 def _signed_options(fmap: Any) -> dict[str, Any]:
-    return {"min_denom": 1e-6} if getattr(fmap, "positive", True) is False else {}
+    return {"min_denom": 1e-6} if is_signed(fmap) else {}
 
 
 def _split_text(text: str) -> tuple[str, str]:
@@ -201,7 +202,7 @@ def run_compare(
                   metrics["entropy_linear"],
                   time_per_token(timing_map, heads, dim, long_n, test.causal, options=timing_options),
                   num_features, default, note, seeds_used, (hybrid or {}).get("window"), (hybrid or {}).get("sinks", 0),
-                  signed=getattr(fmap, "positive", True) is False)
+                  signed=is_signed(fmap))
         result.rows.append(row)
         if not row.signed:  # signed rows are printed apart at the end, with the reason
             say(_console_row(row), flush=True)

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import LinearAttentionError
 from ..feature_maps.scaling import scale_for_map
-from ..features import FeatureMapLike, resolve_feature_map
+from ..features import FeatureMapLike, is_signed, resolve_feature_map
 from ..functional import linear_attention
 
 WEIGHT_FLOOR = 1e-12
@@ -153,7 +153,7 @@ def attention_metrics(
     """
     ref = reference if reference is not None else softmax_reference(q, k, v, causal=causal, scale=scale)
     fmap = resolve_feature_map(feature_map, ref.q.shape[-1])
-    signed = getattr(fmap, "positive", True) is False
+    signed = is_signed(fmap)
     mq, mk = (x * math.sqrt(ref.scale * math.sqrt(ref.q.shape[-1])) for x in (ref.q, ref.k))
     with torch.no_grad():
         approx = linear_weights(mq, mk, fmap, ref.causal, signed=signed, window=window)  # (..., N, Nk)

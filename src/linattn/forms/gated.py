@@ -14,8 +14,9 @@ Three forms:
   Training memory: the inputs, the gate's gradient, the outputs and one block's work space, O(N·(F + Dv)) +
   O(L·C·F); no (N, F) fp64 tensor.
 
-The returned state follows :mod:`.decay`: sums stored at R_N,f = r_N − G_N,f are the decayed sums at scale r_N, so
-``shift`` is r_N, its usual meaning; an initial state at shift s_0 enters at scale s_0 in every feature.
+The returned state follows :mod:`._common` (decays as a change of log-scale): sums stored at R_N,f = r_N − G_N,f are
+the decayed sums at scale r_N, so ``shift`` is r_N, its usual meaning; an initial state at shift s_0 enters at scale
+s_0 in every feature.
 """
 
 from __future__ import annotations

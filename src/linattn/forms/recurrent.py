@@ -1,6 +1,6 @@
 """Causal linear attention token by token: S_t = a_t S_{t−1} + φ(k_t)v_tᵀ. Decoding, and a second reference.
 
-A decay a_t = e^{g_t} arrives inside ``ref`` (ref = r − G, see :mod:`.decay`): moving the state from scale ref_{t−1}
+A decay a_t = e^{g_t} arrives inside ``ref`` (ref = r − G, see :mod:`._common`): moving the state from scale ref_{t−1}
 to ref_t multiplies it by e^{r_{t−1} − r_t}·a_t, so one factor does both the log-space rescale and the decay."""
 
 from __future__ import annotations
