@@ -15,12 +15,13 @@ from .feature_maps import FeatureMap
 from .forms import FORMS
 from .functional import linear_attention
 from .seed import chunked_linear_attention, stable_linear_attention
-from .state import LinearAttentionState, WindowAttentionState
+from .state import DeltaRuleState, LinearAttentionState, WindowAttentionState
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FORMS",
+    "DeltaRuleState",
     "FeatureMap",
     "LinearAttentionError",
     "LinearAttentionState",

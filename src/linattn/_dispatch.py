@@ -16,7 +16,7 @@ from torch import nn
 
 from . import _validate
 from .capabilities import Route
-from .features import check_feature_dims, key_features, map_features, query_features
+from .features import check_feature_dims, key_features, map_features, query_features, unit_features
 from .forms import (
     causal_chunked_attention,
     global_attention,
@@ -25,6 +25,7 @@ from .forms import (
     recurrent_attention,
 )
 from .forms._common import decayed_ref, empty_state
+from .forms.delta import delta_chunked, delta_recurrent
 from .forms.gated import gated_chunked_attention, gated_parallel_attention, gated_recurrent_attention
 from .forms.window import (
     Hybrid,
@@ -33,9 +34,10 @@ from .forms.window import (
     window_parallel,
     window_recurrent,
 )
-from .state import LinearAttentionState, WindowAttentionState
+from .state import DeltaRuleState, LinearAttentionState, WindowAttentionState
 
-Result = tuple[torch.Tensor, "LinearAttentionState | WindowAttentionState | None"]
+AnyState = LinearAttentionState | WindowAttentionState | DeltaRuleState
+Result = tuple[torch.Tensor, "AnyState | None"]
 
 
 @dataclass
@@ -49,7 +51,7 @@ class Job:
     k: torch.Tensor
     v: torch.Tensor
     keep: torch.Tensor | None
-    state: LinearAttentionState | WindowAttentionState | None
+    state: AnyState | None
     causal: bool
     chunk_size: int | None
     log_space: bool
@@ -66,6 +68,7 @@ class Job:
     softmax_scale: float = 1.0
     check_finite: bool = False  # the features too, not only q, k, v
     nonnegative: bool = False  # a map of unknown positivity under normalize=True: refuse negative features
+    beta: torch.Tensor | None = None  # the delta rule's write strengths (..., N), in the compute dtype
 
     @property
     def map_name(self) -> str:
@@ -209,6 +212,24 @@ def run_window(job: Job, form: str) -> Result:
     return causal_window_chunked(hybrid, job.q, job.k, job.v, job.keep, state, job.chunk_size)
 
 
+def run_delta(job: Job, form: str) -> Result:
+    """The delta rule (forms/delta.py) on unit features: masked tokens write nothing (β = 0), the decay applies."""
+    state = job.state
+    assert job.beta is not None and (state is None or isinstance(state, DeltaRuleState))
+    fmap, log_space, finite, nonnegative = job.fmap, job.log_space, job.check_finite, job.nonnegative
+    qf = unit_features(fmap, job.q, is_query=True, log_space=log_space, finite=finite, nonnegative=nonnegative)
+    kf = unit_features(fmap, job.k, is_query=False, log_space=log_space, keep=job.keep, finite=finite,
+                       nonnegative=nonnegative)
+    check_feature_dims(qf.shape[-1], kf.shape[-1], job.fmap)
+    _validate.check_state_features(state, kf.shape[-1], job.map_name)
+    beta = job.beta if job.keep is None else job.beta * job.keep.to(job.beta.dtype)
+    if form == "recurrent":
+        return delta_recurrent(qf, kf, job.v, beta=beta, log_decay=job.log_decay, state=state)
+    size = qf.shape[-2] if form == "parallel" else job.chunk_size  # parallel: one chunk, the UT transform over all
+    assert size is not None
+    return delta_chunked(qf, kf, job.v, beta=beta, log_decay=job.log_decay, state=state, chunk_size=size)
+
+
 Runner = Callable[[Job], Result]
 
 
@@ -216,6 +237,8 @@ def torch_runner(route: Route, causal: bool) -> Runner:
     """The pure-PyTorch runner of ``route``."""
     if route.kind == "window":
         return lambda job: run_window(job, route.form)
+    if route.kind == "delta":
+        return lambda job: run_delta(job, route.form)
     if route.kind == "gated":
         return lambda job: run_gated(job, route.form)
     if route.form == "chunked" and not causal:

@@ -21,7 +21,7 @@ import torch
 from . import _validate
 from .errors import LinearAttentionError
 from .features import is_log_space, resolve_feature_map
-from .state import LinearAttentionState
+from .state import DeltaRuleState, LinearAttentionState
 
 
 def vectorised(q: object, causal: bool, initial_state: object, return_state: bool, feature_map: object) -> bool:
@@ -43,8 +43,14 @@ def segment_jumps(cu_seqlens: object, q: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(starts, dim=0)
 
 
-def _state_of(state: LinearAttentionState, index: int) -> LinearAttentionState:
+def _state_of(state: LinearAttentionState | DeltaRuleState, index: int) -> LinearAttentionState | DeltaRuleState:
+    if isinstance(state, DeltaRuleState):
+        return DeltaRuleState(state.kv[index], 0)
     return LinearAttentionState(state.kv[index], state.k_sum[index], state.shift[index], 0)
+
+
+def _per_token(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() > 0
 
 
 def _slice(x: Any, start: int, end: int, name: str, num_tokens: int) -> Any:
@@ -66,10 +72,11 @@ def packed_attention(
     v: torch.Tensor,
     cu_seqlens: Any,
     *,
-    initial_state: LinearAttentionState | None,
+    initial_state: LinearAttentionState | DeltaRuleState | None,
     return_state: bool,
     key_padding_mask: Any,
     log_gate: Any,
+    beta: Any = None,
     **options: Any,
 ) -> Any:
     """``attend`` (linear_attention) once per packed sequence; outputs concatenated along N, states stacked on a new
@@ -85,9 +92,10 @@ def packed_attention(
     offsets = _validate.cu_seqlens(cu_seqlens, num_tokens)
     count = len(offsets) - 1
     if initial_state is not None:
-        if not isinstance(initial_state, LinearAttentionState) or initial_state.kv.dim() < 3:
+        if not isinstance(initial_state, (LinearAttentionState, DeltaRuleState)) or initial_state.kv.dim() < 3:
             raise LinearAttentionError(
-                "initial_state: with cu_seqlens, expected a LinearAttentionState with one state per sequence on a "
+                "initial_state: with cu_seqlens, expected a LinearAttentionState (DeltaRuleState for "
+                "update='delta') with one state per sequence on a "
                 f"leading dimension (S = {count}, *batch, F, Dv)"
             )
         if initial_state.kv.shape[0] != count:
@@ -103,6 +111,7 @@ def packed_attention(
             q[..., start:end, :], k[..., start:end, :], v[..., start:end, :],
             key_padding_mask=_slice(key_padding_mask, start, end, "key_padding_mask", num_tokens),
             log_gate=_slice(log_gate, start, end, "log_gate", num_tokens),
+            beta=_slice(beta, start, end, "beta", num_tokens) if _per_token(beta) else beta,
             initial_state=state, return_state=return_state, **options,
         )
         if return_state:
@@ -114,6 +123,8 @@ def packed_attention(
     if not return_state:
         return out
     seen = num_tokens + (initial_state.num_tokens if initial_state is not None else 0)
+    if isinstance(finals[0], DeltaRuleState):
+        return out, DeltaRuleState(torch.stack([s.kv for s in finals]), seen)
     final = LinearAttentionState(
         torch.stack([s.kv for s in finals]),
         torch.stack([s.k_sum for s in finals]),

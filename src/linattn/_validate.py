@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .errors import LinearAttentionError
-from .state import LinearAttentionState, WindowAttentionState
+from .state import DeltaRuleState, LinearAttentionState, WindowAttentionState
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> int:
@@ -158,7 +158,93 @@ def check_state(
     return state
 
 
-def check_state_features(state: LinearAttentionState | None, features: int, map_name: str) -> None:
+def check_delta_state(
+    state: object, batch: torch.Size, values: int, dtype: torch.dtype, device: torch.device
+) -> DeltaRuleState:
+    if not isinstance(state, DeltaRuleState):
+        raise LinearAttentionError(
+            f"initial_state: update='delta' continues a DeltaRuleState (from return_state=True with "
+            f"update='delta'), got {type(state).__name__}; the additive and the delta memories do not convert"
+        )
+    if state.kv.dim() != len(batch) + 2 or tuple(state.kv.shape[:-2]) != tuple(batch) or state.kv.shape[-1] != values:
+        raise LinearAttentionError(
+            f"initial_state: kv has shape {tuple(state.kv.shape)}, expected (*batch, F, Dv) = "
+            f"({', '.join(map(str, batch))}, F, {values}); pass the state returned for inputs of this shape"
+        )
+    if state.kv.dtype != dtype:
+        raise LinearAttentionError(
+            f"initial_state: kv is {state.kv.dtype}, expected {dtype} (states accumulate in fp32, fp64 for fp64 "
+            "inputs); convert with state.to(dtype)"
+        )
+    if state.kv.device != device:
+        raise LinearAttentionError(
+            f"initial_state: kv is on {state.kv.device}, inputs on {device}; move it with state.to(device)"
+        )
+    return state
+
+
+UPDATES = ("add", "delta")
+
+
+def check_update(update: object, beta: object, causal: bool, normalize: bool, min_denom: object,
+                 log_gate: object, q: torch.Tensor) -> None:
+    """The state-update rule and what it composes with (the delta rule: causal, unnormalised, per-token gates)."""
+    if update not in UPDATES:
+        raise LinearAttentionError(f"update: unknown update rule {update!r}; choose one of {', '.join(UPDATES)}")
+    if update == "add":
+        if beta is not None:
+            raise LinearAttentionError("beta: the write strength belongs to the delta rule; pass update='delta'")
+        return
+    if not causal:
+        raise LinearAttentionError(
+            "update='delta': the delta rule is a recurrence (each write corrects what the memory predicts from the "
+            "keys before it), so it needs an order; pass causal=True"
+        )
+    if normalize or min_denom is not None:
+        raise LinearAttentionError(
+            "update='delta': the delta memory keeps no Σφ(k), so there is no denominator to normalise by; its output "
+            "S_tᵀφ̂(q_t) is already bounded by the values it recalls. Pass normalize=False (the default for this "
+            "update) and no min_denom (docs/delta.md)"
+        )
+    if isinstance(log_gate, torch.Tensor) and log_gate.dim() == q.dim():
+        raise LinearAttentionError(
+            "log_gate: per-feature gates (..., N, F) do not combine with update='delta' in this version; pass one "
+            "log-decay per token (..., N) (Gated DeltaNet)"
+        )
+
+
+def delta_beta(beta: object, q: torch.Tensor, kv_batch: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """β (..., N) in [0, 2] broadcast to q's (..., N) in ``dtype`` (1 when None); given per k/v head, repeated to
+    the query heads (GQA)."""
+    target = q.shape[:-1]
+    if beta is None:
+        return torch.ones(target, dtype=dtype, device=q.device)
+    if isinstance(beta, (int, float)) and not isinstance(beta, bool):
+        beta = torch.tensor(float(beta), dtype=dtype, device=q.device)
+    if not isinstance(beta, torch.Tensor) or not beta.is_floating_point():
+        raise LinearAttentionError(
+            f"beta: expected a float or a floating tensor of shape (..., N), got {type(beta).__name__}"
+        )
+    if beta.device != q.device:
+        raise LinearAttentionError(f"beta: on {beta.device}, q on {q.device}; move it to {q.device}")
+    if beta.dim() >= 2 and tuple(beta.shape) == tuple(kv_batch) and tuple(kv_batch) != tuple(target):
+        beta = beta.repeat_interleave(target[-2] // kv_batch[-2], dim=-2)  # (..., Hkv, N) → (..., H, N)
+    try:
+        beta = torch.broadcast_to(beta, target)
+    except RuntimeError:
+        raise LinearAttentionError(
+            f"beta: shape {tuple(beta.shape)} does not broadcast to q's (..., N) = {tuple(target)}; pass one write "
+            "strength per token and head"
+        ) from None
+    if not bool(((beta >= 0) & (beta <= 2)).all()):
+        raise LinearAttentionError(
+            f"beta: values from {float(beta.min())} to {float(beta.max())} (or NaN); the write strength must lie in "
+            "[0, 2] (e.g. torch.sigmoid(x @ w)): with unit keys, I − β·kkᵀ is then a contraction"
+        )
+    return beta.to(dtype)
+
+
+def check_state_features(state: LinearAttentionState | DeltaRuleState | None, features: int, map_name: str) -> None:
     if state is not None and state.feature_dim != features:
         raise LinearAttentionError(
             f"initial_state: feature dimension {state.feature_dim}, but feature map {map_name} gives F={features}; "

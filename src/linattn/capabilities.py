@@ -33,7 +33,7 @@ NONCAUSAL_CHUNKED_ABOVE = 4096
 class Call:
     """What a path needs to know of a ``linear_attention`` call to say whether it covers it."""
 
-    kind: str  # "plain", "gated" (per-feature gates) or "window" (the window + sinks op)
+    kind: str  # "plain", "gated" (per-feature gates), "window" (the window + sinks op) or "delta" (the delta rule)
     causal: bool
     form: str  # as asked: "auto" or a name of FORMS
     num_queries: int
@@ -85,6 +85,16 @@ def _window(extra: Callable[[Call], list[str]]) -> Callable[[Call], list[str]]:
     return reasons
 
 
+def _delta(form_reason: str | None) -> Callable[[Call], list[str]]:
+    def reasons(call: Call) -> list[str]:
+        found = [] if call.causal else ["update='delta' is a causal recurrence; pass causal=True"]
+        if call.normalize:
+            found.append("update='delta' keeps no Σφ(k) to normalise by; pass normalize=False")
+        return found + ([form_reason] if form_reason else [])
+
+    return reasons
+
+
 def _window_global(_: Call) -> list[str]:
     return ["form='global' has no window; use form='chunked' (or 'auto') with window="]
 
@@ -104,6 +114,12 @@ ROUTES: tuple[Route, ...] = (
     Route("window", "global", None, _window(_window_global)),
     Route("window", "chunked", 64, _window(_none)),
     Route("window", "recurrent", None, _window(_causal_only)),
+    # the delta rule: chunk 64 measured best of 32/64/128 at N = 16384 (docs/delta.md); "parallel" is the same
+    # UT transform over the whole sequence as one chunk (quadratic in N)
+    Route("delta", "parallel", None, _delta(None)),
+    Route("delta", "global", None, _delta("form='global' is non-causal; the delta rule runs 'chunked' or 'recurrent'")),
+    Route("delta", "chunked", 64, _delta(None)),
+    Route("delta", "recurrent", None, _delta(None)),
 )
 NONCAUSAL_CHUNK = 1024
 
@@ -120,7 +136,7 @@ def chunk_size(route: Route, call: Call) -> int | None:
 def auto_form(call: Call) -> str:
     """The form "auto" picks (measured defaults): chunked for causal calls; non-causal calls global up to 4096 keys
     unless a chunk size is asked for; the window's one-token continuation of a state token by token."""
-    if call.kind == "window":
+    if call.kind in ("window", "delta"):
         return "recurrent" if call.causal and call.num_queries == 1 and call.carries_state else "chunked"
     if call.causal or call.chunk_size is not None or call.num_keys > NONCAUSAL_CHUNKED_ABOVE:
         return "chunked"

@@ -166,6 +166,21 @@ def query_features(fmap: nn.Module, q: torch.Tensor, log_space: bool, **checks: 
     return stabilise_queries(qf)[0] if log_space else qf
 
 
+def unit_features(
+    fmap: nn.Module, x: torch.Tensor, *, is_query: bool, log_space: bool, keep: torch.Tensor | None = None,
+    finite: bool = False, nonnegative: bool = False,
+) -> torch.Tensor:
+    """φ(x)/‖φ(x)‖ per token (the delta rule's keys and queries, as DeltaNet and Gated DeltaNet normalise them).
+    A log-space map's per-token scale cancels, so its features are read at each row's own maximum first; an
+    all-zero φ stays 0 (it writes and reads nothing); masked tokens (``keep`` False) are 0."""
+    features = map_features(fmap, x, is_query=is_query, finite=finite, nonnegative=nonnegative)
+    if log_space:
+        features = stabilise_queries(features)[0]
+    if keep is not None:
+        features = features.masked_fill(~keep.unsqueeze(-1), 0)
+    return torch.nn.functional.normalize(features, dim=-1)
+
+
 def key_features(
     fmap: nn.Module,
     k: torch.Tensor,

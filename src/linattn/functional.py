@@ -26,7 +26,7 @@ from .features import (  # noqa: F401  (re-exported: the names' old home)
 )
 from .forms import FORMS
 from .forms._common import scale_between
-from .state import LinearAttentionState, WindowAttentionState
+from .state import DeltaRuleState, LinearAttentionState, WindowAttentionState
 
 
 def _to_torch(x: Any, name: str) -> tuple[torch.Tensor, bool]:
@@ -45,11 +45,11 @@ def linear_attention(
     feature_map: FeatureMapLike = "elu",
     causal: bool = False,
     chunk_size: int | None = None,
-    normalize: bool = True,
+    normalize: bool | None = None,
     eps: float = 1e-6,
     min_denom: float | None = None,
     key_padding_mask: Any = None,
-    initial_state: LinearAttentionState | WindowAttentionState | None = None,
+    initial_state: LinearAttentionState | WindowAttentionState | DeltaRuleState | None = None,
     return_state: bool = False,
     form: str = "auto",
     check_finite: bool = False,
@@ -61,6 +61,8 @@ def linear_attention(
     sinks: int = 0,
     window_factor: Any = None,
     softmax_scale: float | None = None,
+    update: str = "add",
+    beta: Any = None,
 ) -> Any:
     """Linear attention: out_t = φ(q_t)·Σ_j φ(k_j)v_jᵀ / (φ(q_t)·Σ_j φ(k_j) + eps), j ≤ t when causal.
 
@@ -74,7 +76,8 @@ def linear_attention(
         causal: token t attends to keys ≤ t (needs Nq = Nk).
         chunk_size: chunk length of the chunked forms (default 64 causal, 1024 non-causal). Non-causal attention
             is chunked when this is given or when there are more than 4096 keys (measured faster there).
-        normalize: divide by φ(q)·Σφ(k) + eps; False for signed maps (plain linear attention).
+        normalize: divide by φ(q)·Σφ(k) + eps; False for signed maps (plain linear attention). Default (None):
+            True for the additive update, False for the delta rule (which has no denominator).
         eps: added to the denominator (in the stabilised scale for log-space maps such as FAVOR+).
         min_denom: if given, the denominator is clamped below at this value after adding eps.
         key_padding_mask: bool ``(..., Nk)`` (or ``(B, Nk)`` for 4-D inputs), True = keep. Masked keys enter
@@ -102,6 +105,13 @@ def linear_attention(
             φ(q)·Σ_window φ(k) (parameter-free); a float or per-head tensor γ weights e^{s − rowmax} instead.
             ``softmax_scale`` defaults to 1/√Dk; the map sees q and k unscaled. States are
             :class:`WindowAttentionState`.
+        update: how the state takes a key/value pair. ``"add"`` (default): S_t = a_t·S_{t−1} + φ(k_t)v_tᵀ.
+            ``"delta"``: the delta rule (DeltaNet; with ``decay``/``log_gate`` Gated DeltaNet, docs/delta.md),
+            S_t = a_t·S_{t−1} + β_t·φ̂(k_t)(v_t − a_t·S_{t−1}ᵀφ̂(k_t))ᵀ and out_t = S_tᵀφ̂(q_t), with φ̂ the
+            L2-normalised features: it writes only what the memory does not already predict. Causal,
+            unnormalised, per-token gates only; states are :class:`DeltaRuleState`. Masked tokens write nothing.
+        beta: the delta rule's write strength β ∈ [0, 2], a float or ``(..., N)`` per token and head (e.g.
+            ``torch.sigmoid(x @ w_beta)``); default 1.
 
     Half-precision inputs accumulate in fp32 (fp64 inputs in fp64) and return the input dtype.
 
@@ -117,7 +127,14 @@ def linear_attention(
         raise LinearAttentionError(
             "q, k, v: NumPy arrays mixed with torch tensors; pass all three as one kind (NumPy in → NumPy out)"
         )
+    if normalize is None:
+        normalize = update != "delta"
     _validate.check_flags(causal=causal, normalize=normalize, return_state=return_state, check_finite=check_finite)
+    if update == "delta" and window is not None:
+        raise LinearAttentionError(
+            "window: the window hybrid keeps an additive linear state; it does not combine with update='delta' in "
+            "this version. Drop window= (the delta rule alone) or update= (the hybrid alone)"
+        )
     check_window_combination(window, decay=decay, log_gate=log_gate, cu_seqlens=cu_seqlens, backend=backend)
     if isinstance(initial_state, WindowAttentionState) and window is None:
         raise LinearAttentionError(
@@ -126,19 +143,21 @@ def linear_attention(
         )
     segments = None
     if cu_seqlens is not None:
-        if not _packed.vectorised(q, causal, initial_state, return_state, feature_map):
+        if update == "delta" or not _packed.vectorised(q, causal, initial_state, return_state, feature_map):
             assert not isinstance(initial_state, WindowAttentionState)  # refused above, with or without window=
             packed = _packed.packed_attention(
                 linear_attention, q, k, v, cu_seqlens, initial_state=initial_state, return_state=return_state,
                 key_padding_mask=key_padding_mask, log_gate=log_gate, feature_map=feature_map, causal=causal,
                 chunk_size=chunk_size, normalize=normalize, eps=eps, min_denom=min_denom, form=form,
-                check_finite=check_finite, decay=decay,
+                check_finite=check_finite, decay=decay, update=update, beta=beta,
             )
             if q_numpy:
                 return (packed[0].detach().numpy(), packed[1]) if return_state else packed.detach().numpy()
             return packed
         segments = _packed.segment_jumps(cu_seqlens, q)  # one call: every weight across a boundary is 0
     group = _validate.check_qkv(q, k, v, causal)
+    k_heads = k.shape[:-1]  # (..., Hkv, N): a per-token β or gate may be given per k/v head
+    _validate.check_update(update, beta, causal, normalize, min_denom, log_gate, q)
     _validate.check_options(chunk_size, eps, min_denom, form, FORMS)
     _validate.check_window_options(window, sinks, window_factor, softmax_scale)
     if check_finite:
@@ -146,10 +165,12 @@ def linear_attention(
     log_decay, feature_gate = _validate.log_decay(decay, log_gate, q, k.shape[:-1], causal)
     fmap = resolve_feature_map(feature_map, q.shape[-1], numpy=q_numpy, device=q.device)
     log_space = is_log_space(fmap)
-    _check_map_normaliser(fmap, log_space, normalize, min_denom)
+    if update == "add":  # the delta rule normalises each feature vector, so any per-token scale cancels
+        _check_map_normaliser(fmap, log_space, normalize, min_denom)
 
+    kind = "window" if window is not None else "gated" if feature_gate is not None else "plain"
     call = Call(
-        kind="window" if window is not None else "gated" if feature_gate is not None else "plain",
+        kind="delta" if update == "delta" else kind,
         causal=causal, form=form, num_queries=q.shape[-2], num_keys=k.shape[-2], chunk_size=chunk_size,
         carries_state=initial_state is not None, normalize=normalize, log_space=log_space,
         options=(("decay", decay), ("log_gate", log_gate), ("cu_seqlens", cu_seqlens)),
@@ -175,7 +196,7 @@ def linear_attention(
             "use causal=True for streaming and decoding"
         )
     job = Job(
-        fmap, q, k, v, keep, _checked_state(initial_state, window, sinks, q, k, v, compute, log_space),
+        fmap, q, k, v, keep, _checked_state(initial_state, window, sinks, q, k, v, compute, log_space, update),
         causal=causal, chunk_size=route_chunk(route, call), log_space=log_space, return_state=return_state,
         normalize=normalize, eps=eps, min_denom=min_denom, log_decay=log_decay, feature_gate=feature_gate,
         segments=segments, window=window or 0, sinks=sinks,
@@ -183,6 +204,7 @@ def linear_attention(
         softmax_scale=1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale),
         check_finite=check_finite,
         nonnegative=normalize and min_denom is None and isinstance(fmap, CallableFeatureMap),
+        beta=_validate.delta_beta(beta, q, k_heads, compute) if update == "delta" else None,
     )
 
     # under torch.autocast the GEMMs below would run in bf16/fp16 again: the fp32 accumulation is the point
@@ -209,12 +231,19 @@ def _check_map_normaliser(fmap: torch.nn.Module, log_space: bool, normalize: boo
 
 def _checked_state(
     initial_state: Any, window: int | None, sinks: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    compute: torch.dtype, log_space: bool,
-) -> LinearAttentionState | WindowAttentionState | None:
+    compute: torch.dtype, log_space: bool, update: str,
+) -> LinearAttentionState | WindowAttentionState | DeltaRuleState | None:
     """The initial state, checked against this call; a plain state of an ordinary map with any shift folded in."""
     if initial_state is None:
         return None
     batch = q.shape[:-2]
+    if update == "delta":
+        return _validate.check_delta_state(initial_state, batch, v.shape[-1], compute, q.device)
+    if isinstance(initial_state, DeltaRuleState):
+        raise LinearAttentionError(
+            "initial_state: a DeltaRuleState continues the delta rule; pass update='delta' (and the same beta/decay "
+            "options) as the call that returned it"
+        )
     if window is not None:
         dims = (k.shape[-1], v.shape[-1])
         return _validate.check_window_state(initial_state, batch, dims, compute, q.device, window, sinks)

@@ -1,0 +1,218 @@
+"""The delta rule (DeltaNet; Gated DeltaNet with a decay): the memory writes only what it does not already predict.
+
+    S_t = a_t·S_{t−1} + β_t·k_t·(v_t − a_t·S_{t−1}ᵀk_t)ᵀ,      o_t = S_tᵀq_t
+
+k_t, q_t are L2-normalised features (:func:`linattn.features.unit_features`), β_t ∈ [0, 2] the write strength and
+a_t = e^{g_t} ∈ (0, 1] the decay (1 without one). With ‖k_t‖ = 1 the factor (I − β_t k_t k_tᵀ) has eigenvalues 1 and
+1 − β_t, so every step is a contraction of S plus a bounded write. There is no Σφ(k): the output is not normalised.
+
+Two forms, one definition:
+
+- :func:`delta_recurrent`: token by token, the reference and what a decoding step computes.
+- :func:`delta_chunked`: the chunkwise form. Write u_t = β_t(v_t − a_t·S_{t−1}ᵀk_t) for what token t adds, so
+  S_t = a_t·S_{t−1} + k_t u_tᵀ. Within a chunk of C tokens entered with state S, b_t = e^{G_t} (G the chunk's own
+  cumulative log-decay, summed in fp64) and Γ_tj = e^{G_t − G_j} (j ≤ t, every factor ≤ 1):
+
+      (I + A) U = diag(β)·V − diag(β·b)·K·S,   A_tj = β_t Γ_tj k_t·k_j  (j < t; unit lower triangular system)
+      O = diag(b)·Q·S + (Q Kᵀ ⊙ Γ ⊙ [j ≤ t])·U,      S' = b_C·S + (K ⊙ Γ_Cj)ᵀ·U
+
+  The system is solved once per chunk for both right-hand sides (the UT / WY representation: U = W_v − W_k·S with
+  W_v = T·diag(β)V, W_k = T·diag(β·b)K, T = (I + A)⁻¹, by forward substitution): everything but S is local to a
+  chunk and computed for all chunks at once; only S' = (b_C·I − (K⊙Γ_C)ᵀW_k)·S + (K⊙Γ_C)ᵀW_v runs chunk after
+  chunk, one F×F by F×Dv product each.
+
+  :class:`_DeltaChunks` keeps only the inputs and the state entering each chunk (N/C · F·Dv) for backward, and
+  recomputes the chunk-local tensors there: training memory O(N·(F + Dv) + N·C + (N/C)·F·Dv), never O(N·F·Dv).
+  Its backward runs the adjoint of the same recurrence backwards, dS = X_c + (b_C·I − W_kᵀ(K⊙Γ_C))·dS', then one
+  autograd pass over the recomputed chunk-local graph with the adjoints of every chunk's output and state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..state import DeltaRuleState
+
+
+def delta_recurrent(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    beta: torch.Tensor,
+    log_decay: torch.Tensor | None,
+    state: DeltaRuleState | None,
+) -> tuple[torch.Tensor, DeltaRuleState]:
+    """Token by token. qf, kf (..., N, F) unit features; v (..., N, Dv); beta (..., N); log_decay (..., N) fp64."""
+    kv = state.kv if state is not None else qf.new_zeros(*qf.shape[:-2], kf.shape[-1], v.shape[-1])
+    decay = torch.exp(log_decay).to(qf.dtype) if log_decay is not None else None
+    outs = []
+    for t in range(qf.shape[-2]):
+        if decay is not None:
+            kv = kv * decay[..., t, None, None]
+        k_t = kf[..., t, :]
+        recalled = (k_t.unsqueeze(-2) @ kv).squeeze(-2)  # S_{t−1}ᵀk_t after the decay, (..., Dv)
+        write = beta[..., t, None] * (v[..., t, :] - recalled)
+        kv = kv + k_t.unsqueeze(-1) * write.unsqueeze(-2)
+        outs.append((qf[..., t, :].unsqueeze(-2) @ kv).squeeze(-2))
+    seen = state.num_tokens if state is not None else 0
+    return torch.stack(outs, dim=-2), DeltaRuleState(kv, seen + qf.shape[-2])
+
+
+def _gates(log_decay: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
+    """Per chunk from its log-decays (..., nc, C) in fp64: Γ (..., nc, C, C) (e^{G_t − G_j}, j ≤ t, else 0),
+    b_t = e^{G_t}, the chunk's total e^{G_C} (..., nc, 1, 1) and e^{G_C − G_j}; all None without a decay."""
+    if log_decay is None:
+        return None, None, None, None
+    size = log_decay.shape[-1]
+    lower = torch.ones(size, size, dtype=torch.bool, device=log_decay.device).tril()
+    cum = torch.cumsum(log_decay, dim=-1)  # G, summed in fp64: only differences ≤ 0 are cast
+    gamma = torch.exp((cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf"))).to(dtype)
+    total = cum[..., -1:]
+    return gamma, torch.exp(cum).to(dtype), torch.exp(total).to(dtype).unsqueeze(-1), torch.exp(total - cum).to(dtype)
+
+
+def _masks(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    ones = torch.ones(size, size, dtype=torch.bool, device=device)
+    return ones.tril(), ones.tril(-1)
+
+
+def _scaled(x: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
+    return x if factor is None else x * factor
+
+
+def _chunked(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x.unflatten(-2, (x.shape[-2] // size, size))
+
+
+class _DeltaChunks(torch.autograd.Function):
+    """The chunkwise delta rule on inputs whose length is a multiple of the chunk.
+
+    Saved for backward: the inputs, the state entering each chunk, and the chunk's solution W = (W_v, W_k) and
+    writes U (O(N·(F + Dv)) in all); the C×C products are recomputed. The backward is written out (no autograd
+    graph of the chunk-local work is kept or rebuilt)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        beta: torch.Tensor,
+        log_decay: torch.Tensor | None,
+        initial: torch.Tensor | None,
+        size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        qc, kc, vc = _chunked(q, size), _chunked(k, size), _chunked(v, size)
+        bc = beta.unflatten(-1, (-1, size))
+        gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
+                                         q.dtype)
+        lower, strict = _masks(size, q.device)
+        system = _scaled((kc @ kc.mT) * bc.unsqueeze(-1), gamma).masked_fill_(~strict, 0)  # A
+        rows = _scaled(bc, b).unsqueeze(-1)
+        solved = torch.linalg.solve_triangular(system, torch.cat([vc * bc.unsqueeze(-1), kc * rows], dim=-1),
+                                               upper=False, unitriangular=True)
+        w_v, w_k = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+        k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)
+        carry, adds = k_out.mT @ w_k, k_out.mT @ w_v  # (..., nc, F, F), (..., nc, F, Dv)
+        state = initial if initial is not None else q.new_zeros(*q.shape[:-2], k.shape[-1], v.shape[-1])
+        entering = []
+        for c in range(qc.shape[-3]):
+            entering.append(state)
+            kept = state if last is None else last[..., c, :, :] * state
+            state = kept - carry[..., c, :, :] @ state + adds[..., c, :, :]
+        states = torch.stack(entering, dim=-3)  # (..., nc, F, Dv)
+        written = w_v - w_k @ states  # U
+        scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)  # P
+        out = _scaled(qc, b.unsqueeze(-1) if b is not None else None) @ states + scores @ written
+        ctx.size, ctx.has_initial = size, initial is not None
+        ctx.save_for_backward(q, k, v, beta, log_decay, states, solved, written)
+        return out.flatten(-3, -2), state
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, beta, log_decay, states, solved, written = ctx.saved_tensors
+        size, dv = ctx.size, v.shape[-1]
+        qc, kc, vc, d_o = _chunked(q, size), _chunked(k, size), _chunked(v, size), _chunked(d_out, size)
+        bc = beta.unflatten(-1, (-1, size))
+        gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
+                                         q.dtype)
+        lower, strict = _masks(size, q.device)
+        w_k = solved[..., dv:]
+        keys = kc @ kc.mT
+        scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)
+        bq = _scaled(qc, b.unsqueeze(-1) if b is not None else None)
+        k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)
+
+        # the adjoint of the state recurrence, chunk after chunk backwards
+        p_do = scores.mT @ d_o
+        direct = bq.mT @ d_o - w_k.mT @ p_do  # (..., nc, F, Dv)
+        carry_back = w_k.mT @ k_out  # (..., nc, F, F)
+        d_state = d_final
+        leaving = []
+        for c in reversed(range(qc.shape[-3])):
+            leaving.append(d_state)
+            kept = d_state if last is None else last[..., c, :, :] * d_state
+            d_state = direct[..., c, :, :] + kept - carry_back[..., c, :, :] @ d_state
+        d_leaving = torch.stack(leaving[::-1], dim=-3)  # the adjoint of the state leaving each chunk
+
+        d_written = p_do + k_out @ d_leaving  # dU
+        d_scores = (d_o @ written.mT).masked_fill_(~lower, 0)  # dP
+        d_bq = d_o @ states.mT
+        d_kout = written @ d_leaving.mT
+        d_solved = torch.cat([d_written, -(d_written @ states.mT)], dim=-1)  # (dW_v, dW_k)
+        system = _scaled(keys * bc.unsqueeze(-1), gamma).masked_fill_(~strict, 0)
+        d_rhs = torch.linalg.solve_triangular(system.mT, d_solved, upper=True, unitriangular=True)
+        d_system = (d_rhs @ solved.mT).neg_().masked_fill_(~strict, 0)  # dA
+        d_rv, d_rk = d_rhs.split([dv, k.shape[-1]], dim=-1)
+
+        rows = _scaled(bc, b)
+        dq = _scaled(d_scores, gamma) @ kc + _scaled(d_bq, b.unsqueeze(-1) if b is not None else None)
+        weighted = _scaled(d_system, gamma)  # dA ⊙ Γ
+        d_keys = weighted * bc.unsqueeze(-1)
+        dk = (rows.unsqueeze(-1) * d_rk + d_keys @ kc + d_keys.mT @ kc + _scaled(d_scores, gamma).mT @ qc
+              + _scaled(d_kout, k_decay.unsqueeze(-1) if k_decay is not None else None))
+        d_v = bc.unsqueeze(-1) * d_rv
+        d_rows = (kc * d_rk).sum(-1)
+        d_beta = (vc * d_rv).sum(-1) + (weighted * keys).sum(-1) + _scaled(d_rows, b)
+
+        d_log = None
+        if log_decay is not None and ctx.needs_input_grad[4]:
+            assert b is not None and last is not None and k_decay is not None
+            pairs = (d_system * system + d_scores * scores).to(torch.float64)  # dΓ·Γ
+            d_cum = pairs.sum(-1) - pairs.sum(-2)
+            d_cum += ((d_rows * bc + (qc * d_bq).sum(-1)) * b).to(torch.float64)  # through b_t
+            out_decay = ((kc * d_kout).sum(-1) * k_decay).to(torch.float64)  # through e^{G_C − G_j}
+            d_cum -= out_decay
+            d_cum[..., -1] += out_decay.sum(-1) + ((states * d_leaving).sum((-2, -1)) * last[..., 0, 0]).double()
+            d_log = torch.flip(torch.cumsum(torch.flip(d_cum, [-1]), dim=-1), [-1]).flatten(-2)  # G = cumsum(g)
+        d_initial = d_state if ctx.has_initial else None
+        return (dq.flatten(-3, -2), dk.flatten(-3, -2), d_v.flatten(-3, -2), d_beta.flatten(-2), d_log,
+                d_initial, None)
+
+
+def delta_chunked(
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    beta: torch.Tensor,
+    log_decay: torch.Tensor | None,
+    state: DeltaRuleState | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, DeltaRuleState]:
+    """The chunkwise form (module docstring); tokens past a multiple of the chunk are padded with β = 0, a = 1."""
+    n = qf.shape[-2]
+    size = max(1, min(chunk_size, n))
+    pad = (-n) % size
+    if pad:
+        qf, kf, v = (F.pad(x, (0, 0, 0, pad)) for x in (qf, kf, v))
+        beta = F.pad(beta, (0, pad))
+        log_decay = F.pad(log_decay, (0, pad)) if log_decay is not None else None
+    initial = state.kv if state is not None else None
+    out, final = _DeltaChunks.apply(qf, kf, v, beta, log_decay, initial, size)
+    seen = state.num_tokens if state is not None else 0
+    return out[..., :n, :], DeltaRuleState(final, seen + n)
