@@ -14,6 +14,7 @@ backward, fed with the states, W and U the forward kernel saved. Both are exact 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ import triton
 
 from ...forms.delta import chunk_backward
 from . import delta_kernels
-from .function import launch, precisions
+from .function import launch
 
 CHUNKS = (16, 32, 64)  # chunk lengths the kernels take (tl.dot needs ≥ 16); 64 the default, as the torch form's
 MAX_DIM = 128  # F and Dv: every tile is fp32, and 256 overflows the shared memory (tests/test_triton_compile.py)
@@ -30,11 +31,18 @@ STEP_VALUE_BLOCK = 32
 STEP_WARPS = 4
 
 
+def precision(dtype: torch.dtype) -> str:
+    """input_precision of the kernels' products, whose operands are fp32 tiles: TF32×3 (about fp32) for fp32 inputs;
+    TF32 for bf16/fp16 inputs (10 mantissa bits: at least the inputs' own, on the tensor cores)."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
 def tiles(features: int, values: int) -> tuple[int, int, int]:
-    """(BF, BV, warps) of the chunk kernels: all features, values in blocks of at most 64 (32 at F = 128)."""
+    """(BF, BV, warps) of the chunk kernels: all features, values in blocks of at most 64 (32 at F = 128); 8 warps
+    (4 spill the adjoint kernel's registers at F = 128, tests/test_triton_compile.py; not timed on a GPU)."""
     size = max(16, triton.next_power_of_2(features))
     block = min(max(16, triton.next_power_of_2(values)), 64 if size <= 64 else 32)
-    return size, block, 4
+    return size, block, 8
 
 
 def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -82,7 +90,7 @@ class TritonDeltaFunction(torch.autograd.Function):
             delta_kernels.delta_forward_kernel, (rows, triton.cdiv(values, block_v)),
             qr, kr, vr, beta_r, g_r, s0, out, final, states, solved, written, n, features, values,
             C=size, BF=block_f, BV=block_v, HAS_DECAY=log_decay is not None, SAVE=save,
-            PRECISION=precisions(dtype)[0], num_warps=warps, num_stages=1,
+            PRECISION=precision(dtype), num_warps=warps, num_stages=1,
         )
         if save:
             # the backward computes in fp32 on the operands the kernels saw (rounded to the kernel dtype)
@@ -104,7 +112,8 @@ class TritonDeltaFunction(torch.autograd.Function):
         d_out = d_out.reshape(rows, n, values).float()
         d_final = d_final.reshape(rows, features, values).float()
         dq, dk, dv, d_beta, d_log, d_initial = chunk_backward(
-            saved, d_out, d_final, size, want_log=ctx.needs_input_grad[4], sweep=adjoint_sweep
+            saved, d_out, d_final, size, want_log=ctx.needs_input_grad[4],
+            sweep=partial(adjoint_sweep, precision=precision(ctx.dtype)),
         )
         assert dq is not None and dk is not None and dv is not None and d_beta is not None and d_initial is not None
         return (
@@ -126,6 +135,8 @@ def adjoint_sweep(
     d_o: torch.Tensor,
     last: torch.Tensor | None,
     d_final: torch.Tensor,
+    *,
+    precision: str = "tf32x3",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """forms/delta.py's ``adjoint_sweep`` on the kernel: chunked (R, nc, C, ·) inputs in fp32, ``last`` (R, nc, 1, 1)
     or None; the adjoint of the state leaving each chunk (R, nc, F, Dv) and of the initial state (R, F, Dv)."""
@@ -140,7 +151,7 @@ def adjoint_sweep(
     launch(
         delta_kernels.delta_adjoint_kernel, (rows, triton.cdiv(values, block_v)),
         *flat, totals, d_final.contiguous(), d_leaving, d_initial, n, features, values,
-        C=size, BF=block_f, BV=block_v, HAS_DECAY=last is not None, PRECISION=precisions(torch.float32)[0],
+        C=size, BF=block_f, BV=block_v, HAS_DECAY=last is not None, PRECISION=precision,
         num_warps=warps, num_stages=1,
     )
     return d_leaving, d_initial
@@ -207,7 +218,7 @@ def compile_specs(
     """(name, kernel, signature, constexprs, attrs, launch options) of each delta kernel as the launches above
     specialise it (with a decay, saving for backward), for ``triton.compile`` (tests/test_triton_compile.py)."""
     block_f, block_v, warps = tiles(features, values)
-    constants = {"C": chunk, "BF": block_f, "HAS_DECAY": True, "SAVE": True, "PRECISION": precisions(dtype)[0]}
+    constants = {"C": chunk, "BF": block_f, "HAS_DECAY": True, "SAVE": True, "PRECISION": precision(dtype)}
     specs = []
     for name, kernel in _KERNELS.items():
         signature: dict[str, str] = {}
@@ -218,8 +229,7 @@ def compile_specs(
             elif arg in constants or arg == "BV":
                 signature[arg] = "constexpr"
                 constexprs[arg] = (STEP_VALUE_BLOCK if name == "delta_step" else block_v) if arg == "BV" else (
-                    precisions(torch.float32)[0] if arg == "PRECISION" and name == "delta_adjoint"
-                    else constants[arg])
+                    constants[arg])
             else:
                 fp = _TRITON_TYPES[dtype] if arg in _INPUT_POINTERS and name != "delta_adjoint" else "fp32"
                 signature[arg] = "*" + fp
