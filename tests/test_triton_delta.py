@@ -82,3 +82,26 @@ def test_wide_features_are_refused_once_known(monkeypatch: pytest.MonkeyPatch) -
     q = k = v = torch.randn(1, 1, 10, 160)
     with pytest.raises(LinearAttentionError, match=r"F=160 > 128[\s\S]*Dv=160 > 128"):
         linattn.linear_attention(q, k, v, causal=True, update="delta", feature_map="identity", backend="triton")
+
+
+def test_shared_backward_of_the_torch_form() -> None:
+    """forms/delta.py's chunk_backward (with the torch adjoint sweep; the triton Function runs the same with its
+    kernel) against the token-by-token form's autograd, float64, 3 chunks of 8 and a padded tail, with a gate and an
+    initial state: exact to rounding (1e-10 relative)."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 21, 6, generator=generator, dtype=torch.float64) for _ in range(3))
+    beta = torch.rand(1, 2, 21, generator=generator, dtype=torch.float64) * 2
+    gate = -torch.rand(1, 2, 21, generator=generator, dtype=torch.float64) * 0.5
+    kv0 = torch.randn(1, 2, 6, 6, generator=generator, dtype=torch.float64)
+    upstream = torch.randn(1, 2, 21, 6, generator=generator, dtype=torch.float64)
+    results = []
+    for form in ("chunked", "recurrent"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, beta, gate, kv0)]
+        out, state = linattn.linear_attention(
+            *leaves[:3], causal=True, update="delta", beta=leaves[3], log_gate=leaves[4], feature_map="identity",
+            initial_state=linattn.DeltaRuleState(leaves[5], 0), return_state=True, form=form, chunk_size=8,
+            backend="torch",
+        )
+        results.append(torch.autograd.grad([out, state.kv], leaves, [upstream, kv0]))
+    for chunked, recurrent in zip(*results, strict=True):
+        assert float((chunked - recurrent).norm() / recurrent.norm()) < 1e-10
