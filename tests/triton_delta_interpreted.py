@@ -57,25 +57,26 @@ def _inputs(n: int, dtype: torch.dtype, seed: int, features: int = 8, values: in
     }
 
 
-CASES = [  # (N, decay, initial state, map, dtype): N = 40 and 70 with chunks of 16 (3 and 5 chunks, padded tails)
-    (40, False, False, "identity", torch.float32),
-    (70, True, False, "identity", torch.float32),
-    (40, False, True, "elu", torch.float32),
-    (70, True, True, "elu", torch.float32),
-    (70, True, True, "identity", torch.float16),
+CASES = [  # (N, decay, initial state, map, dtype, Dv): N = 40 and 70 with chunks of 16 (3 and 5 chunks, padded tails)
+    (40, False, False, "identity", torch.float32, 12),
+    (70, True, False, "identity", torch.float32, 12),
+    (40, False, True, "elu", torch.float32, 12),
+    (70, True, True, "elu", torch.float32, 12),
+    (70, True, True, "identity", torch.float16, 12),
+    (40, True, True, "identity", torch.float32, 72),  # two value blocks of 64 per row
 ]
 
 
 @pytest.mark.parametrize(
-    "n,decay,initial,map_name,dtype", CASES,
-    ids=[f"N{n}-{'decay' if d else 'nodecay'}-{'state' if s else 'nostate'}-{m}-{str(t)[6:]}"
-         for n, d, s, m, t in CASES],
+    "n,decay,initial,map_name,dtype,values", CASES,
+    ids=[f"N{n}-{'decay' if d else 'nodecay'}-{'state' if s else 'nostate'}-{m}-{str(t)[6:]}-Dv{v}"
+         for n, d, s, m, t, v in CASES],
 )
 def test_chunk_kernels_match_the_recurrence(n: int, decay: bool, initial: bool, map_name: str,
-                                            dtype: torch.dtype) -> None:
+                                            dtype: torch.dtype, values: int) -> None:
     """Output, final state and ∂L/∂(q, k, v, β, log_gate, initial state) of backend='triton' (chunk 16) against
     the float64 recurrence, with a loss on both the output and the final state."""
-    data = _inputs(n, dtype, seed=n + 10 * decay + 100 * initial)
+    data = _inputs(n, dtype, seed=n + 10 * decay + 100 * initial, values=values)
     leaves = {name: x.clone().requires_grad_() for name, x in data.items()}
     state = linattn.DeltaRuleState(leaves["kv0"], 3) if initial else None
     out, final = linattn.linear_attention(
@@ -165,3 +166,36 @@ def test_step_kernel_updates_the_state_in_place() -> None:
     assert rel_error(kv, expected_kv) < TOL[torch.float32]
     decayed = doubles["kv0"][0, 1] * torch.exp(doubles["log_gate"][0, 1, 0])  # no write: the decay alone
     assert rel_error(kv[0, 1], decayed) < TOL[torch.float32]
+
+
+def test_plain_2d_grouped_heads_and_one_token() -> None:
+    """(N, D) inputs (one row); grouped-query heads with β given per k/v head (repeated to the query heads before
+    the kernels); one token with a gradient (the chunk kernels on a chunk of 16, 15 tokens of padding)."""
+    generator = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(30, 8, generator=generator) for _ in range(3))
+    beta = torch.rand(30, generator=generator)
+    out, state = linattn.linear_attention(q, k, v, causal=True, update="delta", beta=beta, feature_map="identity",
+                                          backend="triton", return_state=True)
+    expected, expected_kv = delta_reference(q.double(), k.double(), v.double(), beta.double(), None,
+                                            torch.zeros(8, 8, dtype=torch.float64), MAPS["identity"])
+    assert state.kv.shape == (8, 8) and rel_error(out, expected) < TOL[torch.float32]
+    assert rel_error(state.kv, expected_kv) < TOL[torch.float32]
+
+    q = torch.randn(1, 4, 20, 8, generator=generator)
+    k, v = (torch.randn(1, 2, 20, 8, generator=generator) for _ in range(2))
+    beta = torch.rand(1, 2, 20, generator=generator)  # per k/v head
+    out = linattn.linear_attention(q, k, v, causal=True, update="delta", beta=beta, feature_map="identity",
+                                   chunk_size=16, backend="triton")
+    repeat = [x.repeat_interleave(2, dim=1).double() for x in (k, v, beta)]
+    expected, _ = delta_reference(q.double(), repeat[0], repeat[1], repeat[2], None,
+                                  torch.zeros(1, 4, 8, 8, dtype=torch.float64), MAPS["identity"])
+    assert rel_error(out, expected) < TOL[torch.float32]
+
+    leaves = [x[..., :1, :].clone().requires_grad_() for x in (q, q.flip(-1), q * 0.5 + 1)]
+    out = linattn.linear_attention(*leaves, causal=True, update="delta", feature_map="identity", backend="triton")
+    grads = torch.autograd.grad(out.sum(), leaves)
+    doubles = [x.detach().double().requires_grad_() for x in leaves]
+    expected, _ = delta_reference(*doubles, torch.ones(1, 4, 1, dtype=torch.float64), None,
+                                  torch.zeros(1, 4, 8, 8, dtype=torch.float64), MAPS["identity"])
+    for grad, reference in zip(grads, torch.autograd.grad(expected.sum(), doubles), strict=True):
+        assert rel_error(grad, reference) < GRAD_TOL[torch.float32]
