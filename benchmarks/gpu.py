@@ -347,6 +347,32 @@ def time_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _lengths(rows: list[dict[str, Any]], lengths: list[int], timer: Callable[..., list[dict[str, Any]]], ratio: str,
+             args: argparse.Namespace) -> None:
+    """Time each length with ``timer``, print its rows (``ratio``/this: the column's reference), keep them."""
+    for n in lengths:
+        started = time.perf_counter()
+        found = timer(n, args)
+        rows += found
+        for row in found:
+            print(f"N={row['N']:>6} {row['candidate']:>16} {row['mode']:>8} {row['ms']:10.3f} ms  "
+                  f"[{row['spread']}]  {ratio}/this {row['flash/this']:6.2f}  peak {row['peak_GiB']:6.2f} GiB "
+                  f"{row['note']}", flush=True)
+        print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        if ratio == "torch":  # the delta rule's section comes last: its rows are saved as they come
+            _write(args.csv, rows)
+
+
+def _write(path: str, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768, 65536])
@@ -380,34 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name}  torch {torch.__version__}  triton {triton.__version__}  B={args.batch} H={args.heads} "
           f"D={args.dim} {str(args.dtype)[6:]} causal, median of {args.rounds} alternating rounds")
     rows = []
-    for n in [] if args.decode_only else args.lengths:
-        started = time.perf_counter()
-        found = time_length(n, args)
-        rows += found
-        for row in found:
-            print(f"N={row['N']:>6} {row['candidate']:>16} {row['mode']:>8} {row['ms']:10.3f} ms  "
-                  f"[{row['spread']}]  flash/this {row['flash/this']:6.2f}  peak {row['peak_GiB']:6.2f} GiB "
-                  f"{row['note']}", flush=True)
-        print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-    for n in [] if args.decode_only else args.delta_lengths:
-        started = time.perf_counter()
-        found = time_delta(n, args)
-        rows += found
-        for row in found:
-            print(f"N={row['N']:>6} {row['candidate']:>16} {row['mode']:>8} {row['ms']:10.3f} ms  "
-                  f"[{row['spread']}]  torch/this {row['flash/this']:6.2f}  peak {row['peak_GiB']:6.2f} GiB "
-                  f"{row['note']}", flush=True)
-        print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
+    _lengths(rows, [] if args.decode_only else args.lengths, time_length, "flash", args)
     for row in time_decode(args):
         rows.append(row)
         print(f"decode {row['candidate']:>20} {row['ms'] * 1e3:8.1f} us per step [{row['spread']}]", flush=True)
-    with open(args.csv, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {args.csv}")
+    _write(args.csv, rows)  # before the delta rule's section, whose first launches compile (and fla autotunes)
+    _lengths(rows, [] if args.decode_only else args.delta_lengths, time_delta, "torch", args)
     broken = [f"{row['candidate']} {row['mode']}: {row['note']}" for row in rows if row["note"]]
     if broken:
         print("failed:\n  " + "\n  ".join(broken))
