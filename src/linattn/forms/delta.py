@@ -84,6 +84,24 @@ def _scaled(x: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
     return x if factor is None else x * factor
 
 
+def _recur(
+    state: torch.Tensor, carry: torch.Tensor, adds: torch.Tensor, last: torch.Tensor | None
+) -> list[torch.Tensor]:
+    """x_{c+1} = last_c·x_c − carry_c·x_c + adds_c over the chunk dimension −3 in order: [x_0, …, x_nc]. The
+    per-chunk operands are laid out chunk-first once, so each step is one batched product on contiguous memory."""
+    batch = state.shape[:-2]
+    carry = carry.movedim(-3, 0).reshape(carry.shape[-3], -1, *carry.shape[-2:])
+    adds = adds.movedim(-3, 0).reshape(adds.shape[-3], -1, *adds.shape[-2:])
+    kept = last.movedim(-3, 0).reshape(last.shape[-3], -1, 1, 1) if last is not None else None
+    x = state.reshape(-1, *state.shape[-2:])
+    out = [state]
+    for c in range(carry.shape[0]):
+        base = adds[c] + (x if kept is None else kept[c] * x)
+        x = torch.baddbmm(base, carry[c], x, alpha=-1)
+        out.append(x.view(*batch, *x.shape[-2:]))
+    return out
+
+
 def _chunked(x: torch.Tensor, size: int) -> torch.Tensor:
     return x.unflatten(-2, (x.shape[-2] // size, size))
 
@@ -117,14 +135,11 @@ class _DeltaChunks(torch.autograd.Function):
                                                upper=False, unitriangular=True)
         w_v, w_k = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
         k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)
-        carry, adds = k_out.mT @ w_k, k_out.mT @ w_v  # (..., nc, F, F), (..., nc, F, Dv)
+        transfer = k_out.mT @ solved  # (..., nc, F, Dv + F): (K⊙Γ_C)ᵀ·(W_v, W_k), one product
         state = initial if initial is not None else q.new_zeros(*q.shape[:-2], k.shape[-1], v.shape[-1])
-        entering = []
-        for c in range(qc.shape[-3]):
-            entering.append(state)
-            kept = state if last is None else last[..., c, :, :] * state
-            state = kept - carry[..., c, :, :] @ state + adds[..., c, :, :]
-        states = torch.stack(entering, dim=-3)  # (..., nc, F, Dv)
+        entering = _recur(state, transfer[..., v.shape[-1]:], transfer[..., :v.shape[-1]], last)
+        state = entering.pop()
+        states = torch.stack(entering, dim=-3)  # the state entering each chunk, (..., nc, F, Dv)
         written = w_v - w_k @ states  # U
         scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)  # P
         out = _scaled(qc, b.unsqueeze(-1) if b is not None else None) @ states + scores @ written
@@ -150,13 +165,9 @@ class _DeltaChunks(torch.autograd.Function):
         # the adjoint of the state recurrence, chunk after chunk backwards
         p_do = scores.mT @ d_o
         direct = bq.mT @ d_o - w_k.mT @ p_do  # (..., nc, F, Dv)
-        carry_back = w_k.mT @ k_out  # (..., nc, F, F)
-        d_state = d_final
-        leaving = []
-        for c in reversed(range(qc.shape[-3])):
-            leaving.append(d_state)
-            kept = d_state if last is None else last[..., c, :, :] * d_state
-            d_state = direct[..., c, :, :] + kept - carry_back[..., c, :, :] @ d_state
+        leaving = _recur(d_final, (w_k.mT @ k_out).flip(-3), direct.flip(-3), last.flip(-3) if last is not None
+                         else None)
+        d_state = leaving.pop()
         d_leaving = torch.stack(leaving[::-1], dim=-3)  # the adjoint of the state leaving each chunk
 
         d_written = p_do + k_out @ d_leaving  # dU
@@ -173,7 +184,7 @@ class _DeltaChunks(torch.autograd.Function):
         dq = _scaled(d_scores, gamma) @ kc + _scaled(d_bq, b.unsqueeze(-1) if b is not None else None)
         weighted = _scaled(d_system, gamma)  # dA ⊙ Γ
         d_keys = weighted * bc.unsqueeze(-1)
-        dk = (rows.unsqueeze(-1) * d_rk + d_keys @ kc + d_keys.mT @ kc + _scaled(d_scores, gamma).mT @ qc
+        dk = (rows.unsqueeze(-1) * d_rk + (d_keys + d_keys.mT) @ kc + _scaled(d_scores, gamma).mT @ qc
               + _scaled(d_kout, k_decay.unsqueeze(-1) if k_decay is not None else None))
         d_v = bc.unsqueeze(-1) * d_rv
         d_rows = (kc * d_rk).sum(-1)
