@@ -65,10 +65,10 @@ def _roles(obj: griffe.Object, collection: Any, line: str, where: str | None) ->
         code = f"<code>{shown}</code>"
         path = _resolve(obj, collection, target)
         if path is None:
-            if where is not None and target.startswith("linattn"):
+            if where is not None and (target == "linattn" or target.startswith("linattn.")):
                 griffe.logger.warning(f"{where}: the reference {match[0]} names no linattn object")
             return code
-        if not path.startswith("linattn"):
+        if not (path == "linattn" or path.startswith("linattn.")):
             return code
         return f'<autoref identifier="{path}" optional>{code}</autoref>'
 
