@@ -240,11 +240,12 @@ def delta_transition(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What a stretch of tokens does to any state it is entered with: S_out = A·S_in + B (the recurrence is affine).
 
-    A (..., F, F) = Π_t a_t(I − β_t k_t k_tᵀ), later tokens on the left, and B (..., F, Dv) = the final state from
-    S_in = 0. Per chunk, from the same solution as the chunked form: A_c = b_C·I − (K⊙Γ_C)ᵀW_k, B_c = (K⊙Γ_C)ᵀW_v;
-    the chunks' pairs then compose as (A₂, B₂)∘(A₁, B₁) = (A₂A₁, A₂B₁ + B₂), pairwise in ⌈log₂(N/C)⌉ batched
-    rounds. Cost N·F·(C + F + Dv) for the chunks and (N/C)·F²·(F + Dv) for the products: no output and no
-    per-chunk state of the chunked form. Differentiable by autograd (memory O(N·C + (N/C)·F·(F + Dv))).
+    A (..., F, F) = Π_t a_t(I − β_t k_t k_tᵀ), later tokens on the left (not the chunk's system matrix of the
+    module docstring), and B (..., F, Dv) = the final state from S_in = 0. Per chunk, from the same solution as
+    the chunked form: A_c = b_C·I − (K⊙Γ_C)ᵀW_k, B_c = (K⊙Γ_C)ᵀW_v; the chunks' pairs then compose as
+    (A₂, B₂)∘(A₁, B₁) = (A₂A₁, A₂B₁ + B₂), pairwise in ⌈log₂(N/C)⌉ batched rounds. Cost N·F·(C + F + Dv) for the
+    chunks and (N/C)·F²·(F + Dv) for the products: no output and no per-chunk state of the chunked form.
+    Differentiable by autograd (memory O(N·C + (N/C)·F·(F + Dv))).
     kf (..., N, F) unit features, v (..., N, Dv), beta (..., N), log_decay (..., N) fp64 or None.
     """
     n = kf.shape[-2]
