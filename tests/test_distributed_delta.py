@@ -136,6 +136,28 @@ def _against_recurrence(rank: int, world: int) -> dict[str, float]:
     return {"out": (out - expected[..., start:end, :]).abs().max().item()}
 
 
+def _low_precision(rank: int, world: int, dtype: torch.dtype) -> dict[str, float]:
+    """fp32/bf16 inputs (fp32 summaries and state): the slice's error against fp64 at most 2× single-process
+    linear_attention's in the same dtype, plus one ulp of the output's scale (the rounding of the cast back)."""
+    split = SPLITS[world]
+    start = sum(split[:rank])
+    end = start + split[rank]
+    x = _inputs(6, sum(split))
+    options = {"causal": True, "update": "delta", "decay": 0.95, "chunk_size": 4}
+    exact = linattn.linear_attention(x["q"], x["k"], x["v"], beta=x["beta"], log_gate=x["log_gate"], **options)
+    low = {name: x[name].to(dtype) for name in ("q", "k", "v", "beta", "log_gate")}
+    single = linattn.linear_attention(low["q"], low["k"], low["v"], beta=low["beta"], log_gate=low["log_gate"],
+                                      **options)
+    out = context_parallel_attention(*(low[name][..., start:end, :] for name in "qkv"), group=GROUP,
+                                     beta=low["beta"][..., start:end], log_gate=low["log_gate"][..., start:end],
+                                     **options)
+    assert out.dtype == dtype
+    exact = exact[..., start:end, :]
+    err = (out.double() - exact).abs().max().item()
+    err_single = (single[..., start:end, :].double() - exact).abs().max().item()
+    return {"excess": max(0.0, err - 2 * err_single - torch.finfo(dtype).eps * exact.abs().max().item())}
+
+
 def _raises(rank: int, world: int, kind: str) -> dict[str, float]:
     """A call that cannot run: every rank must raise LinearAttentionError (returned as its message)."""
     split = SPLITS[world]
@@ -167,6 +189,8 @@ def cases() -> dict[str, Callable[[int, int], dict[str, float]]]:
         "gated_hedgehog_learned_small_chunks": lambda r, w: _compare(
             r, w, seed=3, gate=True, feature_map=_hedgehog(), chunk_size=4),
         "recurrence": _against_recurrence,
+        "float32": lambda r, w: _low_precision(r, w, torch.float32),
+        "bfloat16": lambda r, w: _low_precision(r, w, torch.bfloat16),
     }
     for kind in ("noncausal", "per_feature_gate", "beta_range", "update_differs"):
         table[f"raises_{kind}"] = lambda r, w, kind=kind: _raises(r, w, kind)
