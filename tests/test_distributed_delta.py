@@ -278,13 +278,21 @@ def test_bad_input_raises_on_every_rank(spawned: list[dict], case: str) -> None:
 
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_single_process_equals_the_recurrence(gated: bool) -> None:
+    """Outputs and the gradients of q, k, v, β and g (autograd through the recurrence above) in fp64, 1e-12."""
     x = _inputs(5, 23)
-    log_gate = x["log_gate"] if gated else None
-    expected = delta_reference(x["q"], x["k"], x["v"], x["beta"], log_decay=log_gate, keep=x["keep"])
+    names = ["q", "k", "v", "beta"] + (["log_gate"] if gated else [])
+    leaves = {name: x[name].clone().requires_grad_() for name in names}
+    expected = delta_reference(leaves["q"], leaves["k"], leaves["v"], leaves["beta"],
+                               log_decay=leaves.get("log_gate"), keep=x["keep"])
+    expected_grads = torch.autograd.grad((expected * x["weight"]).sum(), list(leaves.values()))
     for chunk in (4, 64):
-        out = linattn.linear_attention(x["q"], x["k"], x["v"], causal=True, update="delta", beta=x["beta"],
-                                       log_gate=log_gate, key_padding_mask=x["keep"], chunk_size=chunk)
+        out = linattn.linear_attention(*(leaves[name] for name in "qkv"), causal=True, update="delta",
+                                       beta=leaves["beta"], log_gate=leaves.get("log_gate"),
+                                       key_padding_mask=x["keep"], chunk_size=chunk)
         assert (out - expected).abs().max().item() < 1e-12
+        grads = torch.autograd.grad((out * x["weight"]).sum(), list(leaves.values()))
+        for name, grad, want in zip(names, grads, expected_grads, strict=True):
+            assert (grad - want).abs().max().item() < 1e-12, name
 
 
 @pytest.mark.parametrize(("n", "chunk"), [(1, 4), (8, 4), (23, 4), (23, 5), (23, 64)])
