@@ -188,8 +188,8 @@ def context_parallel_attention(
     Non-causal with an ordinary (not log-space) map: one all-reduce of B·H·(F·Dv + F + 1) numbers each way.
     ``validate=True`` (default) adds a small all-gather of 20 int64 per rank before it, so that ranks whose shapes
     disagree raise a clear error everywhere instead of corrupting the collective; ``validate=False`` folds the
-    header into the one all-gather (empty slices and disagreeing options still raise on every rank; shapes that
-    change the state size must then agree — gloo aborts the process otherwise).
+    header into the one all-gather (empty slices and disagreeing options still raise on every rank; shapes and the
+    ``update`` rule, which change the state size, must then agree — gloo aborts the process otherwise).
 
     ``decay`` (γ, a float or one per query head) and ``log_gate`` (this rank's slice of the per-token log-decays,
     (..., N_r)), causal only, as in :func:`linattn.linear_attention`: each slice's summary is then its decayed sums
