@@ -180,15 +180,21 @@ def check_window_combination(window: object, **others: object) -> None:
 
 def backend_reasons(backend: str, call: Call, route: Route, q: torch.Tensor, dtype: torch.dtype) -> list[str]:
     """Why ``backend`` does not cover the call (before the feature map runs); [] when it does. ``torch`` runs every
-    route; ``triton`` declares its own limits (:func:`linattn.backends.triton.reasons`)."""
+    route; ``triton`` declares its own limits (:func:`linattn.backends.triton.reasons`, and for the delta rule
+    :func:`~linattn.backends.triton.delta_reasons`)."""
     if backend == "torch":
         return []
+    options = dict(call.options)
+    if route.kind == "delta":  # per-token decays are in the delta kernels
+        found = triton_backend.delta_reasons(q, form=route.form, chunk_size=call.chunk_size, dtype=dtype)
+        given = {name: value for name, value in options.items() if name not in ("decay", "log_gate")}
+        return found + triton_backend.option_reasons(given)
     found = triton_backend.reasons(
         q, causal=call.causal, form=route.form, log_space=call.log_space, chunk_size=call.chunk_size, dtype=dtype
     )
     if route.kind != "plain":
-        found.append(f"{route.kind} attention: the kernels compute plain causal linear attention")
-    return found + triton_backend.option_reasons(dict(call.options))
+        found.append(f"{route.kind} attention: the kernels compute plain causal linear attention and the delta rule")
+    return found + triton_backend.option_reasons(options)
 
 
 def choose_backend(backend: str, call: Call, route: Route, q: torch.Tensor, dtype: torch.dtype) -> str:
@@ -272,11 +278,25 @@ def step_kernel_reasons(kv: torch.Tensor, log_space: bool, eps: float) -> list[s
 # ---- context parallelism ---------------------------------------------------------------------------------------
 
 
-def context_parallel_reasons(per_feature_gate: bool) -> list[str]:
-    """Why a call cannot be split across ranks (each rank's slice summarised as a state); [] when it can."""
-    if per_feature_gate:
-        return [
+def context_parallel_reasons(per_feature_gate: bool, *, update: str = "add", causal: bool = True) -> list[str]:
+    """Why a call cannot be split across ranks (each rank's slice summarised as a state); [] when it can.
+
+    The additive update (``update="add"``) sends each slice's sums (and total log-decay); the delta rule
+    (``update="delta"``) sends the affine map [A | B] a slice applies to the state entering it (linattn.distributed)."""
+    found = []
+    if per_feature_gate and update == "delta":
+        found.append(
+            "log_gate: per-feature gates (..., N, F) do not combine with update='delta' (on one process either); pass "
+            "one log-decay per token (..., N) (Gated DeltaNet)"
+        )
+    elif per_feature_gate:
+        found.append(
             "log_gate: per-feature gates (..., N, F) are not split across ranks yet (their summary would need a "
             "per-feature total decay); pass one log-decay per token (..., N), or run on one process"
-        ]
-    return []
+        )
+    if update == "delta" and not causal:
+        found.append(
+            "update='delta': the delta rule is a recurrence, so the slices run in rank order, each from the state "
+            "the slices before it leave; pass causal=True"
+        )
+    return found
