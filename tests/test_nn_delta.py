@@ -323,3 +323,14 @@ def test_linearized_delta_model_cache_is_the_same_size_after_1_and_1000_tokens()
         sizes.append(cache.nbytes())
     # per layer the delta memory alone, H·F·Dv fp32 (no Σφ(k), no shift): 2 layers · 4 · (4·8·8) bytes
     assert sizes[0] == sizes[1] == 2 * 4 * (4 * 8 * 8)
+
+
+def test_linearize_checks_the_delta_options_when_called():
+    with pytest.raises(LinearAttentionError, match="no denominator"):
+        _tiny_linearized_llama(normalize=True)
+    with pytest.raises(LinearAttentionError, match="pass update='delta'"):
+        pytest.importorskip("transformers")
+        import linattn.hf as hf
+        from test_decoder_generate import tiny_llama
+
+        hf.linearize(tiny_llama(), "elu", beta=0.5)

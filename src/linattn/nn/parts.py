@@ -70,8 +70,9 @@ class OutputGate(nn.Module):
     def normalise(self, out: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head: out (B, N, H, Dv)."""
         assert self.weight is not None
-        scale = torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + RMS_EPS)
-        return out * scale * self.weight
+        wide = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out  # the mean square in fp32
+        scale = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + RMS_EPS)
+        return (wide * scale).to(out.dtype) * self.weight
 
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out (B, N, H, Dv) already normalised if ``norm`` is False, x (B, N, E) → gated (B, N, H, Dv)."""
