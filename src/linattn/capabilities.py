@@ -297,11 +297,25 @@ def step_kernel_reasons(kv: torch.Tensor, log_space: bool, eps: float) -> list[s
 # ---- context parallelism ---------------------------------------------------------------------------------------
 
 
-def context_parallel_reasons(per_feature_gate: bool) -> list[str]:
-    """Why a call cannot be split across ranks (each rank's slice summarised as a state); [] when it can."""
-    if per_feature_gate:
-        return [
+def context_parallel_reasons(per_feature_gate: bool, *, update: str = "add", causal: bool = True) -> list[str]:
+    """Why a call cannot be split across ranks (each rank's slice summarised as a state); [] when it can.
+
+    The additive update (``update="add"``) sends each slice's sums (and total log-decay); the delta rule
+    (``update="delta"``) sends the affine map [A | B] a slice applies to the state entering it (linattn.distributed)."""
+    found = []
+    if per_feature_gate and update == "delta":
+        found.append(
+            "log_gate: per-feature gates (..., N, F) do not combine with update='delta' (on one process either); pass "
+            "one log-decay per token (..., N) (Gated DeltaNet)"
+        )
+    elif per_feature_gate:
+        found.append(
             "log_gate: per-feature gates (..., N, F) are not split across ranks yet (their summary would need a "
             "per-feature total decay); pass one log-decay per token (..., N), or run on one process"
-        ]
-    return []
+        )
+    if update == "delta" and not causal:
+        found.append(
+            "update='delta': the delta rule is a recurrence, so the slices run in rank order, each from the state "
+            "the slices before it leave; pass causal=True"
+        )
+    return found

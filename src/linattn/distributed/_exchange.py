@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._validate import UPDATES
 from ..errors import LinearAttentionError
 
 FIELDS = (
@@ -43,6 +44,7 @@ FIELDS = (
     "log_space",
     "decay",
     "feature_map",  # float64 bits of a fingerprint of the map's parameters and buffers
+    "update",  # index in _validate.UPDATES (-1: unknown): the additive sums or the delta rule's affine maps
 )
 # fields that may differ between ranks: the slice lengths (uneven slices) and whether a rank passed a mask
 _MAY_DIFFER = {"q_tokens", "k_tokens", "ok", "mask"}
@@ -131,7 +133,7 @@ class GatherSummaries(torch.autograd.Function):
 
 # A header that fits an all-reduce (sum): each int64 field split into 11 pieces of 6 bits, sent with their squares.
 # After the sum, a field agrees on every rank iff W·Σx² = (Σx)² for each of its pieces; sums stay exact in fp32
-# (Σx² ≤ 63²·W < 2^24) up to W = 4096. Constant size (2·19·11 numbers), unlike a gathered table.
+# (Σx² ≤ 63²·W < 2^24) up to W = 4096. Constant size (2·20·11 numbers), unlike a gathered table.
 PIECE_BITS, PIECES = 6, 11
 
 
@@ -230,6 +232,8 @@ def _readable(name: str, value: int) -> Any:
         return None if name == "min_denom" and number == -1.0 else number
     if name == "dtype":
         return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else value
+    if name == "update":
+        return UPDATES[value] if 0 <= value < len(UPDATES) else value
     return value
 
 

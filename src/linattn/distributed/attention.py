@@ -18,6 +18,9 @@ state sent back to its summary.
 Non-causal attention with an ordinary map (sums at scale 1, nothing to align) needs only the total: one
 all-reduce of the summaries replaces steps 2–3 (backward: one all-reduce of the gradient), and the queries read
 the whole sequence's state.
+
+The delta rule (``update="delta"``) keeps the same steps with another summary: the affine map [A | B] of the slice
+(S_out = A·S_in + B), folded in rank order in step 3 (:mod:`linattn.distributed._delta`).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from ..errors import LinearAttentionError
 from ..features import NEG_INF, FeatureMapLike, is_log_space, repeat_kv_heads, resolve_feature_map, scale_between
 from ..forms import FORMS
 from ..functional import linear_attention
-from ..state import LinearAttentionState
-from . import _exchange
+from ..state import DeltaRuleState, LinearAttentionState
+from . import _delta, _exchange
 
 
 def _after(g: torch.Tensor, dim: int) -> torch.Tensor:
@@ -161,12 +164,14 @@ def context_parallel_attention(
     causal: bool = False,
     feature_map: FeatureMapLike = "elu",
     key_padding_mask: torch.Tensor | None = None,
-    normalize: bool = True,
+    normalize: bool | None = None,
     eps: float = 1e-6,
     min_denom: float | None = None,
     chunk_size: int | None = None,
     decay: Any = None,
     log_gate: torch.Tensor | None = None,
+    update: str = "add",
+    beta: Any = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Linear attention over a sequence split across the ranks of ``group``: this rank's slice of the output.
@@ -181,15 +186,22 @@ def context_parallel_attention(
     Communication per call: forward one all-gather of world × B·H·(F·Dv + F + 1) numbers in the state dtype (fp32
     for fp16/bf16/fp32 inputs, fp64 for fp64), independent of N; backward one reduce-scatter of the same size.
     Non-causal with an ordinary (not log-space) map: one all-reduce of B·H·(F·Dv + F + 1) numbers each way.
-    ``validate=True`` (default) adds a small all-gather of 19 int64 per rank before it, so that ranks whose shapes
+    ``validate=True`` (default) adds a small all-gather of 20 int64 per rank before it, so that ranks whose shapes
     disagree raise a clear error everywhere instead of corrupting the collective; ``validate=False`` folds the
-    header into the one all-gather (empty slices and disagreeing options still raise on every rank; shapes that
-    change the state size must then agree — gloo aborts the process otherwise).
+    header into the one all-gather (empty slices and disagreeing options still raise on every rank; shapes and the
+    ``update`` rule, which change the state size, must then agree — gloo aborts the process otherwise).
 
     ``decay`` (γ, a float or one per query head) and ``log_gate`` (this rank's slice of the per-token log-decays,
     (..., N_r)), causal only, as in :func:`linattn.linear_attention`: each slice's summary is then its decayed sums
     plus its total log-decay (B·H more numbers), and slice j reaches rank r scaled by the decays of the slices in
     between (:func:`combine_prefix`). Per-feature gates (``log_gate`` (..., N_r, F)) are not split yet and raise.
+
+    ``update="delta"`` with ``beta`` (a float, or this rank's slice (..., N_r) per token and head), causal, as in
+    :func:`linattn.linear_attention` (``decay``/``log_gate`` per token: Gated DeltaNet): the summary of a slice is
+    the affine map it applies to the state, S_out = A·S_in + B, A (F×F) and B (F×Dv), so the all-gather and the
+    reduce-scatter carry world × B·H·F·(F + Dv) numbers; rank r folds the maps of slices 0..r−1 in order and runs
+    its slice from that state (linattn.distributed._delta). ``normalize`` defaults to True for ``update="add"``
+    and False for the delta rule, which refuses True.
 
     Every rank of the group must make the same calls in the same order, and every rank must run backward through
     every call whose output needs a gradient (as with DDP). Random feature maps must be equal on every rank (seed
@@ -204,9 +216,12 @@ def context_parallel_attention(
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             seen = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise LinearAttentionError(f"{name}: expected a torch.Tensor of shape (..., N, D), got {seen}")
+    if normalize is None:
+        normalize = update != "delta"
     options: dict[str, Any] = {"normalize": normalize, "eps": eps, "min_denom": min_denom}
     fmap: Any = None
     state: LinearAttentionState | None = None
+    transition: torch.Tensor | None = None  # the delta rule's summary [A | B] (..., F, F + Dv)
     total_decay: torch.Tensor | None = None
     error: LinearAttentionError | None = None
     # local checks run before any collective and are reported in the header: a rank that raised alone would leave
@@ -216,21 +231,26 @@ def context_parallel_attention(
         if q.shape[-2] > 0 and k.shape[-2] > 0:
             _validate.check_options(chunk_size, eps, min_denom, "auto", FORMS)
             log_decay, per_feature = _validate.log_decay(decay, log_gate, q, k.shape[:-1], causal)
-            refused = context_parallel_reasons(per_feature is not None)
+            refused = context_parallel_reasons(per_feature is not None, update=update, causal=causal)
             if refused:
                 raise LinearAttentionError(refused[0])
-            state = _slice_summary(q, k, v, fmap, key_padding_mask, options, log_decay)
-            if log_decay is not None:
+            _validate.check_update(update, beta, causal, normalize, min_denom, log_gate, q)
+            if update == "delta":
+                transition = _delta.slice_transition(q, k, v, fmap, key_padding_mask, beta, log_decay, chunk_size)
+            else:
+                state = _slice_summary(q, k, v, fmap, key_padding_mask, options, log_decay)
+            if log_decay is not None and state is not None:
                 total_decay = log_decay.sum(-1).to(state.shift.dtype)  # (..., H): the slice's Σ g
     except LinearAttentionError as raised:
         error = raised
     batch = q.shape[:-2].numel()
-    features = state.feature_dim if state is not None else -1
+    ready = state is not None or transition is not None
+    features = state.feature_dim if state is not None else transition.shape[-2] if transition is not None else -1
     header = _exchange.make_header(
         {
             "q_tokens": q.shape[-2],
             "k_tokens": k.shape[-2],
-            "ok": int(state is not None),
+            "ok": int(ready),
             "ndim": q.dim(),
             "batch": batch,
             "heads": q.shape[-3] if q.dim() > 2 else 0,
@@ -247,34 +267,48 @@ def context_parallel_attention(
             "log_space": int(is_log_space(fmap)),
             "decay": int(decay is not None or log_gate is not None),
             "feature_map": _exchange.fingerprint(fmap) if fmap is not None else 0,
+            "update": _validate.UPDATES.index(update) if update in _validate.UPDATES else -1,
         }
     )
     if validate:
         table = _exchange.gather_headers(header.to(q.device), world, group)
         _exchange.check_headers(table, rank, error, q_shape=tuple(q.shape))
-    elif state is None:
+    elif not ready:
         # no header exchange first: this rank cannot build a payload of the agreed size, so it can only raise
         # here (the other ranks then fail in, or time out of, the collective)
         raise error or LinearAttentionError(
             f"context_parallel_attention (rank {rank}): empty slice (q {tuple(q.shape)}, k {tuple(k.shape)}); "
             "every rank needs at least one token"
         )
-    assert state is not None
-    # (..., F, Dv) + (..., F) + (...) flattened into one (P,) payload
-    parts = [state.kv.reshape(-1), state.k_sum.reshape(-1), state.shift.reshape(-1)]
-    if total_decay is not None:  # (...) after the shifts: the slice's total log-decay
-        parts.append(total_decay.reshape(-1))
-    payload = torch.cat(parts)
-    if not causal and not is_log_space(fmap):
-        total_tokens = int(table[:, _exchange.FIELDS.index("k_tokens")].sum()) if validate else None
-        return _noncausal_all_reduce(q, k, v, payload, state, header, total_tokens, rank, world, group, fmap,
-                                     chunk_size, options)
+    if transition is not None:  # the delta rule: [A | B] (..., F, F + Dv) flattened
+        payload = transition.reshape(-1)
+    else:
+        assert state is not None
+        # (..., F, Dv) + (..., F) + (...) flattened into one (P,) payload
+        parts = [state.kv.reshape(-1), state.k_sum.reshape(-1), state.shift.reshape(-1)]
+        if total_decay is not None:  # (...) after the shifts: the slice's total log-decay
+            parts.append(total_decay.reshape(-1))
+        payload = torch.cat(parts)
+        if not causal and not is_log_space(fmap):
+            total_tokens = int(table[:, _exchange.FIELDS.index("k_tokens")].sum()) if validate else None
+            return _noncausal_all_reduce(q, k, v, payload, state, header, total_tokens, rank, world, group, fmap,
+                                         chunk_size, options)
     gathered, headers_inline = _exchange.GatherSummaries.apply(
         payload, None if validate else header, world, group
     )
     if not validate:
         table = headers_inline
         _exchange.check_headers(table, rank, error, q_shape=tuple(q.shape))
+    tokens = table[:, _exchange.FIELDS.index("k_tokens")].cpu()
+    if transition is not None:  # the slices before this one, folded in order: S ← A_j·S + B_j
+        prefix = _delta.prefix_state(gathered.reshape(world, *transition.shape), rank, transition.shape[-2])
+        delta_out: torch.Tensor = linear_attention(
+            q, k, v, causal=True, feature_map=fmap, key_padding_mask=key_padding_mask, chunk_size=chunk_size,
+            initial_state=DeltaRuleState(prefix, int(tokens[:rank].sum())), decay=decay, log_gate=log_gate,
+            update="delta", beta=beta, **options,
+        )
+        return delta_out
+    assert state is not None
     rows = state.kv.shape[:-2]  # (...) batch × heads
     size_kv, size_k = state.kv.numel(), state.k_sum.numel()
     kv = gathered[:, :size_kv].reshape(world, *state.kv.shape)  # (W, ..., F, Dv)
@@ -284,7 +318,6 @@ def context_parallel_attention(
     log_decays = None
     if total_decay is not None:
         log_decays = gathered[:, size_kv + size_k + size_rows :].reshape(world, *rows)  # (W, ...)
-    tokens = table[:, _exchange.FIELDS.index("k_tokens")].cpu()
     if causal:
         combined = combine_prefix(kv, k_sum, shift, rank, log_decay=log_decays)
         prefix_tokens = int(tokens[:rank].sum())

@@ -84,8 +84,43 @@ def _scaled(x: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
     return x if factor is None else x * factor
 
 
+def _recur(
+    state: torch.Tensor, carry: torch.Tensor, adds: torch.Tensor, last: torch.Tensor | None
+) -> list[torch.Tensor]:
+    """x_{c+1} = last_c·x_c − carry_c·x_c + adds_c over the chunk dimension −3 in order: [x_0, …, x_nc]. The
+    per-chunk operands are laid out chunk-first once, so each step is one batched product on contiguous memory."""
+    batch = state.shape[:-2]
+    carry = carry.movedim(-3, 0).reshape(carry.shape[-3], -1, *carry.shape[-2:])
+    adds = adds.movedim(-3, 0).reshape(adds.shape[-3], -1, *adds.shape[-2:])
+    kept = last.movedim(-3, 0).reshape(last.shape[-3], -1, 1, 1) if last is not None else None
+    x = state.reshape(-1, *state.shape[-2:])
+    out = [state]
+    for c in range(carry.shape[0]):
+        base = adds[c] + (x if kept is None else kept[c] * x)
+        x = torch.baddbmm(base, carry[c], x, alpha=-1)
+        out.append(x.view(*batch, *x.shape[-2:]))
+    return out
+
+
 def _chunked(x: torch.Tensor, size: int) -> torch.Tensor:
     return x.unflatten(-2, (x.shape[-2] // size, size))
+
+
+def _chunk_solution(
+    kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, gamma: torch.Tensor | None, b: torch.Tensor | None,
+    k_decay: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every chunk's local work at once: W = (W_v, W_k) = (I + A)⁻¹·(diag(β)V, diag(β·b)K) (..., nc, C, Dv + F),
+    and the two terms of S' = b_C·S − carry·S + adds: carry = (K⊙Γ_C)ᵀW_k (..., nc, F, F), adds = (K⊙Γ_C)ᵀW_v
+    (..., nc, F, Dv)."""
+    strict = _masks(kc.shape[-2], kc.device)[1]
+    system = _scaled((kc @ kc.mT) * bc.unsqueeze(-1), gamma).masked_fill(~strict, 0)  # A
+    rows = _scaled(bc, b).unsqueeze(-1)
+    solved = torch.linalg.solve_triangular(system, torch.cat([vc * bc.unsqueeze(-1), kc * rows], dim=-1),
+                                           upper=False, unitriangular=True)
+    k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)
+    transfer = k_out.mT @ solved  # (K⊙Γ_C)ᵀ·(W_v, W_k), one product
+    return solved, transfer[..., vc.shape[-1]:], transfer[..., :vc.shape[-1]]
 
 
 class _DeltaChunks(torch.autograd.Function):
@@ -106,25 +141,17 @@ class _DeltaChunks(torch.autograd.Function):
         initial: torch.Tensor | None,
         size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        qc, kc, vc = _chunked(q, size), _chunked(k, size), _chunked(v, size)
-        bc = beta.unflatten(-1, (-1, size))
+        qc, kc = _chunked(q, size), _chunked(k, size)
         gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
                                          q.dtype)
-        lower, strict = _masks(size, q.device)
-        system = _scaled((kc @ kc.mT) * bc.unsqueeze(-1), gamma).masked_fill_(~strict, 0)  # A
-        rows = _scaled(bc, b).unsqueeze(-1)
-        solved = torch.linalg.solve_triangular(system, torch.cat([vc * bc.unsqueeze(-1), kc * rows], dim=-1),
-                                               upper=False, unitriangular=True)
+        lower, _ = _masks(size, q.device)
+        solved, carry, adds = _chunk_solution(kc, _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma, b,
+                                              k_decay)
         w_v, w_k = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
-        k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)
-        carry, adds = k_out.mT @ w_k, k_out.mT @ w_v  # (..., nc, F, F), (..., nc, F, Dv)
         state = initial if initial is not None else q.new_zeros(*q.shape[:-2], k.shape[-1], v.shape[-1])
-        entering = []
-        for c in range(qc.shape[-3]):
-            entering.append(state)
-            kept = state if last is None else last[..., c, :, :] * state
-            state = kept - carry[..., c, :, :] @ state + adds[..., c, :, :]
-        states = torch.stack(entering, dim=-3)  # (..., nc, F, Dv)
+        entering = _recur(state, carry, adds, last)
+        state = entering.pop()
+        states = torch.stack(entering, dim=-3)  # the state entering each chunk, (..., nc, F, Dv)
         written = w_v - w_k @ states  # U
         scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)  # P
         out = _scaled(qc, b.unsqueeze(-1) if b is not None else None) @ states + scores @ written
@@ -150,13 +177,9 @@ class _DeltaChunks(torch.autograd.Function):
         # the adjoint of the state recurrence, chunk after chunk backwards
         p_do = scores.mT @ d_o
         direct = bq.mT @ d_o - w_k.mT @ p_do  # (..., nc, F, Dv)
-        carry_back = w_k.mT @ k_out  # (..., nc, F, F)
-        d_state = d_final
-        leaving = []
-        for c in reversed(range(qc.shape[-3])):
-            leaving.append(d_state)
-            kept = d_state if last is None else last[..., c, :, :] * d_state
-            d_state = direct[..., c, :, :] + kept - carry_back[..., c, :, :] @ d_state
+        leaving = _recur(d_final, (w_k.mT @ k_out).flip(-3), direct.flip(-3), last.flip(-3) if last is not None
+                         else None)
+        d_state = leaving.pop()
         d_leaving = torch.stack(leaving[::-1], dim=-3)  # the adjoint of the state leaving each chunk
 
         d_written = p_do + k_out @ d_leaving  # dU
@@ -173,7 +196,7 @@ class _DeltaChunks(torch.autograd.Function):
         dq = _scaled(d_scores, gamma) @ kc + _scaled(d_bq, b.unsqueeze(-1) if b is not None else None)
         weighted = _scaled(d_system, gamma)  # dA ⊙ Γ
         d_keys = weighted * bc.unsqueeze(-1)
-        dk = (rows.unsqueeze(-1) * d_rk + d_keys @ kc + d_keys.mT @ kc + _scaled(d_scores, gamma).mT @ qc
+        dk = (rows.unsqueeze(-1) * d_rk + (d_keys + d_keys.mT) @ kc + _scaled(d_scores, gamma).mT @ qc
               + _scaled(d_kout, k_decay.unsqueeze(-1) if k_decay is not None else None))
         d_v = bc.unsqueeze(-1) * d_rv
         d_rows = (kc * d_rk).sum(-1)
@@ -216,3 +239,45 @@ def delta_chunked(
     out, final = _DeltaChunks.apply(qf, kf, v, beta, log_decay, initial, size)
     seen = state.num_tokens if state is not None else 0
     return out[..., :n, :], DeltaRuleState(final, seen + n)
+
+
+def delta_transition(
+    kf: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    beta: torch.Tensor,
+    log_decay: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a stretch of tokens does to any state it is entered with: S_out = A·S_in + B (the recurrence is affine).
+
+    A (..., F, F) = Π_t a_t(I − β_t k_t k_tᵀ), later tokens on the left (not the chunk's system matrix of the
+    module docstring), and B (..., F, Dv) = the final state from S_in = 0. Per chunk, from the same solution as
+    the chunked form: A_c = b_C·I − (K⊙Γ_C)ᵀW_k, B_c = (K⊙Γ_C)ᵀW_v; the chunks' pairs then compose as
+    (A₂, B₂)∘(A₁, B₁) = (A₂A₁, A₂B₁ + B₂), pairwise in ⌈log₂(N/C)⌉ batched rounds. Cost N·F·(C + F + Dv) for the
+    chunks and (N/C)·F²·(F + Dv) for the products: no output and no per-chunk state of the chunked form.
+    Differentiable by autograd (memory O(N·C + (N/C)·F·(F + Dv))).
+    kf (..., N, F) unit features, v (..., N, Dv), beta (..., N), log_decay (..., N) fp64 or None.
+    """
+    n = kf.shape[-2]
+    size = max(1, min(chunk_size, n))
+    pad = (-n) % size
+    if pad:  # β = 0, a = 1: the identity
+        kf, v = F.pad(kf, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+        beta = F.pad(beta, (0, pad))
+        log_decay = F.pad(log_decay, (0, pad)) if log_decay is not None else None
+    gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
+                                     kf.dtype)
+    _, carry, adds = _chunk_solution(_chunked(kf, size), _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma,
+                                     b, k_decay)
+    eye = torch.eye(kf.shape[-1], dtype=kf.dtype, device=kf.device)
+    maps = torch.cat([_scaled(eye, last) - carry, adds], dim=-1)  # (..., nc, F, F + Dv): [A_c | B_c]
+    features = kf.shape[-1]
+    while maps.shape[-3] > 1:  # compose neighbours (2i, 2i+1); an odd last one waits for the next round
+        pairs = maps.shape[-3] // 2
+        first, second = maps[..., 0 : 2 * pairs : 2, :, :], maps[..., 1 : 2 * pairs : 2, :, :]
+        second_a, second_b = second.split([features, v.shape[-1]], dim=-1)
+        composed = second_a @ first + F.pad(second_b, (features, 0))  # A₂[A₁ | B₁] + [0 | B₂]
+        maps = torch.cat([composed, maps[..., 2 * pairs :, :, :]], dim=-3)
+    a, b_final = maps[..., 0, :, :].split([features, v.shape[-1]], dim=-1)
+    return a, b_final
