@@ -25,8 +25,8 @@ class ContextParallel(nn.Module):
     go around the model as usual; its state_dict keys gain the prefix ``layer.``.
 
     Decays (``decay=``) and per-token gates (``gate="token"``) go across ranks (each rank computes its slice's
-    gates), and so does the output gate; the window hybrid, per-feature gates, the delta rule and the short
-    convolution raise here.
+    gates), and so do the delta rule (``update="delta"``, β computed by each rank from its tokens) and the output
+    gate; the window hybrid, per-feature gates and the short convolution raise here.
 
     ``validate``: ``"first"`` (default) exchanges the shape header in a separate small all-gather on the first
     call only, later calls use one collective; ``True``/``False`` on every call (see
@@ -45,11 +45,10 @@ class ContextParallel(nn.Module):
                 "layer: the sliding-window hybrid (window=) is not split across ranks yet (its window would need the "
                 "previous rank's last keys); use a layer without window=, or run it on one process"
             )
-        if layer.update != "add" or layer.short_conv is not None:
+        if layer.short_conv is not None:
             raise LinearAttentionError(
-                "layer: the delta rule (update='delta') and the short convolution (short_conv=) are not split across "
-                "ranks yet (the delta memory is not a sum of per-rank parts; the convolution would need the previous "
-                "rank's last inputs); use an additive layer without short_conv, or run it on one process"
+                "layer: the short convolution (short_conv=) is not split across ranks yet (each rank's first tokens "
+                "would need the previous rank's last inputs); use a layer without short_conv, or run it on one process"
             )
         if layer.gate_kind not in (None, "token"):
             raise LinearAttentionError(
@@ -86,7 +85,8 @@ class ContextParallel(nn.Module):
                 key_padding_mask=key_padding_mask,
                 validate=validate,
                 decay=layer._rates(x.device),
-                log_gate=layer._log_gate(x),  # this slice's gates: computed from its own tokens
+                log_gate=layer._log_gate(x),  # this slice's gates (and β): computed from its own tokens
+                beta=layer._beta(x),
                 **layer.options,
             )
         return layer._output(out, x)  # as in LinearAttention: norm and gate per head and token; (B, N_r, E)
