@@ -18,13 +18,12 @@ import torch
 from torch import nn
 
 from ..errors import LinearAttentionError
-from ..feature_maps import FeatureMap
 from ..features import is_log_space, unit_features
 from ..state import DeltaRuleState
-from ._step import _repeat_heads, _Step
+from ._step import _repeat_heads
 
 
-class DeltaDecodeStep(_Step):
+class DeltaDecodeStep:
     """The delta rule one token at a time, from a :class:`~linattn.DeltaRuleState` (batch shape (B, H)).
 
     Args:
@@ -41,7 +40,6 @@ class DeltaDecodeStep(_Step):
                 f"state: a decode step needs a state of batch shape (B, H), got kv of shape {tuple(state.kv.shape)}"
             )
         self.fmap = fmap
-        self.features = fmap.features if isinstance(fmap, FeatureMap) else None
         self.log_space = is_log_space(fmap)
         self.kv = state.kv.detach().clone(memory_format=torch.contiguous_format)  # owned, updated in place
         self.num_tokens = state.num_tokens
