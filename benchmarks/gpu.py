@@ -11,6 +11,10 @@ warm-up call), so that clocks and neighbours affect all alike. Candidates:
     linattn_torch    the pure-PyTorch chunked form (backend="torch"), up to --torch-max tokens
     fla_chunk        fla's chunk_linear_attn on the same features, when the fla package is importable
 
+The delta rule (Gated DeltaNet, --delta-lengths, default N = 8192 at B=4, H=8, D=64, bf16): the Triton backend
+against the torch chunked form, end to end, forward and forward+backward (and fla's chunk_gated_delta_rule when
+importable); the ratio column then reads torch/this.
+
 Also the decoding step (B=1, H=32, D=128: one token against the carried state) through linear_attention, through
 the fused kernel alone, and through DecodeStep (fused kernel, state in place; and in torch ops), eager and as the
 steps of 32 layers captured in one CUDA graph. Prints a table, writes CSV (--csv). No network, no install: run from
@@ -58,6 +62,8 @@ def _features(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fla() -> Callable[..., Any] | None:
+    if DEVICE != "cuda":  # --smoke: fla's kernels have no interpreter path (its CPU fallback finds no driver)
+        return None
     try:
         from fla.ops.linear_attn import chunk_linear_attn  # type: ignore[import-not-found]
     except Exception:  # not carried, or it does not import with this torch/triton
@@ -129,6 +135,41 @@ def _timed(call: Call) -> float:
     return start.elapsed_time(end)
 
 
+def _time_calls(calls: dict[tuple[str, str], Call], n: int, rounds: int) -> list[dict[str, Any]]:
+    """Median ms, spread and peak memory of each (candidate, mode) call: a warm-up call each (compiles the kernels,
+    measures the peak), then ``rounds`` alternating rounds. A call that fails is a row with its error as the note."""
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
+    peak: dict[tuple[str, str], int] = {}
+    failed: dict[tuple[str, str], str] = {}
+    for key, call in calls.items():  # warm-up (compiles the kernels) and peak memory
+        try:
+            if DEVICE == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            call()
+            _sync()
+            peak[key] = torch.cuda.max_memory_allocated() - before if DEVICE == "cuda" else 0
+        except Exception as error:  # e.g. out of memory: reported in the table, the others go on
+            failed[key] = f"{type(error).__name__}: {str(error)[:80]}"
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    for _ in range(rounds):
+        for key, call in calls.items():
+            if key not in failed:
+                times[key].append(_timed(call))
+    rows = []
+    for (name, mode), samples in times.items():
+        row: dict[str, Any] = {"N": n, "candidate": name, "mode": mode}
+        if (name, mode) in failed:
+            row.update(ms=float("nan"), spread="", peak_GiB=float("nan"), note=failed[(name, mode)])
+        else:
+            quarters = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else samples * 3
+            row.update(ms=statistics.median(samples), spread=f"{quarters[0]:.3f}-{quarters[2]:.3f}",
+                       peak_GiB=peak[(name, mode)] / 2**30, note="")
+        rows.append(row)
+    return rows
+
+
 def time_length(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Median forward and forward+backward ms of every candidate at N = n, alternating rounds."""
     shape = (args.batch, args.heads, n, args.dim)
@@ -158,26 +199,7 @@ def time_length(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
 
         calls[(name, "fwd")] = forward
         calls[(name, "fwd+bwd")] = training
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
-    peak: dict[tuple[str, str], int] = {}
-    failed: dict[tuple[str, str], str] = {}
-    for key, call in calls.items():  # warm-up (compiles the kernels) and peak memory
-        try:
-            if DEVICE == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            call()
-            _sync()
-            peak[key] = torch.cuda.max_memory_allocated() - before if DEVICE == "cuda" else 0
-        except Exception as error:  # e.g. out of memory: reported in the table, the others go on
-            failed[key] = f"{type(error).__name__}: {str(error)[:80]}"
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
-    for _ in range(args.rounds):
-        for key, call in calls.items():
-            if key not in failed:
-                times[key].append(_timed(call))
-    rows = []
+    rows = _time_calls(calls, n, args.rounds)
     if n == args.lengths[0]:
         try:
             note = agreement(runs, feats, token_major)
@@ -185,18 +207,68 @@ def time_length(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
             note = f"agreement not checked: {type(error).__name__}: {str(error)[:120]}"
         if note:
             print(f"  {note}", flush=True)
-    for (name, mode), samples in times.items():
-        row: dict[str, Any] = {"N": n, "candidate": name, "mode": mode}
-        if (name, mode) in failed:
-            row.update(ms=float("nan"), spread="", peak_GiB=float("nan"), note=failed[(name, mode)])
-        else:
-            quarters = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else samples * 3
-            row.update(ms=statistics.median(samples), spread=f"{quarters[0]:.3f}-{quarters[2]:.3f}",
-                       peak_GiB=peak[(name, mode)] / 2**30, note="")
-        rows.append(row)
     flash = {r["mode"]: r["ms"] for r in rows if r["candidate"] == "sdpa_flash"}
     for row in rows:
         row["flash/this"] = flash.get(row["mode"], float("nan")) / row["ms"] if row["ms"] == row["ms"] else float("nan")
+    return rows
+
+
+def _fla_delta() -> Callable[..., Any] | None:
+    if DEVICE != "cuda":
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore[import-not-found]
+    except Exception:
+        return None
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        # (B, N, H, ·) layout, made outside the timing; L2-normalised q and k in its kernel, as linattn's
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0, use_qk_l2norm_in_kernel=True)[0]
+
+    return run
+
+
+def time_delta(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The delta rule with a per-token gate (Gated DeltaNet: identity features, L2-normalised; β = σ(·),
+    g = logsigmoid(·)), B=4, H=8, D=64 by default: the triton backend against the torch chunked form (both chunk
+    64, end to end through linear_attention) and fla's chunk_gated_delta_rule when importable."""
+    shape = (args.batch, args.delta_heads, n, args.delta_dim)
+    inputs = [torch.randn(shape, device=DEVICE, dtype=args.dtype) for _ in range(3)]
+    inputs += [torch.rand(shape[:-1], device=DEVICE) * 0.9 + 0.05, -torch.rand(shape[:-1], device=DEVICE) * 0.1]
+    grad = torch.randn(shape, device=DEVICE, dtype=args.dtype)
+    runs: dict[str, Callable[..., torch.Tensor]] = {
+        f"delta_{backend}": lambda q, k, v, beta, g, backend=backend: linattn.linear_attention(
+            q, k, v, causal=True, update="delta", beta=beta, log_gate=g, feature_map="identity", backend=backend)
+        for backend in ("triton", "torch")
+    }
+    fla = _fla_delta()
+    if fla is not None:
+        runs["fla_gated_delta"] = fla
+    calls: dict[tuple[str, str], Call] = {}
+    for name, fn in runs.items():
+        token_major = name.startswith("fla")  # (B, N, H, ·)
+        base = [x.transpose(1, 2).contiguous() for x in inputs] if token_major else inputs
+        upstream = grad.transpose(1, 2).contiguous() if token_major else grad
+        leaves = [x.detach().requires_grad_() for x in base]
+
+        def forward(fn: Callable[..., torch.Tensor] = fn, base: list[torch.Tensor] = base) -> None:
+            with torch.no_grad():
+                fn(*base)
+
+        def training(fn: Callable[..., torch.Tensor] = fn, leaves: list[torch.Tensor] = leaves,
+                     upstream: torch.Tensor = upstream) -> None:
+            fn(*leaves).backward(upstream)
+            for leaf in leaves:
+                leaf.grad = None
+
+        calls[(name, "fwd")], calls[(name, "fwd+bwd")] = forward, training
+    with torch.no_grad():  # the timed calls compute the same
+        fast, slow = runs["delta_triton"](*inputs).float(), runs["delta_torch"](*inputs).float()
+    print(f"  delta N={n}: triton vs torch rel. difference {((fast - slow).norm() / slow.norm()).item():.2e}")
+    rows = _time_calls(calls, n, args.rounds)
+    torch_ms = {r["mode"]: r["ms"] for r in rows if r["candidate"] == "delta_torch"}
+    for row in rows:  # the column holds torch-form/this for the delta rows
+        row["flash/this"] = torch_ms.get(row["mode"], float("nan")) / row["ms"]
     return rows
 
 
@@ -275,6 +347,32 @@ def time_decode(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _lengths(rows: list[dict[str, Any]], lengths: list[int], timer: Callable[..., list[dict[str, Any]]], ratio: str,
+             args: argparse.Namespace) -> None:
+    """Time each length with ``timer``, print its rows (``ratio``/this: the column's reference), keep them."""
+    for n in lengths:
+        started = time.perf_counter()
+        found = timer(n, args)
+        rows += found
+        for row in found:
+            print(f"N={row['N']:>6} {row['candidate']:>16} {row['mode']:>8} {row['ms']:10.3f} ms  "
+                  f"[{row['spread']}]  {ratio}/this {row['flash/this']:6.2f}  peak {row['peak_GiB']:6.2f} GiB "
+                  f"{row['note']}", flush=True)
+        print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        if ratio == "torch":  # the delta rule's section comes last: its rows are saved as they come
+            _write(args.csv, rows)
+
+
+def _write(path: str, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768, 65536])
@@ -288,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", default="gpu_benchmark.csv")
     parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes, under TRITON_INTERPRET=1")
     parser.add_argument("--decode-only", action="store_true", help="only the decoding step")
+    parser.add_argument("--delta-lengths", type=int, nargs="*", default=[8192], help="the delta rule's N (none: skip)")
+    parser.add_argument("--delta-heads", type=int, default=8)
+    parser.add_argument("--delta-dim", type=int, default=64)
     args = parser.parse_args(argv)
     args.dtype = torch.bfloat16
     global DEVICE
@@ -295,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         DEVICE, args.dtype = "cpu", torch.float16  # the interpreter has no bf16
         args.lengths, args.batch, args.heads, args.dim, args.rounds = [80], 1, 2, 16, 2
         args.prompt, args.steps, args.torch_max = 70, 2, 80
+        args.delta_lengths, args.delta_heads, args.delta_dim = [80], 2, 16
     elif not torch.cuda.is_available():
         print("no CUDA device")
         return 1
@@ -304,25 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name}  torch {torch.__version__}  triton {triton.__version__}  B={args.batch} H={args.heads} "
           f"D={args.dim} {str(args.dtype)[6:]} causal, median of {args.rounds} alternating rounds")
     rows = []
-    for n in [] if args.decode_only else args.lengths:
-        started = time.perf_counter()
-        found = time_length(n, args)
-        rows += found
-        for row in found:
-            print(f"N={row['N']:>6} {row['candidate']:>16} {row['mode']:>8} {row['ms']:10.3f} ms  "
-                  f"[{row['spread']}]  flash/this {row['flash/this']:6.2f}  peak {row['peak_GiB']:6.2f} GiB "
-                  f"{row['note']}", flush=True)
-        print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
+    _lengths(rows, [] if args.decode_only else args.lengths, time_length, "flash", args)
     for row in time_decode(args):
         rows.append(row)
         print(f"decode {row['candidate']:>20} {row['ms'] * 1e3:8.1f} us per step [{row['spread']}]", flush=True)
-    with open(args.csv, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {args.csv}")
+    _write(args.csv, rows)  # before the delta rule's section, whose first launches compile (and fla autotunes)
+    _lengths(rows, [] if args.decode_only else args.delta_lengths, time_delta, "torch", args)
     broken = [f"{row['candidate']} {row['mode']}: {row['note']}" for row in rows if row["note"]]
     if broken:
         print("failed:\n  " + "\n  ".join(broken))

@@ -180,15 +180,21 @@ def check_window_combination(window: object, **others: object) -> None:
 
 def backend_reasons(backend: str, call: Call, route: Route, q: torch.Tensor, dtype: torch.dtype) -> list[str]:
     """Why ``backend`` does not cover the call (before the feature map runs); [] when it does. ``torch`` runs every
-    route; ``triton`` declares its own limits (:func:`linattn.backends.triton.reasons`)."""
+    route; ``triton`` declares its own limits (:func:`linattn.backends.triton.reasons`, and for the delta rule
+    :func:`~linattn.backends.triton.delta_reasons`)."""
     if backend == "torch":
         return []
+    options = dict(call.options)
+    if route.kind == "delta":  # per-token decays are in the delta kernels
+        found = triton_backend.delta_reasons(q, form=route.form, chunk_size=call.chunk_size, dtype=dtype)
+        given = {name: value for name, value in options.items() if name not in ("decay", "log_gate")}
+        return found + triton_backend.option_reasons(given)
     found = triton_backend.reasons(
         q, causal=call.causal, form=route.form, log_space=call.log_space, chunk_size=call.chunk_size, dtype=dtype
     )
     if route.kind != "plain":
-        found.append(f"{route.kind} attention: the kernels compute plain causal linear attention")
-    return found + triton_backend.option_reasons(dict(call.options))
+        found.append(f"{route.kind} attention: the kernels compute plain causal linear attention and the delta rule")
+    return found + triton_backend.option_reasons(options)
 
 
 def choose_backend(backend: str, call: Call, route: Route, q: torch.Tensor, dtype: torch.dtype) -> str:

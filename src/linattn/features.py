@@ -168,17 +168,18 @@ def query_features(fmap: nn.Module, q: torch.Tensor, log_space: bool, **checks: 
 
 def unit_features(
     fmap: nn.Module, x: torch.Tensor, *, is_query: bool, log_space: bool, keep: torch.Tensor | None = None,
-    finite: bool = False, nonnegative: bool = False,
+    finite: bool = False, nonnegative: bool = False, normalized: bool = True,
 ) -> torch.Tensor:
     """φ(x)/‖φ(x)‖ per token (the delta rule's keys and queries, as DeltaNet and Gated DeltaNet normalise them).
     A log-space map's per-token scale cancels, so its features are read at each row's own maximum first; an
-    all-zero φ stays 0 (it writes and reads nothing); masked tokens (``keep`` False) are 0."""
+    all-zero φ stays 0 (it writes and reads nothing); masked tokens (``keep`` False) are 0. ``normalized=False``:
+    everything but the division by the norm (for a kernel that normalises as it loads)."""
     features = map_features(fmap, x, is_query=is_query, finite=finite, nonnegative=nonnegative)
     if log_space:
         features = stabilise_queries(features)[0]
     if keep is not None:
         features = features.masked_fill(~keep.unsqueeze(-1), 0)
-    return torch.nn.functional.normalize(features, dim=-1)
+    return torch.nn.functional.normalize(features, dim=-1) if normalized else features
 
 
 def key_features(

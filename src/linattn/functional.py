@@ -179,7 +179,7 @@ def linear_attention(
     out_dtype = q.dtype
     chosen = choose_backend(backend, call, route, q, out_dtype)
     torch_run = torch_runner(route, causal)
-    run = select_backend(chosen, dtype=out_dtype, forced=backend == "triton", torch_run=torch_run)
+    run = select_backend(chosen, dtype=out_dtype, forced=backend == "triton", torch_run=torch_run, kind=route.kind)
 
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     if chosen == "torch":  # the triton backend takes q, k, v in the caller's dtype (it may make elu + 1 itself)

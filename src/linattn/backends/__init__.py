@@ -17,8 +17,8 @@ import torch
 from .. import _validate
 from ..errors import LinearAttentionError
 from ..feature_maps.elementwise import EluFeatureMap
-from ..features import key_features, query_features
-from ..state import LinearAttentionState
+from ..features import check_feature_dims, key_features, query_features, unit_features
+from ..state import DeltaRuleState, LinearAttentionState
 from . import triton as triton_backend
 
 # the fused token-by-token kernel serves inference calls of at most this many tokens (decoding, short prompts);
@@ -28,11 +28,16 @@ RECURRENT_MAX_TOKENS = 16
 Runner = Callable[[Any], tuple[torch.Tensor, Any]]
 
 
-def select_backend(backend: str, *, dtype: torch.dtype, forced: bool, torch_run: Runner) -> Runner:
+def select_backend(
+    backend: str, *, dtype: torch.dtype, forced: bool, torch_run: Runner, kind: str = "plain"
+) -> Runner:
     """The runner of ``backend`` ("torch" or "triton", as :func:`linattn.capabilities.choose_backend` picked it)
-    for a job whose caller's input dtype is ``dtype``; ``torch_run`` runs the route on the torch forms."""
+    for a job of route kind ``kind`` ("plain" or "delta": the kinds the kernels cover) whose caller's input dtype
+    is ``dtype``; ``torch_run`` runs the route on the torch forms."""
     if backend == "torch":
         return torch_run
+    if kind == "delta":
+        return _triton_delta_run(dtype, forced=forced, torch_run=torch_run)
     return _triton_run(dtype, forced=forced, torch_run=torch_run)
 
 
@@ -59,6 +64,44 @@ def _triton_run(dtype: torch.dtype, *, forced: bool, torch_run: Runner) -> Runne
             return torch_run(job)
         _validate.check_state_features(state, kf.shape[-1], job.map_name)
         return causal_attention(qf, kf, job.v, state=state, dtype=dtype, **options)
+
+    return run
+
+
+def _triton_delta_run(dtype: torch.dtype, *, forced: bool, torch_run: Runner) -> Runner:
+    """The delta rule of a :class:`~linattn._dispatch.Job` on the kernels (delta_function.py): the features made
+    and L2-normalised here in fp32 (any map; the step kernel normalises them itself); inference calls of at most
+    RECURRENT_MAX_TOKENS tokens take the step kernel, the rest the chunk kernels. Sizes the kernels do not take
+    raise when ``forced``, else go to ``torch_run``."""
+
+    def run(job: Any) -> tuple[torch.Tensor, DeltaRuleState]:
+        job = replace(job, q=job.q.float(), k=job.k.float(), v=job.v.float())
+        state, n = job.state, job.q.shape[-2]
+        assert job.beta is not None and (state is None or isinstance(state, DeltaRuleState))
+        inputs = (job.q, job.k, job.v, job.beta, job.log_decay, state.kv if state is not None else None)
+        tracking = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+        stepping = not tracking and n <= RECURRENT_MAX_TOKENS
+        options = {"log_space": job.log_space, "finite": job.check_finite, "nonnegative": job.nonnegative,
+                   "normalized": not stepping}
+        qf = unit_features(job.fmap, job.q, is_query=True, **options)
+        kf = unit_features(job.fmap, job.k, is_query=False, keep=job.keep, **options)
+        check_feature_dims(qf.shape[-1], kf.shape[-1], job.fmap)
+        found = triton_backend.delta_shape_reasons(kf.shape[-1], job.v.shape[-1])
+        if found:
+            if forced:
+                raise triton_backend.refusal(found)
+            return torch_run(job)
+        _validate.check_state_features(state, kf.shape[-1], job.map_name)
+        beta = job.beta if job.keep is None else job.beta * job.keep.to(job.beta.dtype)  # masked: no write
+        initial = state.kv if state is not None else kf.new_zeros(*kf.shape[:-2], kf.shape[-1], job.v.shape[-1])
+        host = triton_backend.load_delta()
+        common = {"beta": beta, "log_decay": job.log_decay, "initial": initial, "dtype": dtype}
+        if stepping:
+            out, kv = host.delta_recurrent(qf, kf, job.v, **common)
+        else:
+            size = job.chunk_size or next(c for c in triton_backend.DELTA_CHUNKS if c >= min(n, 64))
+            out, kv = host.delta_chunked(qf, kf, job.v, chunk_size=size, **common)
+        return out, DeltaRuleState(kv, (state.num_tokens if state is not None else 0) + n)
 
     return run
 

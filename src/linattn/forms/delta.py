@@ -29,6 +29,7 @@ Two forms, one definition:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -161,60 +162,95 @@ class _DeltaChunks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, beta, log_decay, states, solved, written = ctx.saved_tensors
-        size, dv = ctx.size, v.shape[-1]
-        qc, kc, vc, d_o = _chunked(q, size), _chunked(k, size), _chunked(v, size), _chunked(d_out, size)
-        bc = beta.unflatten(-1, (-1, size))
-        gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
-                                         q.dtype)
-        lower, strict = _masks(size, q.device)
-        w_k = solved[..., dv:]
-        keys = kc @ kc.mT
-        scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)
-        bq = _scaled(qc, b.unsqueeze(-1) if b is not None else None)
-        k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)
+        *grads, d_initial = chunk_backward(ctx.saved_tensors, d_out, d_final, ctx.size,
+                                           want_log=ctx.needs_input_grad[4], sweep=adjoint_sweep)
+        return (*grads, d_initial if ctx.has_initial else None, None)
 
-        # the adjoint of the state recurrence, chunk after chunk backwards
-        p_do = scores.mT @ d_o
-        direct = bq.mT @ d_o - w_k.mT @ p_do  # (..., nc, F, Dv)
-        leaving = _recur(d_final, (w_k.mT @ k_out).flip(-3), direct.flip(-3), last.flip(-3) if last is not None
-                         else None)
-        d_state = leaving.pop()
-        d_leaving = torch.stack(leaving[::-1], dim=-3)  # the adjoint of the state leaving each chunk
 
-        d_written = p_do + k_out @ d_leaving  # dU
-        d_scores = (d_o @ written.mT).masked_fill_(~lower, 0)  # dP
-        d_bq = d_o @ states.mT
-        d_kout = written @ d_leaving.mT
-        d_solved = torch.cat([d_written, -(d_written @ states.mT)], dim=-1)  # (dW_v, dW_k)
-        system = _scaled(keys * bc.unsqueeze(-1), gamma).masked_fill_(~strict, 0)
-        d_rhs = torch.linalg.solve_triangular(system.mT, d_solved, upper=True, unitriangular=True)
-        d_system = (d_rhs @ solved.mT).neg_().masked_fill_(~strict, 0)  # dA
-        d_rv, d_rk = d_rhs.split([dv, k.shape[-1]], dim=-1)
+Sweep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
-        rows = _scaled(bc, b)
-        dq = _scaled(d_scores, gamma) @ kc + _scaled(d_bq, b.unsqueeze(-1) if b is not None else None)
-        weighted = _scaled(d_system, gamma)  # dA ⊙ Γ
-        d_keys = weighted * bc.unsqueeze(-1)
-        dk = (rows.unsqueeze(-1) * d_rk + (d_keys + d_keys.mT) @ kc + _scaled(d_scores, gamma).mT @ qc
-              + _scaled(d_kout, k_decay.unsqueeze(-1) if k_decay is not None else None))
-        d_v = bc.unsqueeze(-1) * d_rv
-        d_rows = (kc * d_rk).sum(-1)
-        d_beta = (vc * d_rv).sum(-1) + (weighted * keys).sum(-1) + _scaled(d_rows, b)
 
-        d_log = None
-        if log_decay is not None and ctx.needs_input_grad[4]:
-            assert b is not None and last is not None and k_decay is not None
-            pairs = (d_system * system + d_scores * scores).to(torch.float64)  # dΓ·Γ
-            d_cum = pairs.sum(-1) - pairs.sum(-2)
-            d_cum += ((d_rows * bc + (qc * d_bq).sum(-1)) * b).to(torch.float64)  # through b_t
-            out_decay = ((kc * d_kout).sum(-1) * k_decay).to(torch.float64)  # through e^{G_C − G_j}
-            d_cum -= out_decay
-            d_cum[..., -1] += out_decay.sum(-1) + ((states * d_leaving).sum((-2, -1)) * last[..., 0, 0]).double()
-            d_log = torch.flip(torch.cumsum(torch.flip(d_cum, [-1]), dim=-1), [-1]).flatten(-2)  # G = cumsum(g)
-        d_initial = d_state if ctx.has_initial else None
-        return (dq.flatten(-3, -2), dk.flatten(-3, -2), d_v.flatten(-3, -2), d_beta.flatten(-2), d_log,
-                d_initial, None)
+def adjoint_sweep(
+    bq: torch.Tensor,
+    k_out: torch.Tensor,
+    w_k: torch.Tensor,
+    p_do: torch.Tensor,
+    d_o: torch.Tensor,
+    last: torch.Tensor | None,
+    d_final: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adjoint of the state recurrence, chunk after chunk backwards: dS = (bQ)ᵀdO − W_kᵀ(PᵀdO + K_out·dS') +
+    b_C·dS'. Chunked inputs (..., nc, C, ·) as :func:`chunk_backward` forms them; returns the adjoint of the state
+    leaving each chunk (..., nc, F, Dv) and the one entering the first (..., F, Dv)."""
+    direct = bq.mT @ d_o - w_k.mT @ p_do  # (..., nc, F, Dv)
+    leaving = _recur(d_final, (w_k.mT @ k_out).flip(-3), direct.flip(-3), last.flip(-3) if last is not None
+                     else None)
+    d_state = leaving.pop()
+    return torch.stack(leaving[::-1], dim=-3), d_state
+
+
+def chunk_backward(
+    saved: tuple[torch.Tensor | None, ...],
+    d_out: torch.Tensor,
+    d_final: torch.Tensor,
+    size: int,
+    *,
+    want_log: bool,
+    sweep: Sweep,
+) -> tuple[torch.Tensor | None, ...]:
+    """The written-out backward of :class:`_DeltaChunks` from what its forward saved (q, k, v, beta, log_decay, the
+    states entering each chunk, W = (W_v, W_k), U): the chunk-local gradients around ``sweep``, the sequential
+    adjoint of the state (:func:`adjoint_sweep`, or a kernel with its signature). Returns dq, dk, dv, dβ, d log-decay
+    (None unless ``want_log``) and ∂L/∂(initial state)."""
+    q, k, v, beta, log_decay, states, solved, written = saved
+    assert q is not None and k is not None and v is not None and beta is not None
+    assert states is not None and solved is not None and written is not None
+    dv = v.shape[-1]
+    qc, kc, vc, d_o = _chunked(q, size), _chunked(k, size), _chunked(v, size), _chunked(d_out, size)
+    bc = beta.unflatten(-1, (-1, size))
+    gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
+                                     q.dtype)
+    lower, strict = _masks(size, q.device)
+    w_k = solved[..., dv:]
+    keys = kc @ kc.mT
+    scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)
+    bq = _scaled(qc, b.unsqueeze(-1) if b is not None else None)
+    k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)
+
+    p_do = scores.mT @ d_o
+    d_leaving, d_state = sweep(bq, k_out, w_k, p_do, d_o, last, d_final)  # the adjoint of each chunk's output state
+
+    d_written = p_do + k_out @ d_leaving  # dU
+    d_scores = (d_o @ written.mT).masked_fill_(~lower, 0)  # dP
+    d_bq = d_o @ states.mT
+    d_kout = written @ d_leaving.mT
+    d_solved = torch.cat([d_written, -(d_written @ states.mT)], dim=-1)  # (dW_v, dW_k)
+    system = _scaled(keys * bc.unsqueeze(-1), gamma).masked_fill_(~strict, 0)
+    d_rhs = torch.linalg.solve_triangular(system.mT, d_solved, upper=True, unitriangular=True)
+    d_system = (d_rhs @ solved.mT).neg_().masked_fill_(~strict, 0)  # dA
+    d_rv, d_rk = d_rhs.split([dv, k.shape[-1]], dim=-1)
+
+    rows = _scaled(bc, b)
+    dq = _scaled(d_scores, gamma) @ kc + _scaled(d_bq, b.unsqueeze(-1) if b is not None else None)
+    weighted = _scaled(d_system, gamma)  # dA ⊙ Γ
+    d_keys = weighted * bc.unsqueeze(-1)
+    dk = (rows.unsqueeze(-1) * d_rk + (d_keys + d_keys.mT) @ kc + _scaled(d_scores, gamma).mT @ qc
+          + _scaled(d_kout, k_decay.unsqueeze(-1) if k_decay is not None else None))
+    d_v = bc.unsqueeze(-1) * d_rv
+    d_rows = (kc * d_rk).sum(-1)
+    d_beta = (vc * d_rv).sum(-1) + (weighted * keys).sum(-1) + _scaled(d_rows, b)
+
+    d_log = None
+    if log_decay is not None and want_log:
+        assert b is not None and last is not None and k_decay is not None
+        pairs = (d_system * system + d_scores * scores).to(torch.float64)  # dΓ·Γ
+        d_cum = pairs.sum(-1) - pairs.sum(-2)
+        d_cum += ((d_rows * bc + (qc * d_bq).sum(-1)) * b).to(torch.float64)  # through b_t
+        out_decay = ((kc * d_kout).sum(-1) * k_decay).to(torch.float64)  # through e^{G_C − G_j}
+        d_cum -= out_decay
+        d_cum[..., -1] += out_decay.sum(-1) + ((states * d_leaving).sum((-2, -1)) * last[..., 0, 0]).double()
+        d_log = torch.flip(torch.cumsum(torch.flip(d_cum, [-1]), dim=-1), [-1]).flatten(-2)  # G = cumsum(g)
+    return dq.flatten(-3, -2), dk.flatten(-3, -2), d_v.flatten(-3, -2), d_beta.flatten(-2), d_log, d_state
 
 
 def delta_chunked(

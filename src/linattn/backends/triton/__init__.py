@@ -3,6 +3,8 @@
 Importing this package does not import triton; :func:`load` does, on first use. What it covers (v1): causal
 attention with ordinary (non-log-space) feature maps, fp32/fp16/bf16 inputs, F and Dv up to 256, any N, chunk 64,
 an optional initial state, the normaliser (eps, min_denom) or none. :func:`reasons` says why a case is not covered.
+The delta rule (delta_function.py): causal, any feature map (made and normalised before the kernels), per-token
+decays, F and Dv up to 128, chunks of 16, 32 or 64; :func:`delta_reasons` and :func:`delta_shape_reasons`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ MAX_DIM = 256
 # tests/test_triton_compile.py), so fp32 is covered up to the 64 size class
 MAX_DIM_FP32 = 64
 CHUNK = 64
+DELTA_CHUNKS = (16, 32, 64)  # tl.dot needs tiles of ≥ 16 tokens; 64 the default, as the torch form's
+# every tile of the delta kernels is fp32: F = 256 overflows an H100's shared memory (tests/test_triton_compile.py)
+DELTA_MAX_DIM = 128
 _TRUE = ("1", "true", "on", "yes")
 
 
@@ -42,6 +47,13 @@ def load() -> ModuleType:
     from . import function
 
     return function
+
+
+def load_delta() -> ModuleType:
+    """The delta rule's host module (imports triton)."""
+    from . import delta_function
+
+    return delta_function
 
 
 def reasons(
@@ -84,6 +96,22 @@ def shape_reasons(features: int, values: int, dtype: torch.dtype) -> list[str]:
     if values > limit:
         found.append(f"value dimension Dv={values} > {limit}{what}")
     return found
+
+
+def delta_reasons(q: torch.Tensor, *, form: str, chunk_size: int | None, dtype: torch.dtype) -> list[str]:
+    """Why the delta kernels do not cover this call of the delta rule (causal, unnormalised: the route's own
+    reasons); [] when covered. Any feature map: the features are made and L2-normalised before the kernels."""
+    found = reasons(q, causal=True, form=form, log_space=False, chunk_size=None, dtype=dtype)
+    if chunk_size not in (None, *DELTA_CHUNKS):
+        found.append(f"chunk_size={chunk_size}: the delta kernels use chunks of {', '.join(map(str, DELTA_CHUNKS))}")
+    return found
+
+
+def delta_shape_reasons(features: int, values: int) -> list[str]:
+    """Why the delta kernels do not cover the feature and value sizes (known once the feature map has run)."""
+    return [f"{name}={size} > {DELTA_MAX_DIM} (the delta kernels keep every tile in fp32)"
+            for name, size in (("feature dimension F", features), ("value dimension Dv", values))
+            if size > DELTA_MAX_DIM]
 
 
 def option_reasons(options: dict[str, Any]) -> list[str]:
