@@ -114,11 +114,15 @@ def layer_part(args: argparse.Namespace) -> None:
     from linattn.nn import LinearAttention
 
     hybrid = f", window {args.window} + {args.sinks} sinks" if args.window else ""
+    if args.delta:
+        hybrid += ", Gated DeltaNet layer (update='delta', gate='token', short_conv=4, output_gate=True)"
     print(f"nn.LinearAttention, one token after {args.context}, B=1, d={args.dim}, fp32, "
           f"{torch.get_num_threads()} thread(s), median of {args.rounds} alternating rounds of {args.calls} calls "
           f"(ms, projections included){hybrid}")
     print(f"{'H/Hkv':>7} {'map':>8} {'layer(x, state=)':>17} {'decoder(x)':>11} {'speed-up':>9}")
-    options = {"window": args.window, "sinks": args.sinks} if args.window else {}
+    options: dict[str, Any] = {"window": args.window, "sinks": args.sinks} if args.window else {}
+    if args.delta:
+        options.update(update="delta", gate="token", short_conv=4, output_gate=True)
     for heads, kv_heads in ((8, 8), (9, 3)):
         for name in args.step_maps:
             layer = LinearAttention(heads * args.dim, heads, num_kv_heads=kv_heads, feature_map=name, causal=True,
@@ -220,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-maps", nargs="+", default=["elu", "favor+", "hedgehog"])
     parser.add_argument("--window", type=int, default=0, help="step the window hybrid with this window (0: none)")
     parser.add_argument("--sinks", type=int, default=4, help="sinks of the window hybrid (with --window)")
+    parser.add_argument("--delta", action="store_true",
+                        help="layer part: Gated DeltaNet layers (update='delta', gate='token', short_conv=4, "
+                        "output_gate=True)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--model", default="smollm2")

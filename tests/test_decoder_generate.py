@@ -76,6 +76,8 @@ PADDED = {
     "elu+window+sinks": ("elu", {"window": 4, "sinks": 2}),
     # a log-space map with the window: no lean step, each row on its own state (RowSteps)
     "favor+window+sinks": ("favor+", {"num_features": 16, "seed": 2, "window": 3, "sinks": 3}),
+    # the delta rule: padded keys write nothing (the lean delta step with a mask)
+    "elu+delta": ("elu", {"update": "delta", "beta": 0.8, "decay": 0.97}),
 }
 
 
@@ -104,8 +106,9 @@ def test_left_padded_batch_equals_each_row_alone(name):
                                        rtol=1e-5, atol=1e-5)
 
 
-def test_beam_search_reorders_the_states():
-    model = hf.linearize(tiny_llama(), "elu")
+@pytest.mark.parametrize("options", [{}, {"update": "delta"}], ids=["add", "delta"])
+def test_beam_search_reorders_the_states(options):
+    model = hf.linearize(tiny_llama(), "elu", **options)
     ids = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         cached = model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0)

@@ -268,6 +268,9 @@ def cases(world: int) -> dict[str, Callable[[int, int], dict[str, float]]]:
         # per-head decays, gates computed from each slice's tokens, the per-head output norm
         "layer_causal_decay_token_gate_norm": lambda r, w: _layer_case(
             r, w, True, decay="retnet", gate="token", output_norm=True),
+        # the Gated DeltaNet layer: β and gates from each slice's tokens, the delta summaries, the output gate
+        "layer_gated_delta_output_gate": lambda r, w: _layer_case(
+            r, w, True, update="delta", gate="token", decay="retnet", output_gate=True, feature_map="identity"),
         "collectives": _count_collectives,
         # decays: each slice's decayed sums and its total log-decay cross the ranks
         "causal_elu_decay_per_head_mask_gqa": lambda r, w: _compare(
@@ -451,8 +454,9 @@ def test_summed_header_pieces_detect_any_disagreement() -> None:
         _exchange.check_moments(summed, headers[0], 5, 0)
 
 
-@pytest.mark.parametrize(("options", "match"), [({"window": 4}, "window"), ({"gate": "feature"}, "per-feature")],
-                         ids=["window", "feature-gate"])
+@pytest.mark.parametrize(("options", "match"), [({"window": 4}, "window"), ({"gate": "feature"}, "per-feature"),
+                                                ({"short_conv": 4}, "short convolution")],
+                         ids=["window", "feature-gate", "short-conv"])
 def test_context_parallel_refuses_what_it_does_not_split(options: dict, match: str) -> None:
     with pytest.raises(linattn.LinearAttentionError, match=match):
         ContextParallel(LinearAttention(16, 4, causal=True, **options))

@@ -15,7 +15,7 @@ from .feature_maps import FeatureMap
 from .forms import FORMS
 from .functional import linear_attention
 from .seed import chunked_linear_attention, stable_linear_attention
-from .state import DeltaRuleState, LinearAttentionState, WindowAttentionState
+from .state import DeltaRuleState, LinearAttentionState, ShortConvState, WindowAttentionState
 
 __version__ = "0.1.0"
 
@@ -25,6 +25,7 @@ __all__ = [
     "FeatureMap",
     "LinearAttentionError",
     "LinearAttentionState",
+    "ShortConvState",
     "WindowAttentionState",
     "__version__",
     "chunked_linear_attention",

@@ -21,7 +21,7 @@ from torch import nn
 from .backends import triton as triton_backend
 from .errors import LinearAttentionError
 from .features import is_log_space, is_signed
-from .state import LinearAttentionState, WindowAttentionState
+from .state import DeltaRuleState, LinearAttentionState, WindowAttentionState
 
 BACKENDS = ("auto", "torch", "triton")
 # "auto" runs non-causal attention chunked beyond this many keys: measured faster from 8192 keys on (features and
@@ -217,6 +217,8 @@ def choose_backend(backend: str, call: Call, route: Route, q: torch.Tensor, dtyp
 # linear_attention options a step reproduces; any other option (window=, sinks=, min_denom=, ...) is left to it
 STEP_OPTIONS = frozenset({"eps", "chunk_size", "form"})
 WINDOW_STEP_OPTIONS = STEP_OPTIONS | frozenset({"window", "sinks", "window_factor", "softmax_scale"})
+# the delta step: a fixed β and decay rate come as options, per-token ones with each call
+DELTA_STEP_OPTIONS = STEP_OPTIONS | frozenset({"update", "normalize", "beta", "decay"})
 
 
 def _step_common(fmap: nn.Module, kv: torch.Tensor, options: dict[str, Any], allowed: frozenset[str]) -> list[str]:
@@ -235,8 +237,10 @@ def _step_common(fmap: nn.Module, kv: torch.Tensor, options: dict[str, Any], all
 
 def step_reasons(step: str, fmap: nn.Module, state: Any, options: dict[str, Any]) -> list[str]:
     """Why the lean decoding step ``step`` ("plain": :class:`~linattn.decode.DecodeStep`, "window":
-    :class:`~linattn.decode.WindowDecodeStep`) does not compute what ``linear_attention(..., **options)`` would
-    from ``state``; [] when it does."""
+    :class:`~linattn.decode.WindowDecodeStep`, "delta": :class:`~linattn.decode.DeltaDecodeStep`) does not compute
+    what ``linear_attention(..., **options)`` would from ``state``; [] when it does."""
+    if step == "delta":
+        return _delta_step_reasons(state, options)
     if step == "plain":
         if type(state) is not LinearAttentionState:
             return [f"state {type(state).__name__}: the step continues a LinearAttentionState"]
@@ -250,9 +254,30 @@ def step_reasons(step: str, fmap: nn.Module, state: Any, options: dict[str, Any]
     return found
 
 
+def _delta_step_reasons(state: Any, options: dict[str, Any]) -> list[str]:
+    if type(state) is not DeltaRuleState:
+        return [f"state {type(state).__name__}: the delta step continues a DeltaRuleState"]
+    found = [] if state.kv.dim() == 4 else ["state: the delta step needs batch shape (B, H)"]
+    if state.kv.dtype not in (torch.float32, torch.float64):
+        found.append(f"state in {state.kv.dtype}: the steps keep fp32 or fp64 sums")
+    unknown = sorted(set(options) - DELTA_STEP_OPTIONS)
+    if unknown:
+        found.append(f"options {', '.join(unknown)}: not reproduced by the step")
+    if options.get("update") != "delta" or options.get("normalize"):
+        found.append("the delta step computes update='delta' (normalize=False)")
+    beta = options.get("beta")
+    if beta is not None and not (isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 <= beta <= 2):
+        found.append("beta: the step takes one float in [0, 2] as an option (per-token β with each call)")
+    decay = options.get("decay")
+    if isinstance(decay, torch.Tensor) and decay.dim() > 1:
+        found.append("decay: the step takes a float or one rate per head (H,)")
+    return found
+
+
 def choose_step(fmap: nn.Module, state: Any, options: dict[str, Any]) -> str | None:
-    """"plain" or "window": the lean step that continues ``state``, or None (``linear_attention`` runs instead)."""
-    for step in ("plain", "window"):
+    """"plain", "window" or "delta": the lean step that continues ``state``, or None (``linear_attention`` runs
+    instead)."""
+    for step in ("plain", "window", "delta"):
         if not step_reasons(step, fmap, state, options):
             return step
     return None

@@ -32,6 +32,8 @@ them, O(t) per token: as correct, not faster.
 
 **Options.** ``linearize(model, maps, window=64, sinks=4, eps=...)``: keyword options that ``linear_attention``
 accepts are kept on each attention module (``linattn_options``) and passed to every call, the cached ones included.
+``update="delta"`` (with a fixed ``beta=`` and ``decay=``) gives every layer the delta rule (docs/delta_layer.md),
+decoded by :class:`~linattn.decode.DeltaDecodeStep` in the cache.
 """
 
 from __future__ import annotations
@@ -255,6 +257,10 @@ def _check_attention_options(options: dict[str, Any]) -> None:
                              backend=get("backend"))
     if get("backend", "auto") not in BACKENDS:
         raise LinearAttentionError(f"backend: unknown backend {get('backend')!r}; choose one of {', '.join(BACKENDS)}")
+    update = get("update", "add")
+    if update != "add" or get("beta") is not None:  # the delta rule's own checks (causal: decoders; no log_gate)
+        normalize = get("normalize", update != "delta")
+        _validate.check_update(update, get("beta"), True, normalize, get("min_denom"), None, torch.empty(0))
 
 
 def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP, **options: Any) -> nn.Module:

@@ -4,7 +4,8 @@ transformers' attention modules call ``cache.update(k, v, layer_idx)`` and hand 
 function. Softmax caches return every key so far (memory and time per token grow with the context). This cache
 returns only the keys of the current call and keeps, per layer, the state that ``linear_attention(...,
 return_state=True)`` returned — opaque here: anything with ``to``, ``detach`` and ``index_select`` (the plain
-:class:`~linattn.LinearAttentionState`, or a state with a window ring buffer). The ``"linattn"`` attention function
+:class:`~linattn.LinearAttentionState`, a state with a window ring buffer, or the delta rule's
+:class:`~linattn.DeltaRuleState`). The ``"linattn"`` attention function
 recognises the keys it returned (by identity: the very tensors, not copies) and runs
 
 - the prompt (prefill) in the chunked causal form, keeping the final state;

@@ -27,15 +27,21 @@ log-space maps, ``min_denom``, other options — goes through ``linear_attention
 With grouped-query attention (``kv_heads=``) the exact keys and values are held once per key/value head.
 :meth:`WindowDecodeStep.stack` joins one-row steps into the step of a left-padded batch in which each row keeps its
 own first S tokens as sinks.
+
+:class:`DeltaDecodeStep` continues a :class:`~linattn.DeltaRuleState` (``update="delta"``, DeltaNet and Gated
+DeltaNet): S ← a·S, u = β(v − Sᵀk̂), S += k̂uᵀ, o = Sᵀq̂ on the preallocated memory, a fixed β and decay from the
+options or per-token ones with each call (:mod:`linattn.decode.delta`).
 """
 
 from __future__ import annotations
 
-from ..capabilities import STEP_OPTIONS, WINDOW_STEP_OPTIONS
+from ..capabilities import DELTA_STEP_OPTIONS, STEP_OPTIONS, WINDOW_STEP_OPTIONS
+from .delta import DeltaDecodeStep
 from .plain import DecodeStep, supports
 from .window import WindowDecodeStep, lean_step, supports_window, window_step
 
 __all__ = [
-    "STEP_OPTIONS", "WINDOW_STEP_OPTIONS", "DecodeStep", "WindowDecodeStep", "lean_step", "supports",
+    "DELTA_STEP_OPTIONS", "STEP_OPTIONS", "WINDOW_STEP_OPTIONS", "DecodeStep", "DeltaDecodeStep", "WindowDecodeStep",
+    "lean_step", "supports",
     "supports_window", "window_step",
 ]

@@ -13,6 +13,7 @@ from ..errors import LinearAttentionError
 from ..feature_maps import FeatureMap
 from ..state import LinearAttentionState, WindowAttentionState
 from ._step import _repeat_heads, _Step
+from .delta import DeltaDecodeStep
 from .plain import DecodeStep
 
 
@@ -23,14 +24,16 @@ def supports_window(fmap: nn.Module, state: Any, options: dict[str, Any]) -> boo
 
 def lean_step(
     fmap: nn.Module, state: Any, options: dict[str, Any], kv_heads: int
-) -> DecodeStep | WindowDecodeStep | None:
-    """The lean step that continues ``state`` as ``linear_attention(..., **options)`` would, or None where neither
-    step reproduces the call (:func:`supports`, :func:`supports_window`); ``kv_heads`` as :class:`WindowDecodeStep`."""
+) -> DecodeStep | WindowDecodeStep | DeltaDecodeStep | None:
+    """The lean step that continues ``state`` as ``linear_attention(..., **options)`` would, or None where no step
+    reproduces the call (:func:`linattn.capabilities.step_reasons`); ``kv_heads`` as :class:`WindowDecodeStep`."""
     step = choose_step(fmap, state, options)
     if step == "plain":
         return DecodeStep(fmap, state, eps=options.get("eps", 1e-6))
     if step == "window":
         return window_step(fmap, state, options, kv_heads)
+    if step == "delta":
+        return DeltaDecodeStep(fmap, state, beta=options.get("beta"), decay=options.get("decay"))
     return None
 
 

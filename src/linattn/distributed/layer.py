@@ -25,7 +25,8 @@ class ContextParallel(nn.Module):
     go around the model as usual; its state_dict keys gain the prefix ``layer.``.
 
     Decays (``decay=``) and per-token gates (``gate="token"``) go across ranks (each rank computes its slice's
-    gates); the window hybrid and per-feature gates raise here.
+    gates), and so do the delta rule (``update="delta"``, β computed by each rank from its tokens) and the output
+    gate; the window hybrid, per-feature gates and the short convolution raise here.
 
     ``validate``: ``"first"`` (default) exchanges the shape header in a separate small all-gather on the first
     call only, later calls use one collective; ``True``/``False`` on every call (see
@@ -43,6 +44,11 @@ class ContextParallel(nn.Module):
             raise LinearAttentionError(
                 "layer: the sliding-window hybrid (window=) is not split across ranks yet (its window would need the "
                 "previous rank's last keys); use a layer without window=, or run it on one process"
+            )
+        if layer.short_conv is not None:
+            raise LinearAttentionError(
+                "layer: the short convolution (short_conv=) is not split across ranks yet (each rank's first tokens "
+                "would need the previous rank's last inputs); use a layer without short_conv, or run it on one process"
             )
         if layer.gate_kind not in (None, "token"):
             raise LinearAttentionError(
@@ -79,13 +85,11 @@ class ContextParallel(nn.Module):
                 key_padding_mask=key_padding_mask,
                 validate=validate,
                 decay=layer._rates(x.device),
-                log_gate=layer._log_gate(x),  # this slice's gates: computed from its own tokens
+                log_gate=layer._log_gate(x),  # this slice's gates (and β): computed from its own tokens
+                beta=layer._beta(x),
                 **layer.options,
             )
-        out = out.transpose(1, 2).flatten(-2)  # (B, H, N_r, D) → (B, N_r, H·D)
-        if layer.output_norm is not None:  # as in LinearAttention: per head, per token
-            out = layer.output_norm(out.flatten(0, 1)).view_as(out)
-        return layer.out_proj(out)  # (B, N_r, E)
+        return layer._output(out, x)  # as in LinearAttention: norm and gate per head and token; (B, N_r, E)
 
     def extra_repr(self) -> str:
         return f"validate={self.validate!r}"

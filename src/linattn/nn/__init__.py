@@ -8,6 +8,10 @@
 torch.Size([2, 100, 64])
 >>> out, state = layer(x[:, :99], return_state=True)  # prefill 99 tokens ...
 >>> step = layer(x[:, 99:], state=state)              # ... then one token in O(1): same as layer(x)[:, 99:]
+>>> gated_delta = LinearAttention(64, 4, causal=True, update="delta", gate="token", short_conv=4,
+...                               output_gate=True, feature_map="identity")   # Gated DeltaNet (docs/delta_layer.md)
+>>> gated_delta(x).shape
+torch.Size([2, 100, 64])
 """
 
 from __future__ import annotations
@@ -18,14 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _validate
-from .capabilities import check_window_combination
-from .decode import DecodeStep, WindowDecodeStep, lean_step
-from .errors import LinearAttentionError
-from .feature_maps import FeatureMap
-from .features import FeatureMapLike, resolve_feature_map
-from .functional import linear_attention
-from .state import LinearAttentionState, WindowAttentionState
+from .. import _validate
+from ..capabilities import check_window_combination
+from ..errors import LinearAttentionError
+from ..feature_maps import FeatureMap
+from ..features import FeatureMapLike, resolve_feature_map
+from ..functional import linear_attention
+from ..state import DeltaRuleState, LinearAttentionState, ShortConvState, WindowAttentionState
+from .decoder import LayerDecoder
+from .parts import OutputGate, ShortConv, check_layer_update
+
+__all__ = ["LayerDecoder", "LinearAttention"]
 
 # the data-dependent gate, as GLA: logsigmoid of a rank-16 projection, divided by a temperature of 16
 GATE_RANK = 16
@@ -67,6 +74,19 @@ class LinearAttention(nn.Module):
             most recent keys (non-causal: the band |t − j| < window) and the first ``sinks`` tokens, linear
             attention for the rest, one normaliser; the state then also carries the window's keys and values
             (a :class:`~linattn.WindowAttentionState`, still O(1) per generated token).
+        update: ``"add"`` (the sums above) or ``"delta"``: the delta rule (DeltaNet; with ``gate="token"`` and/or
+            ``decay`` Gated DeltaNet; docs/delta_layer.md), out_t = S_tᵀq̂_t with S_t = a_t·S_{t−1} +
+            β_t·k̂_t(v_t − a_t·S_{t−1}ᵀk̂_t)ᵀ on L2-normalised features (the feature map's, then normalised: use
+            ``"identity"``, with ``short_conv`` giving the SiLU, as Gated DeltaNet). Causal layers only, no
+            normaliser (``normalize`` False), no window; the state is a :class:`~linattn.DeltaRuleState`.
+        beta_scale: the delta rule's write strength is β = beta_scale·sigmoid(x W_β), one per token and head;
+            1 (β ∈ (0, 1), DeltaNet) or 2 (β ∈ (0, 2): negative eigenvalues of I − βk̂k̂ᵀ, Grazzi et al. 2025);
+            any value in (0, 2].
+        short_conv: kernel size K of a short causal depthwise convolution over time on the projected q, k and v,
+            followed by SiLU (Mamba, DeltaNet, Gated DeltaNet), or None. Either update rule; the state then also
+            carries the last K−1 projected inputs (a :class:`~linattn.ShortConvState`).
+        output_gate: o ← RMSNorm(o) ⊙ SiLU(x W_g) per head before the output projection (Gated DeltaNet). With
+            ``output_norm`` too, the group norm takes the RMSNorm's place: each head is normalised once, then gated.
 
     The softmax scale 1/√Dk has no counterpart here: the projections are learned with the feature map in place,
     so any scale is absorbed into W_q and W_k (contrast :mod:`linattn.hf`, where pretrained weights expect it).
@@ -87,7 +107,7 @@ class LinearAttention(nn.Module):
         causal: bool = False,
         bias: bool = True,
         chunk_size: int | None = None,
-        normalize: bool = True,
+        normalize: bool | None = None,
         eps: float = 1e-6,
         min_denom: float | None = None,
         decay: str | float | None = None,
@@ -95,6 +115,10 @@ class LinearAttention(nn.Module):
         output_norm: bool = False,
         window: int | None = None,
         sinks: int = 0,
+        update: str = "add",
+        beta_scale: float = 1.0,
+        short_conv: int | None = None,
+        output_gate: bool = False,
         layer_index: int = 0,
         num_layers: int = 1,
         device: torch.device | str | None = None,
@@ -121,19 +145,30 @@ class LinearAttention(nn.Module):
             raise LinearAttentionError(f"head_dim: expected a positive int or None, got {head_dim!r}")
         self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = embed_dim, num_heads, num_kv_heads, head_dim
         self.causal = causal
+        self.update = update
+        check_layer_update(update, beta_scale, short_conv, causal, normalize, min_denom, window, gate)
         self.options: dict[str, Any] = {
             "chunk_size": chunk_size,
-            "normalize": normalize,
+            "normalize": update != "delta" if normalize is None else normalize,
             "eps": eps,
             "min_denom": min_denom,
         }
-        factory = {"device": device, "dtype": dtype}
+        if update == "delta":
+            self.options["update"] = "delta"
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=bias, **factory)
         self.feature_map = resolve_feature_map(feature_map, head_dim)
         self._decay_options(decay, gate, output_norm, layer_index, num_layers, factory)
+        self.beta_scale = float(beta_scale)
+        self.beta_proj = nn.Linear(embed_dim, num_heads, **factory) if update == "delta" else None  # β per head
+        channels = (num_heads + 2 * num_kv_heads) * head_dim  # q, k and v side by side
+        self.short_conv = ShortConv(channels, short_conv, **factory) if short_conv is not None else None
+        self.output_gate = (
+            OutputGate(embed_dim, num_heads, head_dim, norm=not output_norm, **factory) if output_gate else None
+        )
         if window is not None:
             check_window_combination(window, decay=decay, gate=gate)
             _validate.check_window_options(window, sinks, None, None)
@@ -205,6 +240,21 @@ class LinearAttention(nn.Module):
         g = g.unflatten(-1, (self.num_heads, self.gate_width)).transpose(1, 2)  # (B, H, N, width)
         return g.squeeze(-1) if self.gate_kind == "token" else g
 
+    def _log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
+        """(B, H, N) fp64: the fixed rates' and the token gates' log-decays together, as ``linear_attention`` adds
+        ``decay`` and a per-token ``log_gate``."""
+        rates, gate = self._rates(x.device), self._log_gate(x)
+        if gate is None:
+            return None if rates is None else torch.log(rates).unsqueeze(-1).expand(x.shape[0], -1, x.shape[1])
+        gate = gate.to(torch.float64)
+        return gate if rates is None else torch.log(rates).unsqueeze(-1) + gate
+
+    def _beta(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The delta rule's write strengths (B, H, N) from x (B, N, E): beta_scale·sigmoid(x W_β + b)."""
+        if self.beta_proj is None:
+            return None
+        return (torch.sigmoid(self.beta_proj(x)) * self.beta_scale).transpose(1, 2)
+
     def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         # (B, N, heads·D) → (B, heads, N, D)
         return x.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)
@@ -214,7 +264,7 @@ class LinearAttention(nn.Module):
         x: torch.Tensor,
         *,
         key_padding_mask: torch.Tensor | None = None,
-        state: LinearAttentionState | WindowAttentionState | None = None,
+        state: LinearAttentionState | WindowAttentionState | DeltaRuleState | ShortConvState | None = None,
         return_state: bool = False,
     ) -> Any:
         """Attend over ``x`` ``(B, N, E)``; returns ``(B, N, E)``, and the state after x if ``return_state``.
@@ -239,7 +289,8 @@ class LinearAttention(nn.Module):
                 "state: only a causal layer continues from a state (a non-causal layer attends to the whole "
                 "sequence at once); build the layer with causal=True"
             )
-        q, k, v = self._project(x)
+        attention_state, conv = self._split_state(state)
+        q, k, v, conv = self._project(x, key_padding_mask, conv)
         # fp32 accumulation inside the core must not be undone by autocast re-lowering its matmuls to bf16
         # one new token (decoding): the token-by-token form has the least per-call work
         form = "recurrent" if self.causal and x.shape[1] == 1 else "auto"
@@ -251,41 +302,81 @@ class LinearAttention(nn.Module):
                 feature_map=self.feature_map,
                 causal=self.causal,
                 key_padding_mask=key_padding_mask,
-                initial_state=state,
+                initial_state=attention_state,
                 return_state=return_state,
                 form=form,
                 decay=self._rates(x.device),
                 log_gate=self._log_gate(x),
+                beta=self._beta(x),
                 **self.options,
             )
         out, new_state = result if return_state else (result, None)
-        out = self._output(out)
+        if return_state and conv is not None:
+            assert new_state is not None
+            new_state = ShortConvState(new_state, conv)
+        out = self._output(out, x)
         if unbatched:
             out = out.squeeze(0)
         return (out, new_state) if return_state else out
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, N, E) → q (B, H, N, D), k and v (B, Hkv, N, D)."""
-        q = self._heads(self.q_proj(x), self.num_heads)
-        return q, self._heads(self.k_proj(x), self.num_kv_heads), self._heads(self.v_proj(x), self.num_kv_heads)
+    def _split_state(self, state: Any) -> tuple[Any, torch.Tensor | None]:
+        """(the attention core's state, the convolution's carried inputs) from the state passed to a call."""
+        if self.short_conv is None:
+            if isinstance(state, ShortConvState):
+                raise LinearAttentionError(
+                    "state: a ShortConvState comes from a layer with short_conv=; this layer has none, so pass its "
+                    "own state (the attention's state alone)"
+                )
+            return state, None
+        if state is None:
+            return None, None
+        if not isinstance(state, ShortConvState):
+            raise LinearAttentionError(
+                f"state: this layer convolves its projections (short_conv={self.short_conv.kernel}), so its state "
+                f"also holds the last inputs of the convolution: pass the ShortConvState it returned, got "
+                f"{type(state).__name__}"
+            )
+        return state.attention, state.conv
 
-    def _output(self, out: torch.Tensor) -> torch.Tensor:
-        """The attention's (B, H, N, D) → the layer's output (B, N, E)."""
-        out = out.transpose(1, 2).flatten(-2)  # (B, N, H·D)
+    def _project(
+        self, x: torch.Tensor, keep: torch.Tensor | None = None, conv: torch.Tensor | None = None, step: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x (B, N, E) → q (B, H, N, D), k and v (B, Hkv, N, D), through the short convolution if there is one
+        (after ``conv``, the inputs before x), and the convolution's inputs to carry on (None without one).
+        ``step``: one token, ``conv`` advanced in place (decoding)."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.short_conv is not None:
+            mixed = torch.cat([q, k, v], dim=-1)  # (B, N, (H + 2·Hkv)·D)
+            if step:
+                assert conv is not None
+                mixed = self.short_conv.step(mixed, conv)
+            else:
+                mixed, conv = self.short_conv(mixed, conv, keep)
+            q, k, v = mixed.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
+        q = self._heads(q, self.num_heads)
+        return q, self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads), conv
+
+    def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The attention's (B, H, N, D) and the layer's input x (B, N, E) → the layer's output (B, N, E)."""
+        out = out.transpose(1, 2)  # (B, N, H, D)
         if self.output_norm is not None:  # per head: GroupNorm's groups are the heads
-            out = self.output_norm(out.flatten(0, 1)).view_as(out)
-        return self.out_proj(out)
+            out = self.output_norm(out.flatten(0, 1).flatten(-2)).view_as(out)
+        if self.output_gate is not None:
+            out = self.output_gate(out, x)
+        return self.out_proj(out.flatten(-2))
 
-    def decoder(self, state: LinearAttentionState | WindowAttentionState) -> LayerDecoder:
+    def decoder(self, state: LinearAttentionState | WindowAttentionState | DeltaRuleState | ShortConvState
+                ) -> LayerDecoder:
         """A stateful decoder for generating one token at a time after ``state`` (a causal layer's state, e.g. from
         ``layer(prompt, return_state=True)``): ``decoder(x)`` with x ``(B, 1, E)`` (or ``(1, E)``) returns the
         layer's output for that token, as ``layer(x, state=..., return_state=True)`` would, and advances the
         decoder's own copy of the state in place; ``decoder.state()`` hands a state back.
 
-        Where :mod:`linattn.decode` has a lean step for the layer's options (no decay or gate; a plain or a window
-        state; the options it reproduces) the projections feed it directly: the checks are paid once, and the
-        state is preallocated and updated in place (on CUDA with triton, one kernel launch per token). Otherwise
-        each token goes through :meth:`forward` with the state. For inference: it runs without autograd (to
+        Where :mod:`linattn.decode` has a lean step for the layer's options (the delta rule, with its gates and
+        decays; additive attention without decay or gate, a plain or a window state, the options it reproduces) the
+        projections feed it directly: the checks are paid once, and the state (and the short convolution's last
+        inputs) is preallocated and updated in place (additive, on CUDA with triton: one kernel launch per token).
+        Otherwise each token goes through :meth:`forward` with the state. For inference: it runs without autograd (to
         differentiate through decoding, call :meth:`forward` with ``state=``).
         """
         return LayerDecoder(self, state)
@@ -294,64 +385,6 @@ class LinearAttention(nn.Module):
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, causal={self.causal}, gate={self.gate_kind}, "
-            f"decay={'per head' if self.decay_rates is not None else None}, window={self.options.get('window')}"
+            f"decay={'per head' if self.decay_rates is not None else None}, window={self.options.get('window')}, "
+            f"update={self.update}, short_conv={self.short_conv.kernel if self.short_conv is not None else None}"
         )
-
-
-class LayerDecoder:
-    """What :meth:`LinearAttention.decoder` returns: a layer decoding one token per call from a state it owns."""
-
-    def __init__(self, layer: LinearAttention, state: LinearAttentionState | WindowAttentionState) -> None:
-        if not layer.causal:
-            raise LinearAttentionError("decoder: only a causal layer decodes; build the layer with causal=True")
-        if not isinstance(state, (LinearAttentionState, WindowAttentionState)):
-            raise LinearAttentionError(
-                f"state: expected the state a causal call of this layer returned (return_state=True), got "
-                f"{type(state).__name__}"
-            )
-        self.layer = layer
-        # the options linear_attention would be given, without those at their defaults (a step reproduces those)
-        options = {key: value for key, value in layer.options.items()
-                   if value is not None and not (key == "normalize" and value is True)}
-        plain = layer.decay_rates is None and layer.gate_kind is None  # decays and gates: no lean step
-        self.step: DecodeStep | WindowDecodeStep | None = None
-        if plain:
-            self.step = lean_step(layer.feature_map, state, options, layer.num_kv_heads)
-        self._state = state if self.step is None else None
-
-    @torch.no_grad()
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, 1, E) or (1, E) → the layer's output for this token, (B, 1, E) or (1, E)."""
-        layer = self.layer
-        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != layer.embed_dim or (
-                x.shape[-2] != 1):
-            seen = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise LinearAttentionError(
-                f"x: a decoder takes one token, (B, 1, {layer.embed_dim}) or (1, {layer.embed_dim}), got {seen}; "
-                "run longer inputs through the layer itself with state="
-            )
-        if self.step is None:
-            out, self._state = layer(x, state=self._state, return_state=True)
-            return out
-        unbatched = x.dim() == 2
-        if unbatched:
-            x = x.unsqueeze(0)
-        if x.shape[0] != self.step.batch_size:
-            raise LinearAttentionError(
-                f"x: a batch of {x.shape[0]} rows, but this decoder's state holds a batch of {self.step.batch_size}"
-            )
-        q, k, v = layer._project(x)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            out = layer._output(self.step(q, k, v))
-        return out.squeeze(0) if unbatched else out
-
-    def state(self) -> LinearAttentionState | WindowAttentionState:
-        """The state after every token so far, to continue with the layer itself (new tensors: the decoder may go
-        on)."""
-        if self.step is None:
-            assert self._state is not None
-            return self._state
-        state = self.step.state()
-        if isinstance(state, LinearAttentionState):  # the plain step hands out its own tensors
-            state = LinearAttentionState(state.kv.clone(), state.k_sum.clone(), state.shift.clone(), state.num_tokens)
-        return state
