@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=Path("docs/results/mqar.json"))
     parser.add_argument("--plot", type=Path, default=None, help="write the accuracy/state-size plot here")
     parser.add_argument("--quick", action="store_true", help="a tiny setting for tests: seconds, not minutes")
+    parser.add_argument("--report", action="store_true", help="table and plot of what the JSON holds; train nothing")
     args = parser.parse_args(argv)
     if args.quick:
         args.d_model, args.heads, args.seq_len, args.pairs, args.vocab, args.steps, args.batch = (
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = [Setting(row, d, h, args.seq_len, args.pairs, args.vocab, args.steps, args.batch, args.lr, args.seed)
                 for d in args.d_model for h in args.heads for row in args.rows]
     results = load(args.json)
-    todo = [s for s in settings if s.key not in results]
+    todo = [] if args.report else [s for s in settings if s.key not in results]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(settings)} models, "
           f"{len(settings) - len(todo)} already in {args.json}")
     bar = _bar(len(todo) * args.steps)
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
     if bar is not None:
         bar.close()
-    entries = [results[s.key] for s in settings]
+    entries = [results[s.key] for s in settings if s.key in results]
     print(table(entries))
     if args.plot is not None:
         plot(entries, args.plot)

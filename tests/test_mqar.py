@@ -95,3 +95,10 @@ def test_quick_run_writes_every_row_and_a_rerun_skips_them(tmp_path: Path, capsy
     assert f"{len(mqar.ROWS)} models, {len(mqar.ROWS)} already in" in rerun
     assert path.read_text() == before and os.stat(path).st_mtime_ns == stamp
     assert rerun.count("acc=") == 0 and rerun.count("| softmax |") == 1  # no training lines; the table again
+    # --report trains nothing: a row missing from the file is left out of the table
+    results.pop(next(key for key, entry in results.items() if entry["row"] == "softmax"))
+    path.write_text(json.dumps(results))
+    mqar.main(["--quick", "--json", str(path), "--threads", str(threads), "--report"])
+    report = capsys.readouterr().out
+    assert "| softmax |" not in report and report.count("| delta |") == 1 and "acc=" not in report
+    assert json.loads(path.read_text()) == results
