@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     results = load(args.json)
     todo = [] if args.report else [s for s in settings if s.key not in results]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(settings)} models, "
-          f"{len(settings) - len(todo)} already in {args.json}")
+          f"{sum(s.key in results for s in settings)} already in {args.json}")
     bar = _bar(len(todo) * args.steps)
     for setting in todo:
         if bar is not None:
