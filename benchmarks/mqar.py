@@ -23,7 +23,7 @@ convolution serves every row alike). State size per layer: H·F·Dv for the line
 sequence length (2·N·E) for softmax.
 
 The defaults — N = 64, 8 pairs, a vocabulary of 256, d_model 64 with 1 or 4 heads, 800 steps of 32 sequences —
-are smaller than Zoology's (N up to 512, vocabulary 8192) so that the sweep runs on two CPU threads in minutes;
+are smaller than Zoology's (N up to 512, vocabulary 8192) so that a model trains on two CPU threads in minutes;
 every size is an option. Results go to a JSON file, one entry per (row, setting), written after each model: an
 interrupted run loses only the model in training, and a rerun skips what is there (a changed option is a new
 entry).
