@@ -107,8 +107,9 @@ def _peers(config: BenchConfig, causal: bool) -> list[_Impl]:
             from fla.ops.linear_attn.naive import naive_chunk_linear_attn
 
             def fla_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                out = naive_chunk_linear_attn(q, k, v, normalize=True)
-                return out[0] if isinstance(out, tuple) else out
+                # fla-core 0.6 lays inputs out tokens first, (B, N, H, D)
+                out = naive_chunk_linear_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), normalize=True)
+                return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
 
             found.append(_Impl("fla naive_chunk", fla_reference, "linear", config.dim, lambda n: n % 64 == 0))
         except Exception as error:  # a peer's API drift must not break our benchmark
