@@ -120,3 +120,72 @@ def test_bad_folders_and_options_are_explained(tiny_base, tmp_path):
         save_linearized(model, tmp_path / "x", options={"decay": torch.tensor(0.9)}, base=str(tiny_base))
     with pytest.raises(LinearAttentionError, match="maps: a Linear cannot be saved"):
         save_linearized(model, tmp_path / "x", maps=torch.nn.Linear(2, 2), base=str(tiny_base))
+
+
+def test_generate_streams_from_a_folder_beside_the_original(fitted_dir, tmp_path, capsys):
+    from linattn.cli import main
+
+    pytest.importorskip("matplotlib")
+    folder, model, tokenizer = fitted_dir
+    plot = tmp_path / "gen.png"
+    code = main(["generate", str(folder), "--prompt", "Rivers carry", "--max-new-tokens", "12", "--compare-softmax",
+                 "--plot", str(plot)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "--- linearized: Rivers carry" in out and "--- softmax (original): Rivers carry" in out
+    lines = {line.split("  ")[0]: line.split() for line in out.splitlines() if "  " in line}
+    assert lines["new tokens"][-2:] == ["12", "12"]
+    # the linear cache is its states (the window's ring buffer included): a fixed size; the softmax cache holds
+    # the keys and values of prompt + 11 fed-back tokens: 2 layers · 2 kv heads · 16 dims · 23 tokens · 2 · 4 bytes
+    assert lines["cache bytes at the end"][-1] == f"{2 * 2 * 16 * (12 + 11) * 2 * 4:,}"
+    assert plot.stat().st_size > 0
+    # what was streamed is greedy generation from the in-memory linearized model
+    ids = tokenizer("Rivers carry", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert tokenizer.decode(expected[0, ids.shape[1]:]) in out
+
+
+def test_the_linear_cache_stays_flat_while_the_softmax_cache_grows(fitted_dir):
+    from linattn.evaluate import load_model
+    from linattn.evaluate.generate import generate_measured
+
+    folder, model, tokenizer = fitted_dir
+    linear = generate_measured(model, tokenizer, "Rivers", 20, "linear", stream=False)
+    base, _, _ = load_model(json.loads((folder / INDEX).read_text())["base"]["model"], causal_lm=True)
+    original = generate_measured(base, tokenizer, "Rivers", 20, "softmax", stream=False)
+    assert linear.new_tokens == original.new_tokens == 20 and len(linear.times) == 20
+    assert len(set(linear.cache_bytes[1:])) == 1  # from the first decoded token on: the states, a fixed size
+    per_token = 2 * 2 * 16 * 2 * 4  # layers · kv heads · head dim · (k, v) · fp32 bytes
+    assert ([b - a for a, b in zip(original.cache_bytes[:-1], original.cache_bytes[1:], strict=True)]
+            == [per_token] * 19)
+    assert linear.tokens_per_second > 0 and linear.peak_bytes > 0
+
+
+def test_generate_refuses_what_it_cannot_run(tiny_base, capsys):
+    from linattn.cli import main
+
+    assert main(["generate", str(tiny_base), "--prompt", "x", "--compare-softmax"]) == 2
+    assert "--compare-softmax: the model runs softmax attention already" in capsys.readouterr().err
+    assert main(["generate", str(tiny_base), "--prompt", "x", "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens: need ≥ 1" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_model_that_is_not_a_causal_lm(tmp_path, capsys):
+    from transformers import BertConfig, BertModel
+
+    from linattn.cli import main
+
+    BertModel(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(tmp_path / "bert")
+    assert main(["generate", str(tmp_path / "bert"), "--prompt", "x"]) == 2
+    assert "is not a causal LM" in capsys.readouterr().err
+
+
+def test_generate_with_linear_on_a_plain_model_prints_its_numbers(tiny_base, capsys):
+    from linattn.cli import main
+
+    assert main(["generate", str(tiny_base), "--prompt", "The tide", "--max-new-tokens", "5", "--linear",
+                 "--window", "4", "--sinks", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "--- linearized (elu, window 4, sinks 1): The tide" in out and "tokens/s" in out

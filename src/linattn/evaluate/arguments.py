@@ -98,3 +98,17 @@ def add_lm_arguments(parser: argparse.ArgumentParser) -> None:
     add("--end-to-end-lora-lr", type=float, default=0.0005, help="causal LMs: the adapters' Adam learning rate")
     add("--gamma", action="store_true",
         help="causal LMs: fit hedgehog+window with LoLCATs' per-head factor γ instead of the mass-preserving window")
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``linattn generate`` (:mod:`linattn.evaluate.generate`)."""
+    parser.add_argument("model", help="a folder written by `linattn linearize`, or a causal LM (smollm2, a folder, "
+                        "a GGUF file, a model in the local Hugging Face cache)")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--linear", action="store_true", help="linearize a plain model first (elu+1 beside a "
+                        "softmax window; no fitted maps ship with linattn)")
+    parser.add_argument("--window", type=int, default=LM_WINDOW, help="with --linear: the softmax window")
+    parser.add_argument("--sinks", type=int, default=LM_SINKS, help="with --linear: the sink tokens")
+    parser.add_argument("--compare-softmax", action="store_true", help="also generate with the original model")
+    parser.add_argument("--plot", default=None, help="a PNG file: ms/token and cache bytes against position")
