@@ -14,7 +14,12 @@ import torch
 from . import __version__, feature_maps
 from .data import check_text_file
 from .errors import LinearAttentionError
-from .evaluate.arguments import add_compare_arguments, add_generate_arguments, add_lm_arguments
+from .evaluate.arguments import (
+    add_compare_arguments,
+    add_generate_arguments,
+    add_linearize_arguments,
+    add_lm_arguments,
+)
 from .evaluate.models import check_model_name, looks_causal
 from .forms import FORMS
 from .functional import linear_attention
@@ -128,6 +133,19 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     generate.set_defaults(run=_generate)
 
 
+def _linearize(args: argparse.Namespace) -> int:
+    from .evaluate import linearize_job
+
+    return linearize_job.cli(args)
+
+
+def _add_linearize(sub: argparse._SubParsersAction) -> None:
+    linearize = sub.add_parser("linearize", help="make a causal LM linear (fit, end to end, measure) into a folder "
+                               "that `linattn generate` and load_linearized() read; reruns continue")
+    add_linearize_arguments(linearize)
+    linearize.set_defaults(run=_linearize)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="linattn", description="Linear attention for PyTorch and NumPy.")
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
@@ -139,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_bench(sub)
     _add_compare(sub)
     _add_generate(sub)
+    _add_linearize(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))
