@@ -146,3 +146,25 @@ def test_wilson_interval_matches_its_closed_form():
     assert low == pytest.approx(3 / (3 + z2), rel=1e-12) and high == 1
     low, high = wilson_interval(50, 100)  # the textbook value: [0.4038, 0.5962]
     assert (low, high) == pytest.approx((0.4038, 0.5962), abs=1e-4)
+
+
+@pytest.mark.slow  # ~10 s: the pipeline once, with adapters
+def test_lora_adapters_travel_with_the_folder_and_the_card_says_fine_tuned(tiny, tmp_path):
+    pytest.importorskip("peft")
+    from linattn.cli import main
+    from linattn.evaluate import perplexity
+
+    out = tmp_path / "lora"
+    assert main(command(tiny, out, "--lora", "2")) == 0
+    index = json.loads((out / "linattn.json").read_text())
+    assert index["adapters"] == "lora" and (out / "lora" / "adapter_model.safetensors").is_file()
+    assert "**Fine-tuned:**" in (out / "README.md").read_text()
+    from safetensors.torch import load_file
+
+    saved = load_file(str(out / "lora" / "adapter_model.safetensors"))
+    assert any(name.endswith("lora_B.weight") and bool(t.abs().sum() > 0) for name, t in saved.items())  # trained
+    model, tokenizer = load_linearized(out)
+    measured = json.loads((out / "results.json").read_text())["rows"][-1]["perplexity"]
+    # with the adapters attached the reloaded model is the one measured (rounding only, as above)
+    assert perplexity(model, tokenizer, (tiny / "heldout.txt").read_text()).perplexity == pytest.approx(measured,
+                                                                                                         rel=1e-6)

@@ -140,26 +140,34 @@ class Job:
             raise LinearAttentionError(f"--budget: need minutes > 0, got {args.budget}")
         self.args, self.folder = args, prepare_out(args.out)
         self.stages = Stages(self.folder, args.quiet)
+        saved = self._saved_plan()  # a rerun with other options fails here, before the model loads
         self.model, self.tokenizer, self.name = load_model(args.model, causal_lm=True)
         check_disk(self.folder, self.model, args.num_features)
         self.train, self.heldout = read_text(args.text, "train"), read_text(args.heldout, "heldout")
-        self.plan = self._plan()
+        self.plan = saved if saved is not None else self._new_plan()
         self.config = _config(args, self.plan["fit_steps"], self.plan["end_to_end_steps"],
                               str(self.folder / "stages" / "samples.json"))
 
-    def _plan(self) -> dict[str, Any]:
-        """The step counts (chosen by --budget, or given), kept in ``stages/plan.json`` for reruns."""
+    def _options(self) -> dict[str, Any]:
+        return {name: getattr(self.args, name) for name in _PLANNED}
+
+    def _saved_plan(self) -> dict[str, Any] | None:
+        """The plan of an earlier run into this folder (``stages/plan.json``), refused if made with other options."""
         path = self.folder / "stages" / "plan.json"
-        options = {name: getattr(self.args, name) for name in _PLANNED}
-        if path.is_file():
-            saved = json.loads(path.read_text(encoding="utf-8"))
-            if saved["options"] != options:
-                differ = sorted(name for name in options if saved["options"].get(name) != options[name])
-                raise LinearAttentionError(
-                    f"--out: {self.args.out!r} holds the stages of a run with other options ({', '.join(differ)}); "
-                    "run again with the same options to continue it, or pass another --out"
-                )
-            return dict(saved)
+        if not path.is_file():
+            return None
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        options = self._options()
+        if saved["options"] != options:
+            differ = sorted(name for name in options if saved["options"].get(name) != options[name])
+            raise LinearAttentionError(
+                f"--out: {self.args.out!r} holds the stages of a run with other options ({', '.join(differ)}); "
+                "run again with the same options to continue it, or pass another --out"
+            )
+        return dict(saved)
+
+    def _new_plan(self) -> dict[str, Any]:
+        """The step counts (chosen by --budget, or given), kept in ``stages/plan.json`` for reruns."""
         plan: dict[str, Any] = {"fit_steps": self.args.fit_steps, "end_to_end_steps": self.args.end_to_end_steps,
                                 "estimates": {}}
         if self.args.budget is not None:
@@ -168,8 +176,8 @@ class Job:
             config = _config(self.args, self.args.fit_steps, self.args.end_to_end_steps, "")
             costs = calibrate(self.model, self.tokenizer, self.name, self.train, self.heldout, config)
             plan = plan_steps(self.args.budget, costs, end_to_end=self.args.end_to_end_steps > 0)
-        plan["options"] = options
-        atomic_write(path, json.dumps(plan, indent=2))
+        plan["options"] = self._options()
+        atomic_write(self.folder / "stages" / "plan.json", json.dumps(plan, indent=2))
         return plan
 
     def run(self) -> dict[str, Any]:
