@@ -75,8 +75,17 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
     with torch.no_grad():
         teacher, _ = _timed(lambda: model(input_ids=ids), repeats=2)
     hf.linearize(model, maps)
-    student, _ = _timed(lambda: model(input_ids=ids).logits.float().logsumexp(-1).mean().backward(), repeats=2)
-    model.zero_grad(set_to_none=True)
+    flags = [(param, param.requires_grad) for param in model.parameters()]
+    for param, _ in flags:  # as in fit_end_to_end: the model's own weights frozen, gradients for the maps only
+        param.requires_grad_(False)
+    for fmap in maps.maps:
+        fmap.requires_grad_(True)
+    try:
+        student, _ = _timed(lambda: model(input_ids=ids).logits.float().logsumexp(-1).mean().backward())
+    finally:
+        for param, flag in flags:
+            param.requires_grad_(flag)
+        model.zero_grad(set_to_none=True)
     model.set_attn_implementation("sdpa")
     batch = min(SAMPLING_BATCH, config.end_to_end.samples)
     prompt = torch.randint(0, int(model.config.vocab_size), (batch, 16))
