@@ -2,7 +2,8 @@
 that fit.
 
 The fit's cost is measured as one capture, then fits of 1 and 9 steps on it (the difference is eight steps),
-an end-to-end step as one softmax forward pass and one linear forward and backward pass on a sequence as long as
+an end-to-end step as one softmax forward pass and one linear forward and backward pass (the maps alone taking
+gradients, as in training) on a sequence as long as
 the stage's, sampling as 8 tokens generated for one batch of prompts, and the measuring stage from one forward pass
 over 256 tokens (every row reads about the same number of tokens). What remains of the budget after the fixed
 costs (of 80 % of the budget: a shared machine's load changes during a run) goes 40 % to fitting steps and 60 %
