@@ -1,4 +1,4 @@
-"""The ``linattn`` command: ``info``, ``demo``, ``bench`` and ``compare``."""
+"""The ``linattn`` command: ``info``, ``demo``, ``bench``, ``compare``, ``generate`` and ``linearize``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ import torch
 from . import __version__, feature_maps
 from .data import check_text_file
 from .errors import LinearAttentionError
-from .evaluate.arguments import add_compare_arguments, add_lm_arguments
+from .evaluate.arguments import (
+    add_compare_arguments,
+    add_generate_arguments,
+    add_linearize_arguments,
+    add_lm_arguments,
+)
 from .evaluate.models import check_model_name, looks_causal
 from .forms import FORMS
 from .functional import linear_attention
@@ -115,6 +120,32 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     compare.set_defaults(run=_compare)
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from .evaluate import generate
+
+    return generate.cli(args)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    generate = sub.add_parser("generate", help="stream text from a linearized model (a `linattn linearize` folder, "
+                              "or a causal LM with --linear); tokens/s, cache bytes, peak memory")
+    add_generate_arguments(generate)
+    generate.set_defaults(run=_generate)
+
+
+def _linearize(args: argparse.Namespace) -> int:
+    from .evaluate import linearize_job
+
+    return linearize_job.cli(args)
+
+
+def _add_linearize(sub: argparse._SubParsersAction) -> None:
+    linearize = sub.add_parser("linearize", help="make a causal LM linear (fit, end to end, measure) into a folder "
+                               "that `linattn generate` and load_linearized() read; reruns continue")
+    add_linearize_arguments(linearize)
+    linearize.set_defaults(run=_linearize)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="linattn", description="Linear attention for PyTorch and NumPy.")
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
@@ -125,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.set_defaults(run=_demo)
     _add_bench(sub)
     _add_compare(sub)
+    _add_generate(sub)
+    _add_linearize(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))

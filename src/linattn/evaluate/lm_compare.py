@@ -41,7 +41,7 @@ from .. import hf
 from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
 from .arguments import add_lm_arguments  # noqa: F401  (re-exported: the names' old home)
 from .capture import capture_attention
-from .lm_config import EndToEndOptions, LMCompareConfig
+from .lm_config import EndToEndOptions, LMCompareConfig, ProbeOptions
 from .lm_stages import fit_hedgehog, read_text, retrieval_heads, train_end_to_end, training_sequences
 from .metrics import capture_metrics, capture_references
 from .models import (
@@ -163,16 +163,7 @@ class _Comparison:
 
     def score(self) -> dict[str, Any]:
         """The model as it is now, on the held-out text: perplexity and the long-range probes."""
-        probes = self.config.probes
-        plain = perplexity(self.model, self.tokenizer, self.heldout)
-        found = long_range_probes(
-            self.model, self.tokenizer, self.heldout, passage_tokens=probes.passage_tokens,
-            gap_tokens=probes.gap_tokens, repeat_trials=probes.repeat_trials, passkey_lengths=probes.passkey_lengths,
-            passkey_trials=probes.passkey_trials,
-        )
-        return {"perplexity": plain.perplexity, "tokens_per_second": plain.tokens_per_second,
-                "heldout_tokens": plain.tokens, "repeat_perplexity": found["repeat_perplexity"],
-                "passkey": {str(k): v for k, v in found["passkey"].items()}, "probe_seconds": found["seconds"]}
+        return score_model(self.model, self.tokenizer, self.heldout, self.config.probes)
 
     def measure_baselines(self) -> None:
         """The softmax row (the model as it is) and the window+sinks row (softmax over the window alone)."""
@@ -286,6 +277,19 @@ class _Comparison:
         per_layer: list[Any] = [module.linattn_feature_map for module in hf.attention_modules(self.model)]
         metrics = capture_metrics(self.metrics_capture, per_layer, references=self.references)
         return {"rel_error": metrics["rel_error"], "kl": metrics["kl"]}
+
+
+def score_model(model: Any, tokenizer: Any, heldout: str, probes: ProbeOptions) -> dict[str, Any]:
+    """A row's scores: held-out perplexity and the long-range probes of ``probes``, on ``model`` as it is now."""
+    plain = perplexity(model, tokenizer, heldout)
+    found = long_range_probes(
+        model, tokenizer, heldout, passage_tokens=probes.passage_tokens, gap_tokens=probes.gap_tokens,
+        repeat_trials=probes.repeat_trials, passkey_lengths=probes.passkey_lengths,
+        passkey_trials=probes.passkey_trials,
+    )
+    return {"perplexity": plain.perplexity, "tokens_per_second": plain.tokens_per_second,
+            "heldout_tokens": plain.tokens, "repeat_perplexity": found["repeat_perplexity"],
+            "passkey": {str(k): v for k, v in found["passkey"].items()}, "probe_seconds": found["seconds"]}
 
 
 def _console_header() -> str:

@@ -1,0 +1,170 @@
+"""`linattn linearize`: the stages into one folder, resumed after an interruption; budgets; bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from linattn import LinearAttentionError  # noqa: E402
+from linattn.evaluate import linearize_job  # noqa: E402
+from linattn.evaluate.card import wilson_interval  # noqa: E402
+from linattn.evaluate.linearize_budget import plan_steps  # noqa: E402
+from linattn.evaluate.linearized import load_linearized  # noqa: E402
+from test_linearized import TEXT, save_tiny_llama  # noqa: E402
+
+FAST = ["--fit-steps", "2", "--fit-max-tokens", "128", "--fit-orders", "1", "--end-to-end-steps", "3",
+        "--end-to-end-samples", "4", "--end-to-end-tokens", "30", "--passkey-lengths", "40", "--passkey-trials", "2",
+        "--repeat-trials", "1", "--passage-tokens", "12", "--gap-tokens", "40", "--window", "8", "--sinks", "1",
+        "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = save_tiny_llama(tmp_path_factory.mktemp("tiny-job") / "base")
+    (folder / "train.txt").write_text((TEXT + "\n") * 3)
+    (folder / "heldout.txt").write_text((TEXT.replace("sand", "silt") + "\n") * 3)
+    return folder
+
+
+def command(tiny, out, *extra):
+    return ["linearize", str(tiny), str(tiny / "train.txt"), "--heldout", str(tiny / "heldout.txt"), "--out",
+            str(out), *FAST, *extra]
+
+
+def events(out):
+    return [(line["stage"], line["event"]) for line in map(json.loads, (out / "stages" / "log.jsonl").open())]
+
+
+@pytest.mark.slow  # ~20 s: the pipeline twice on a tiny Llama
+def test_an_interrupted_run_continues_where_it_stopped(tiny, tmp_path, monkeypatch, capsys):
+    from linattn.cli import main
+
+    out = tmp_path / "lin"
+    real = linearize_job.train_end_to_end
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # as a user's Ctrl-C in the second stage
+
+    monkeypatch.setattr(linearize_job, "train_end_to_end", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(command(tiny, out))
+    fit = out / "stages" / "fit.safetensors"
+    assert (out / "stages" / "fit.done").is_file() and not (out / "stages" / "end_to_end.done").exists()
+    assert not (out / "linattn.json").exists()  # not a linearized folder until the last stage
+    stamp = fit.stat().st_mtime_ns
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(linearize_job, "train_end_to_end", counted)
+    assert main(command(tiny, out)) == 0
+    assert fit.stat().st_mtime_ns == stamp and calls == [1]
+    assert events(out) == [("fit", "started"), ("fit", "finished"), ("end_to_end", "started"),
+                           ("fit", "skipped (finished before)"), ("end_to_end", "started"),
+                           ("end_to_end", "finished"), ("measure", "started"), ("measure", "finished")]
+    result = json.loads((out / "results.json").read_text())
+    names = [row["name"] for row in result["rows"]]
+    assert names == ["original (softmax)", "window 8 + 1 sinks (softmax)", "linearized"]
+    assert all(math.isfinite(row["perplexity"]) and row["by_position"] for row in result["rows"])
+    card = (out / "README.md").read_text()
+    assert "| linearized |" in card and "/2 [" in card  # passkey hits of 2 trials with their interval
+    # the folder reloads as the model that was measured: the same held-out perplexity
+    from linattn.evaluate import perplexity
+
+    model, tokenizer = load_linearized(out)
+    again = perplexity(model, tokenizer, (tiny / "heldout.txt").read_text())
+    # the measured row ran the same weights and maps on the same text and shapes; rel 1e-6 allows for rounding
+    # only (a wrong map or a missing window changes the perplexity by percents)
+    assert again.perplexity == pytest.approx(result["rows"][-1]["perplexity"], rel=1e-6)
+    # a third run finds every stage finished and does nothing but log it
+    assert main(command(tiny, out)) == 0
+    assert events(out)[-3:] == [("fit", "skipped (finished before)"), ("end_to_end", "skipped (finished before)"),
+                                ("measure", "skipped (finished before)")]
+
+
+def test_a_rerun_with_other_options_is_refused(tiny, tmp_path, monkeypatch, capsys):
+    from linattn.cli import main
+
+    out = tmp_path / "lin"
+    monkeypatch.setattr(linearize_job, "fit_hedgehog", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        main(command(tiny, out))
+    assert main(command(tiny, out, "--lora", "4")) == 2
+    assert "holds the stages of a run with other options (lora)" in capsys.readouterr().err
+
+
+def test_bad_input_is_refused_before_any_work(tiny, tmp_path, capsys):
+    from transformers import BertConfig, BertModel
+
+    from linattn.cli import main
+
+    BertModel(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(tmp_path / "bert")
+    assert main(["linearize", str(tmp_path / "bert"), "--out", str(tmp_path / "x")]) == 2
+    assert "is not a causal LM" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(command(tiny, blocker / "sub")) == 2  # a file where the folder should be
+    assert "--out: cannot write into" in capsys.readouterr().err
+    assert main(command(tiny, tmp_path / "y", "--budget", "0")) == 2
+    assert "--budget: need minutes > 0" in capsys.readouterr().err
+
+
+def test_a_budget_too_small_is_refused_with_the_least_that_would_do(tiny, tmp_path, capsys):
+    from linattn.cli import main
+
+    assert main(command(tiny, tmp_path / "b", "--budget", "0.01")) == 2
+    err = capsys.readouterr().err
+    assert "--budget: 0.01 min leave room for" in err and "pass --budget" in err
+
+
+def test_plan_steps_shares_what_is_left_after_the_fixed_costs():
+    costs = {"calibration": 10.0, "fit_fixed": 20.0, "measure": 30.0, "sampling": 40.0, "fit_step": 1.0,
+             "end_to_end_step": 2.0}
+    # 80 % of 600 s, less 100 s fixed: 380 s, 40 % (152 s) of fitting and 60 % (228 s) end to end
+    plan = plan_steps(10, costs, end_to_end=True)
+    assert (plan["fit_steps"], plan["end_to_end_steps"]) == (152, 114)
+    assert plan["estimates"]["fit"] == 172 and plan["estimates"]["end_to_end"] == 268
+    assert plan_steps(10, costs, end_to_end=False)["fit_steps"] == 420  # no sampling, everything to the fit
+    with pytest.raises(LinearAttentionError, match="pass --budget 3 or more"):  # (100 + 10 · 1 / 0.4) / 0.8 s = 2.6 min
+        plan_steps(2, costs, end_to_end=True)
+
+
+def test_wilson_interval_matches_its_closed_form():
+    # 0 of 3: [0, z²/(n + z²)]; 3 of 3: [n/(n + z²), 1] — the interval's known endpoints at the extremes
+    z2 = 1.959964**2
+    low, high = wilson_interval(0, 3)
+    assert low == pytest.approx(0, abs=1e-15) and high == pytest.approx(z2 / (3 + z2), rel=1e-12)
+    low, high = wilson_interval(3, 3)
+    assert low == pytest.approx(3 / (3 + z2), rel=1e-12) and high == 1
+    low, high = wilson_interval(50, 100)  # the textbook value: [0.4038, 0.5962]
+    assert (low, high) == pytest.approx((0.4038, 0.5962), abs=1e-4)
+
+
+@pytest.mark.slow  # ~10 s: the pipeline once, with adapters
+def test_lora_adapters_travel_with_the_folder_and_the_card_says_fine_tuned(tiny, tmp_path):
+    pytest.importorskip("peft")
+    from linattn.cli import main
+    from linattn.evaluate import perplexity
+
+    out = tmp_path / "lora"
+    assert main(command(tiny, out, "--lora", "2")) == 0
+    index = json.loads((out / "linattn.json").read_text())
+    assert index["adapters"] == "lora" and (out / "lora" / "adapter_model.safetensors").is_file()
+    assert "**Fine-tuned:**" in (out / "README.md").read_text()
+    from safetensors.torch import load_file
+
+    saved = load_file(str(out / "lora" / "adapter_model.safetensors"))
+    assert any(name.endswith("lora_B.weight") and bool(t.abs().sum() > 0) for name, t in saved.items())  # trained
+    model, tokenizer = load_linearized(out)
+    measured = json.loads((out / "results.json").read_text())["rows"][-1]["perplexity"]
+    # with the adapters attached the reloaded model is the one measured (rounding only, as above)
+    assert perplexity(model, tokenizer, (tiny / "heldout.txt").read_text()).perplexity == pytest.approx(measured,
+                                                                                                         rel=1e-6)
