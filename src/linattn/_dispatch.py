@@ -16,7 +16,7 @@ from torch import nn
 
 from . import _validate
 from .capabilities import Route
-from .features import check_feature_dims, key_features, map_features, query_features, unit_features
+from .features import check_feature_dims, delta_inputs, key_features, map_features, query_features
 from .forms import (
     causal_chunked_attention,
     global_attention,
@@ -216,13 +216,9 @@ def run_delta(job: Job, form: str) -> Result:
     """The delta rule (forms/delta.py) on unit features: masked tokens write nothing (β = 0), the decay applies."""
     state = job.state
     assert job.beta is not None and (state is None or isinstance(state, DeltaRuleState))
-    fmap, log_space, finite, nonnegative = job.fmap, job.log_space, job.check_finite, job.nonnegative
-    qf = unit_features(fmap, job.q, is_query=True, log_space=log_space, finite=finite, nonnegative=nonnegative)
-    kf = unit_features(fmap, job.k, is_query=False, log_space=log_space, keep=job.keep, finite=finite,
-                       nonnegative=nonnegative)
-    check_feature_dims(qf.shape[-1], kf.shape[-1], job.fmap)
+    qf, kf, beta = delta_inputs(job.fmap, job.q, job.k, job.keep, job.beta, log_space=job.log_space,
+                                finite=job.check_finite, nonnegative=job.nonnegative)
     _validate.check_state_features(state, kf.shape[-1], job.map_name)
-    beta = job.beta if job.keep is None else job.beta * job.keep.to(job.beta.dtype)
     if form == "recurrent":
         return delta_recurrent(qf, kf, job.v, beta=beta, log_decay=job.log_decay, state=state)
     size = qf.shape[-2] if form == "parallel" else job.chunk_size  # parallel: one chunk, the UT transform over all

@@ -182,6 +182,20 @@ def unit_features(
     return torch.nn.functional.normalize(features, dim=-1) if normalized else features
 
 
+def delta_inputs(
+    fmap: nn.Module, q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor | None, beta: torch.Tensor, *,
+    log_space: bool, finite: bool = False, nonnegative: bool = False, normalized: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The delta rule's feature stage: unit query and key features (:func:`unit_features`, masked keys 0), their
+    widths checked, and β with masked tokens' writes set to 0 (their decay still applies)."""
+    qf = unit_features(fmap, q, is_query=True, log_space=log_space, finite=finite, nonnegative=nonnegative,
+                       normalized=normalized)
+    kf = unit_features(fmap, k, is_query=False, log_space=log_space, keep=keep, finite=finite,
+                       nonnegative=nonnegative, normalized=normalized)
+    check_feature_dims(qf.shape[-1], kf.shape[-1], fmap)
+    return qf, kf, beta if keep is None else beta * keep.to(beta.dtype)
+
+
 def key_features(
     fmap: nn.Module,
     k: torch.Tensor,

@@ -17,7 +17,7 @@ import torch
 from .. import _validate
 from ..errors import LinearAttentionError
 from ..feature_maps.elementwise import EluFeatureMap
-from ..features import check_feature_dims, key_features, query_features, unit_features
+from ..features import delta_inputs, key_features, query_features
 from ..state import DeltaRuleState, LinearAttentionState
 from . import triton as triton_backend
 
@@ -81,18 +81,14 @@ def _triton_delta_run(dtype: torch.dtype, *, forced: bool, torch_run: Runner) ->
         inputs = (job.q, job.k, job.v, job.beta, job.log_decay, state.kv if state is not None else None)
         tracking = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
         stepping = not tracking and n <= RECURRENT_MAX_TOKENS
-        options = {"log_space": job.log_space, "finite": job.check_finite, "nonnegative": job.nonnegative,
-                   "normalized": not stepping}
-        qf = unit_features(job.fmap, job.q, is_query=True, **options)
-        kf = unit_features(job.fmap, job.k, is_query=False, keep=job.keep, **options)
-        check_feature_dims(qf.shape[-1], kf.shape[-1], job.fmap)
+        qf, kf, beta = delta_inputs(job.fmap, job.q, job.k, job.keep, job.beta, log_space=job.log_space,
+                                    finite=job.check_finite, nonnegative=job.nonnegative, normalized=not stepping)
         found = triton_backend.delta_shape_reasons(kf.shape[-1], job.v.shape[-1])
         if found:
             if forced:
                 raise triton_backend.refusal(found)
             return torch_run(job)
         _validate.check_state_features(state, kf.shape[-1], job.map_name)
-        beta = job.beta if job.keep is None else job.beta * job.keep.to(job.beta.dtype)  # masked: no write
         initial = state.kv if state is not None else kf.new_zeros(*kf.shape[:-2], kf.shape[-1], job.v.shape[-1])
         host = triton_backend.load_delta()
         common = {"beta": beta, "log_decay": job.log_decay, "initial": initial, "dtype": dtype}
