@@ -106,7 +106,7 @@ def test_band_gradients_are_whole_tensors_summed_in_place():
     linear part's gradient of the same tensor into them in place (into a view it would allocate a new sum)."""
     q, k, v = (x.requires_grad_() for x in inputs(2, 3, 96, 8, seed=24))
     features = (q.exp(), k.exp()[..., :0, :].detach(), k.exp())
-    a, _, mass = window_fast.exact_part(q, 0.3, True, (k[..., :0, :].detach(), k), (v[..., :0, :].detach(), v),
+    a, _, mass, _ = window_fast.exact_part(q, 0.3, True, (k[..., :0, :].detach(), k), (v[..., :0, :].detach(), v),
                                         features, 16, 15, 0, None)
     grads = torch.autograd.grad([a.sum(), mass.sum()], [q, k, v, *(features[i] for i in (0, 2))])
     for grad, like in zip(grads, (q, k, v, q, k), strict=True):

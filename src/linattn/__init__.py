@@ -15,7 +15,14 @@ from .feature_maps import FeatureMap
 from .forms import FORMS
 from .functional import linear_attention
 from .seed import chunked_linear_attention, stable_linear_attention
-from .state import DeltaRuleState, LinearAttentionState, ShortConvState, WindowAttentionState
+from .state import (
+    DeltaRuleState,
+    LinearAttentionState,
+    ShortConvState,
+    SparseCache,
+    SparseCacheState,
+    WindowAttentionState,
+)
 
 __version__ = "0.1.0"
 
@@ -26,6 +33,8 @@ __all__ = [
     "LinearAttentionError",
     "LinearAttentionState",
     "ShortConvState",
+    "SparseCache",
+    "SparseCacheState",
     "WindowAttentionState",
     "__version__",
     "chunked_linear_attention",

@@ -34,7 +34,8 @@ from .forms.window import (
     window_parallel,
     window_recurrent,
 )
-from .state import DeltaRuleState, LinearAttentionState, WindowAttentionState
+from .forms.window.sparse import sparse_chunked, sparse_parallel, sparse_recurrent
+from .state import DeltaRuleState, LinearAttentionState, SparseCache, WindowAttentionState
 
 AnyState = LinearAttentionState | WindowAttentionState | DeltaRuleState
 Result = tuple[torch.Tensor, "AnyState | None"]
@@ -65,6 +66,7 @@ class Job:
     window: int = 0
     sinks: int = 0
     window_factor: torch.Tensor | None = None  # broadcast to the batch dims, or None (the mass form)
+    sparse_cache: SparseCache | None = None
     softmax_scale: float = 1.0
     check_finite: bool = False  # the features too, not only q, k, v
     nonnegative: bool = False  # a map of unknown positivity under normalize=True: refuse negative features
@@ -212,6 +214,25 @@ def run_window(job: Job, form: str) -> Result:
     return causal_window_chunked(hybrid, job.q, job.k, job.v, job.keep, state, job.chunk_size)
 
 
+def run_sparse(job: Job, form: str) -> Result:
+    """The window op with a sparse exact cache (forms/window/sparse.py); causal, ordinary maps."""
+    fmap, checks = job.fmap, job.checks()
+    hybrid = Hybrid(lambda x, is_query: map_features(fmap, x, is_query=is_query, **checks), log_space=False,
+                    window=job.window, sinks=job.sinks, factor=job.window_factor, scale=job.softmax_scale,
+                    eps=job.eps, min_denom=job.min_denom)
+    state, cache = job.state, job.sparse_cache
+    assert (state is None or isinstance(state, WindowAttentionState)) and cache is not None
+    if form == "chunked":
+        assert job.chunk_size is not None
+        return sparse_chunked(hybrid, cache, job.q, job.k, job.v, job.keep, state, job.chunk_size)
+    keep = job.keep
+    if keep is None:
+        keep = torch.ones(job.k.shape[:-1], dtype=torch.bool, device=job.k.device)
+    if form == "parallel":
+        return sparse_parallel(hybrid, cache, job.q, job.k, job.v, keep, state)
+    return sparse_recurrent(hybrid, cache, job.q, job.k, job.v, keep, state)
+
+
 def run_delta(job: Job, form: str) -> Result:
     """The delta rule (forms/delta.py) on unit features: masked tokens write nothing (β = 0), the decay applies."""
     state = job.state
@@ -235,6 +256,8 @@ def torch_runner(route: Route, causal: bool) -> Runner:
         return lambda job: run_window(job, route.form)
     if route.kind == "delta":
         return lambda job: run_delta(job, route.form)
+    if route.kind == "sparse":
+        return lambda job: run_sparse(job, route.form)
     if route.kind == "gated":
         return lambda job: run_gated(job, route.form)
     if route.form == "chunked" and not causal:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .errors import LinearAttentionError
-from .state import DeltaRuleState, LinearAttentionState, WindowAttentionState
+from .state import DeltaRuleState, LinearAttentionState, SparseCache, WindowAttentionState
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> int:
@@ -458,3 +458,58 @@ def window_factor(factor: object, batch: torch.Size, dtype: torch.dtype, device:
             f"window_factor: shape {tuple(gamma.shape)} does not broadcast to the batch/head dims "
             f"{tuple(batch)}; pass a float or one value per head, e.g. shape (H,)"
         ) from None
+
+
+def sparse_cache(option: object, window: int | None, update: str, state: object) -> SparseCache | None:
+    """``sparse_cache=``: None, an int (the size per head) or a :class:`SparseCache`; it needs ``window=``."""
+    if option is None:
+        if isinstance(state, WindowAttentionState) and state.cache is not None:
+            raise LinearAttentionError(
+                "initial_state: it carries a sparse cache; pass the same sparse_cache= as the call that returned it"
+            )
+        return None
+    if window is None:
+        raise LinearAttentionError(
+            "sparse_cache: the cache keeps pairs that have left the window; pass window= (and sinks=) with it"
+        )
+    if update != "add":
+        raise LinearAttentionError("sparse_cache: the cache sits beside the additive state; drop update= with it")
+    if isinstance(option, SparseCache):
+        return option
+    if isinstance(option, bool) or not isinstance(option, int):
+        raise LinearAttentionError(
+            f"sparse_cache: expected an int (pairs per head) or a linattn.SparseCache, got {type(option).__name__}"
+        )
+    return SparseCache(size=option)
+
+
+def check_sparse_cache(cache: SparseCache, q: torch.Tensor, window: int, state: object) -> None:
+    """The cache against the call: its block fits in the window, per-head sizes match the heads, a carried state
+    was made with the same block and slots."""
+    block = cache.block_for(window)
+    if block > window:
+        raise LinearAttentionError(
+            f"sparse_cache: block={block} is longer than the window ({window}); the pairs leaving before the next "
+            "decision must still be in the window when it is made. Pass block ≤ window"
+        )
+    if not isinstance(cache.size, int):
+        heads = len(cache.size.tolist() if isinstance(cache.size, torch.Tensor) else cache.size)
+        if q.dim() < 3 or heads != q.shape[-3]:
+            raise LinearAttentionError(
+                f"sparse_cache: {heads} per-head sizes for inputs with {q.shape[-3] if q.dim() >= 3 else 1} heads "
+                "(dim −3); give one per query head"
+            )
+    if cache.keep is not None and cache.keep.dtype != torch.bool:
+        raise LinearAttentionError(f"sparse_cache: keep must be a bool tensor over positions, got {cache.keep.dtype}")
+    if isinstance(state, WindowAttentionState):
+        if state.cache is None and state.num_tokens:
+            raise LinearAttentionError(
+                "initial_state: made without sparse_cache=; continue it without one, or start a new sequence"
+            )
+        if state.cache is not None and (state.cache.block != block
+                                        or state.cache.positions.shape[-1] != cache.largest):
+            raise LinearAttentionError(
+                f"initial_state: its cache was made with block={state.cache.block} and "
+                f"{state.cache.positions.shape[-1]} slots; this call has block={block} and {cache.largest}: pass "
+                "the same sparse_cache"
+            )

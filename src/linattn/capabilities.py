@@ -33,7 +33,8 @@ NONCAUSAL_CHUNKED_ABOVE = 4096
 class Call:
     """What a path needs to know of a ``linear_attention`` call to say whether it covers it."""
 
-    kind: str  # "plain", "gated" (per-feature gates), "window" (the window + sinks op) or "delta" (the delta rule)
+    kind: str  # "plain", "gated" (per-feature gates), "window" (the window + sinks op), "sparse" (the window op
+    # with a sparse exact cache) or "delta" (the delta rule)
     causal: bool
     form: str  # as asked: "auto" or a name of FORMS
     num_queries: int
@@ -95,6 +96,17 @@ def _delta(form_reason: str | None) -> Callable[[Call], list[str]]:
     return reasons
 
 
+def _sparse(call: Call) -> list[str]:
+    found = [] if call.causal else [
+        "sparse_cache: the cache keeps pairs that have left a causal window; pass causal=True (a non-causal call "
+        "sees every key in its band or linearly)"
+    ]
+    if call.log_space:
+        found.append("sparse_cache: log-space feature maps (FAVOR+ and kin) are not covered in this version; use an "
+                     "ordinary map (elu, relu, hedgehog, fitted maps)")
+    return found
+
+
 def _window_global(_: Call) -> list[str]:
     return ["form='global' has no window; use form='chunked' (or 'auto') with window="]
 
@@ -114,6 +126,12 @@ ROUTES: tuple[Route, ...] = (
     Route("window", "global", None, _window(_window_global)),
     Route("window", "chunked", 64, _window(_none)),
     Route("window", "recurrent", None, _window(_causal_only)),
+    # the window op with a sparse exact cache: the window's chunked path and a per-block correction (chunk: the
+    # window's linear part)
+    Route("sparse", "parallel", None, _window(_sparse)),
+    Route("sparse", "global", None, _window(_window_global)),
+    Route("sparse", "chunked", 64, _window(_sparse)),
+    Route("sparse", "recurrent", None, _window(_sparse)),
     # the delta rule: chunk 64 measured best of 32/64/128 at N = 16384 (docs/delta.md); "parallel" is the same
     # UT transform over the whole sequence as one chunk (quadratic in N)
     Route("delta", "parallel", None, _delta(None)),
@@ -122,6 +140,7 @@ ROUTES: tuple[Route, ...] = (
     Route("delta", "recurrent", None, _delta(None)),
 )
 NONCAUSAL_CHUNK = 1024
+SPARSE_PARALLEL_UP_TO = 16  # decoding steps and short continuations of the sparse cache run the definition
 
 
 def chunk_size(route: Route, call: Call) -> int | None:
@@ -138,6 +157,8 @@ def auto_form(call: Call) -> str:
     unless a chunk size is asked for; the window's one-token continuation of a state token by token."""
     if call.kind in ("window", "delta"):
         return "recurrent" if call.causal and call.num_queries == 1 and call.carries_state else "chunked"
+    if call.kind == "sparse":  # a short continuation: the definition's cost is O(N·(S + W + size)) there too
+        return "parallel" if call.causal and call.num_queries <= SPARSE_PARALLEL_UP_TO else "chunked"
     if call.causal or call.chunk_size is not None or call.num_keys > NONCAUSAL_CHUNKED_ABOVE:
         return "chunked"
     return "global"
@@ -248,6 +269,9 @@ def step_reasons(step: str, fmap: nn.Module, state: Any, options: dict[str, Any]
     if type(state) is not WindowAttentionState:
         return [f"state {type(state).__name__}: the window step continues a WindowAttentionState"]
     found = [] if state.linear.kv.dim() == 4 else ["state: the window step needs batch shape (B, H)"]
+    if state.cache is not None:
+        found.append("state: it carries a sparse cache, which the window step does not keep (linear_attention "
+                     "continues it, in the definition's form)")
     found += _step_common(fmap, state.linear.kv, options, WINDOW_STEP_OPTIONS)
     if is_log_space(fmap):
         found.append("a log-space feature map: the window step keeps every sum at scale 1")

@@ -26,7 +26,7 @@ from .features import (  # noqa: F401  (re-exported: the names' old home)
 )
 from .forms import FORMS
 from .forms._common import scale_between
-from .state import DeltaRuleState, LinearAttentionState, WindowAttentionState
+from .state import DeltaRuleState, LinearAttentionState, SparseCache, WindowAttentionState
 
 
 def _to_torch(x: Any, name: str) -> tuple[torch.Tensor, bool]:
@@ -63,6 +63,7 @@ def linear_attention(
     softmax_scale: float | None = None,
     update: str = "add",
     beta: Any = None,
+    sparse_cache: int | SparseCache | None = None,
 ) -> Any:
     """Linear attention: out_t = φ(q_t)·Σ_j φ(k_j)v_jᵀ / (φ(q_t)·Σ_j φ(k_j) + eps), j ≤ t when causal.
 
@@ -110,6 +111,10 @@ def linear_attention(
             S_t = a_t·S_{t−1} + β_t·φ̂(k_t)(v_t − a_t·S_{t−1}ᵀφ̂(k_t))ᵀ and out_t = S_tᵀφ̂(q_t), with φ̂ the
             L2-normalised features: it writes only what the memory does not already predict. Causal,
             unnormalised, per-token gates only; states are :class:`DeltaRuleState`. Masked tokens write nothing.
+        sparse_cache: with ``window=`` (causal): beside the window and sinks, up to this many key/value pairs per
+            head that have left the window stay exact (an int, or a :class:`SparseCache` with per-head sizes and
+            the score that chooses them: LoLA's self-recall error by default); the rest are in the linear state.
+            Decided every ``block`` tokens, so every form computes the same; constant memory. docs/sparse_cache.md.
         beta: the delta rule's write strength β ∈ [0, 2], a float or ``(..., N)`` per token and head (e.g.
             ``torch.sigmoid(x @ w_beta)``); default 1.
 
@@ -136,6 +141,7 @@ def linear_attention(
             "this version. Drop window= (the delta rule alone) or update= (the hybrid alone)"
         )
     check_window_combination(window, decay=decay, log_gate=log_gate, cu_seqlens=cu_seqlens, backend=backend)
+    cache = _validate.sparse_cache(sparse_cache, window, update, initial_state)
     if isinstance(initial_state, WindowAttentionState) and window is None:
         raise LinearAttentionError(
             f"initial_state: a WindowAttentionState (window={initial_state.window}, sinks={initial_state.sinks}) "
@@ -169,6 +175,9 @@ def linear_attention(
         _check_map_normaliser(fmap, log_space, normalize, min_denom)
 
     kind = "window" if window is not None else "gated" if feature_gate is not None else "plain"
+    if cache is not None:
+        kind = "sparse"
+        _validate.check_sparse_cache(cache, q, window or 0, initial_state)
     call = Call(
         kind="delta" if update == "delta" else kind,
         causal=causal, form=form, num_queries=q.shape[-2], num_keys=k.shape[-2], chunk_size=chunk_size,
@@ -205,6 +214,7 @@ def linear_attention(
         check_finite=check_finite,
         nonnegative=normalize and min_denom is None and isinstance(fmap, CallableFeatureMap),
         beta=_validate.delta_beta(beta, q, k_heads, compute) if update == "delta" else None,
+        sparse_cache=cache,
     )
 
     # under torch.autocast the GEMMs below would run in bf16/fp16 again: the fp32 accumulation is the point

@@ -93,8 +93,11 @@ class WindowAttentionState:
     ``sink_keep``    (..., Ls)
     ``window``, ``sinks``, ``num_tokens``: W, S and the key positions consumed so far (padding included).
 
+    ``cache``        :class:`SparseCacheState` with ``sparse_cache=``, else None
+
     Keys and values are kept raw (before the feature map, in the accumulation dtype): the window scores them
-    exactly, and a key's features are computed when it leaves the window. Size O((W + S)·D + F·Dv) per head.
+    exactly, and a key's features are computed when it leaves the window. Size O((W + S)·D + F·Dv) per head
+    (plus the sparse cache's pairs).
     """
 
     linear: LinearAttentionState
@@ -107,6 +110,7 @@ class WindowAttentionState:
     window: int
     sinks: int
     num_tokens: int = 0
+    cache: SparseCacheState | None = None
 
     _TENSORS = ("keys", "values", "sink_keys", "sink_values")
 
@@ -118,12 +122,14 @@ class WindowAttentionState:
         return replace(
             self, linear=self.linear.to(device, dtype), keep=self.keep.to(device=device),
             sink_keep=self.sink_keep.to(device=device), **moved,
+            cache=self.cache.to(device, dtype) if self.cache is not None else None,
         )
 
     def detach(self) -> WindowAttentionState:
         """Cut the autograd history (for truncated back-propagation through time)."""
         detached = {name: getattr(self, name).detach() for name in self._TENSORS}
-        return replace(self, linear=self.linear.detach(), **detached)
+        return replace(self, linear=self.linear.detach(), **detached,
+                       cache=self.cache.detach() if self.cache is not None else None)
 
     def index_select(self, dim: int, index: torch.Tensor) -> WindowAttentionState:
         """Select along a batch dimension (e.g. to reorder beams). ``dim`` counts over the leading dims."""
@@ -131,7 +137,102 @@ class WindowAttentionState:
         return replace(
             self, linear=self.linear.index_select(dim, index),
             **{name: getattr(self, name).index_select(dim, index) for name in names},
+            cache=self.cache.index_select(dim, index) if self.cache is not None else None,
         )
+
+
+SCORES = ("recall", "attention", "oracle")
+
+
+@dataclass(frozen=True)
+class SparseCache:
+    """The sparse exact cache of the window op (``linear_attention(..., window=W, sinks=S, sparse_cache=...)``).
+
+    Beside the window and the sinks, up to ``size`` key/value pairs per head that have left the window stay exact
+    (softmax weights, one normaliser with the window); every other pair is in the linear state. Which pairs stay
+    is decided at block boundaries, every ``block`` tokens (positions t = b·block): the candidates are the pairs
+    in the cache and the ``block`` pairs that will leave the window before the next boundary; the ``size`` with
+    the highest score are kept, the other cached pairs enter the linear state at the boundary, and the other
+    leaving pairs enter it when they leave the window (as without a cache).
+
+    ``size``   pairs per head: an int, or one per head (a sequence or tensor of H ints: a per-head budget)
+    ``score``  ``"recall"`` (LoLA's self-recall error ‖v − Sᵀφ(k)/(zᵀφ(k))‖ against the linear state at the
+               boundary: the pairs the state would recall worst stay exact), ``"attention"`` (the softmax mass
+               the pair receives from the last block's queries, among the candidates: heavy hitters stay), or
+               ``"oracle"`` (measurement only: the pairs at the positions where ``keep`` is True stay, up to
+               ``size``, the newest first)
+    ``block``  tokens between decisions; ≤ the window (the leaving pairs are in the window at the boundary).
+               Default: min(64, W)
+    ``keep``   ``"oracle"`` only: bool ``(..., P)`` over absolute positions 0 … P−1, broadcast against the batch
+               and head dimensions (positions ≥ P: not kept)
+
+    Ties in the score go to the newer pair. Memory per head: (S + W + size)·(Dk + Dv) + F·Dv, and for
+    ``"attention"`` the last block's queries: constant in the sequence length.
+    """
+
+    size: int | tuple[int, ...] | torch.Tensor = 128
+    score: str = "recall"
+    block: int | None = None
+    keep: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.score not in SCORES:
+            raise LinearAttentionError(f"sparse_cache: score {self.score!r} is not one of {', '.join(SCORES)}")
+        if (self.score == "oracle") != (self.keep is not None):
+            raise LinearAttentionError(
+                "sparse_cache: score='oracle' takes keep= (a bool tensor over positions), and only it does"
+            )
+        if self.block is not None and (isinstance(self.block, bool) or not isinstance(self.block, int)
+                                       or self.block < 1):
+            raise LinearAttentionError(f"sparse_cache: block must be a positive int, got {self.block!r}")
+        sizes = self.size.tolist() if isinstance(self.size, torch.Tensor) else self.size
+        for value in sizes if isinstance(sizes, (list, tuple)) else [sizes]:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise LinearAttentionError(
+                    f"sparse_cache: size must be an int ≥ 0 or one per head, got {self.size!r}"
+                )
+
+    @property
+    def largest(self) -> int:
+        """The largest per-head size: the cache's slots."""
+        if isinstance(self.size, int):
+            return self.size
+        return int(max(self.size.tolist() if isinstance(self.size, torch.Tensor) else self.size, default=0))
+
+    def block_for(self, window: int) -> int:
+        """The block between decisions for a window of W."""
+        return self.block if self.block is not None else min(64, window)
+
+
+@dataclass
+class SparseCacheState:
+    """The sparse cache's part of a :class:`WindowAttentionState`.
+
+    ``positions``  (..., L) int64: the cached pairs' positions, ascending, −1 for an empty slot (at the end);
+                   L = the largest per-head size. Pairs chosen at the last boundary that are still in the window
+                   are already here.
+    ``keys``       (..., L, Dk), ``values`` (..., L, Dv): their keys and values (zeros in empty slots)
+    ``queries``    (..., Lq, Dk): the queries since the last boundary (``score="attention"``; else Lq = 0)
+    ``block``      the tokens between decisions it was made with
+    """
+
+    positions: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+    block: int
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> SparseCacheState:
+        return replace(self, positions=self.positions.to(device=device), keys=self.keys.to(device=device, dtype=dtype),
+                       values=self.values.to(device=device, dtype=dtype),
+                       queries=self.queries.to(device=device, dtype=dtype))
+
+    def detach(self) -> SparseCacheState:
+        return replace(self, keys=self.keys.detach(), values=self.values.detach(), queries=self.queries.detach())
+
+    def index_select(self, dim: int, index: torch.Tensor) -> SparseCacheState:
+        return replace(self, **{name: getattr(self, name).index_select(dim, index)
+                                for name in ("positions", "keys", "values", "queries")})
 
 
 @dataclass

@@ -28,7 +28,7 @@ from ..errors import LinearAttentionError
 from ..feature_maps import FeatureMap
 from ..features import FeatureMapLike, resolve_feature_map
 from ..functional import linear_attention
-from ..state import DeltaRuleState, LinearAttentionState, ShortConvState, WindowAttentionState
+from ..state import DeltaRuleState, LinearAttentionState, ShortConvState, SparseCache, WindowAttentionState
 from .decoder import LayerDecoder
 from .parts import OutputGate, ShortConv, check_layer_update
 
@@ -74,6 +74,8 @@ class LinearAttention(nn.Module):
             most recent keys (non-causal: the band |t − j| < window) and the first ``sinks`` tokens, linear
             attention for the rest, one normaliser; the state then also carries the window's keys and values
             (a :class:`~linattn.WindowAttentionState`, still O(1) per generated token).
+        sparse_cache: with ``window`` (causal): up to this many pairs per head that have left the window stay
+            exact (an int or a :class:`~linattn.SparseCache`; docs/sparse_cache.md).
         update: ``"add"`` (the sums above) or ``"delta"``: the delta rule (DeltaNet; with ``gate="token"`` and/or
             ``decay`` Gated DeltaNet; docs/delta_layer.md), out_t = S_tᵀq̂_t with S_t = a_t·S_{t−1} +
             β_t·k̂_t(v_t − a_t·S_{t−1}ᵀk̂_t)ᵀ on L2-normalised features (the feature map's, then normalised: use
@@ -115,6 +117,7 @@ class LinearAttention(nn.Module):
         output_norm: bool = False,
         window: int | None = None,
         sinks: int = 0,
+        sparse_cache: int | SparseCache | None = None,
         update: str = "add",
         beta_scale: float = 1.0,
         short_conv: int | None = None,
@@ -173,6 +176,13 @@ class LinearAttention(nn.Module):
             check_window_combination(window, decay=decay, gate=gate)
             _validate.check_window_options(window, sinks, None, None)
             self.options.update(window=window, sinks=sinks)
+            if sparse_cache is not None:
+                self.options["sparse_cache"] = _validate.sparse_cache(sparse_cache, window, update, None)
+                if not causal:
+                    raise LinearAttentionError("sparse_cache: the cache keeps pairs that have left a causal window; "
+                                               "pass causal=True")
+        elif sparse_cache is not None:
+            raise LinearAttentionError("sparse_cache: the cache keeps pairs that have left the window; pass window=W")
         elif sinks:
             raise LinearAttentionError(f"sinks={sinks}: sink tokens belong to the window hybrid; pass window=W too")
 

@@ -3,6 +3,9 @@ non-causal (two shifted causal passes and the band); the state after a call (see
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from ...features import NEG_INF, key_scales
@@ -98,12 +101,39 @@ def masks_any(keep: torch.Tensor | None, state: WindowAttentionState | None) -> 
     return not all(bool(x.all()) for x in masks)
 
 
+@dataclass
+class Parts:
+    """The causal hybrid's pieces before they are combined: what a form that adds exact pairs (the sparse cache)
+    builds on. ``exact`` is (num, den, mass, log-scale) as :meth:`.hybrid.Hybrid.exact_part` returns it."""
+
+    qf: torch.Tensor
+    c: torch.Tensor | None
+    r: torch.Tensor | None
+    lin: tuple[torch.Tensor, torch.Tensor]
+    exact: tuple[Any, ...]
+    linear: LinearAttentionState  # the linear sums after every key that left the window in this call
+    state: WindowAttentionState  # the state the call started from (an empty one for None)
+    keep: torch.Tensor  # (..., N), all True without padding
+    features: torch.Tensor  # this call's key features (ordinary maps; log φ for log-space maps)
+    ring_features: torch.Tensor  # the window buffer's
+
+
 def causal_window_chunked(
     hybrid: Hybrid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
     state: WindowAttentionState | None, chunk_size: int,
 ) -> tuple[torch.Tensor, WindowAttentionState]:
     """The causal hybrid: linear part through the chunked Function, exact part banded. keep (..., N) bool, or None
     (no padding)."""
+    parts = causal_window_parts(hybrid, q, k, v, keep, state, chunk_size)
+    out = hybrid.combine(parts.lin, parts.exact, parts.c, parts.r)
+    return out, next_state(parts.state, parts.linear, k, v, parts.keep)
+
+
+def causal_window_parts(
+    hybrid: Hybrid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
+    state: WindowAttentionState | None, chunk_size: int,
+) -> Parts:
+    """The pieces of :func:`causal_window_chunked`, not yet combined."""
     window, sinks, n = hybrid.window, hybrid.sinks, q.shape[-2]
     padded = masks_any(keep, state)
     if keep is None:  # the state's buffers and the sink mask still take one
@@ -193,8 +223,7 @@ def causal_window_chunked(
                 band_scales = torch.cat([ring_at, r], dim=-1)
         band = Band(band_keys, band_values, band_keep, front, band_features, band_scales, width - 1, n)
         exact = hybrid.exact_part(q, qf, r, band, sink)
-    out = hybrid.combine((lin_num, lin_den), exact, c, r)
-    return out, next_state(state, linear, k, v, keep)
+    return Parts(qf, c, r, (lin_num, lin_den), exact, linear, state, keep, logs, ring_logs)
 
 
 def noncausal_window_chunked(

@@ -373,13 +373,14 @@ def exact_part(
     q: torch.Tensor, scale: float, shape_only: bool, keys: Pair, values: Pair,
     features: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, size: int, width: int, front: int,
     sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, int] | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """What :meth:`.window.Hybrid.exact_part` returns, from the banded Function. keys, values: (prefix (..., P, ·),
     this call's (..., N, ·)); features: (φ(q), φ(k) prefix, φ(k)) for the mass, or None; sinks: the carried sink
     keys, values, features (..., S0, ·), the mask (..., N, S) and how many of this call's first keys are sinks.
 
-    Mass form (``shape_only``): (A, None, M) — the softmax over the exact keys already normalised. Factor form:
-    (Σ e^{s−m} v, Σ e^{s−m}, None) with m the exact row max (differentiable: the form's definition).
+    Mass form (``shape_only``): (A, None, M, lse) — the softmax over the exact keys already normalised, and
+    lse = log Σ_exact e^s. Factor form: (Σ e^{s−m} v, Σ e^{s−m}, None, m) with m the exact row max
+    (differentiable: the form's definition).
     """
     batch, n = q.shape[:-2], q.shape[-2]
 
@@ -402,6 +403,6 @@ def exact_part(
     )
     a = a.reshape(*batch, n, a.shape[-1])
     if shape_only:
-        return a, None, mass.reshape(*batch, n) if mass is not None else None
+        return a, None, mass.reshape(*batch, n) if mass is not None else None, lse.reshape(*batch, n)
     weight = torch.exp(lse - top).reshape(*batch, n)  # Σ_exact e^{s−m}
-    return weight.unsqueeze(-1) * a, weight, None
+    return weight.unsqueeze(-1) * a, weight, None, top.reshape(*batch, n)

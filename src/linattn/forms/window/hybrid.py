@@ -46,13 +46,13 @@ class Hybrid:
         return stored_at(logs, at)  # −inf only where every key so far is masked: features 0
 
     def combine(
-        self, lin: tuple[torch.Tensor, torch.Tensor],
-        exact: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+        self, lin: tuple[torch.Tensor, torch.Tensor], exact: tuple[Any, ...],
         c: torch.Tensor | None, r: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The output from the linear (num, den) and the exact part's (num, den, mass), per the module docstring."""
+        """The output from the linear (num, den) and the exact part's (num, den, mass[, log-scale]), per the module
+        docstring."""
         lin_num, lin_den = lin
-        win_num, win_den, mass = exact
+        win_num, win_den, mass = exact[:3]
         if self.factor is None and win_den is None:  # the window part already normalised (fused)
             assert mass is not None
             return MassCombine.apply(lin_num, lin_den, win_num, mass, self.eps, self.min_denom)
@@ -77,8 +77,9 @@ class Hybrid:
 
     def exact_part(
         self, q: torch.Tensor, qf: torch.Tensor, r: torch.Tensor | None, band: Band, sink: Sinks | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Σ e^{s_tj − m_t} v_j, Σ e^{s_tj − m_t} over the exact keys, and (mass form) M_t = Σ φ(q_t)·φ(k_j)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Σ e^{s_tj − m_t} v_j, Σ e^{s_tj − m_t} over the exact keys, (mass form) M_t = Σ φ(q_t)·φ(k_j), and the
+        row max m_t (−inf for a row with no exact key, whose sums are 0)."""
         n = q.shape[-2]
         size, blocks = band.size, band.blocks
         pad = blocks * size - n
@@ -95,6 +96,7 @@ class Hybrid:
             sink_max = (sink_scores.detach() if shape_only else sink_scores).amax(-1)
             sink_max = torch.nn.functional.pad(sink_max, (0, pad), value=NEG_INF).unflatten(-1, (blocks, size))
             row_max = torch.maximum(row_max, sink_max)
+        raw_max = row_max.flatten(-2)[..., :n]
         row_max = finite(row_max).unsqueeze(-1)  # no exact keys: weights all 0
         probs = scores.sub_(row_max).exp_() if shape_only else torch.exp(scores - row_max)  # 0 outside the band
         win_num = (probs @ band.values).flatten(-3, -2)[..., :n, :]  # (..., N, Dv)
@@ -104,7 +106,7 @@ class Hybrid:
             win_num = win_num + sink_probs @ sink.values
             win_den = win_den + sink_probs.sum(-1)
         if self.factor is not None:
-            return win_num, win_den, None
+            return win_num, win_den, None, raw_max
         assert band.features is not None
         if r is None:  # every key at one scale: M_t = φ(q_t)·(sliding sum of φ(k) over the band), O(N·F)
             mass = (qf * band_sums(band.features, band.width + 1, n)).sum(-1)
@@ -124,7 +126,7 @@ class Hybrid:
             else:
                 sink_weights = sink_weights.masked_fill(~sink.mask, 0.0)
             mass = mass + sink_weights.sum(-1)
-        return win_num, win_den, mass
+        return win_num, win_den, mass, raw_max
 
 
 class MassCombine(torch.autograd.Function):

@@ -1,0 +1,449 @@
+"""The window op with a sparse exact cache (``linear_attention(..., window=W, sinks=S, sparse_cache=...)``).
+
+Definition (causal). Positions t = b·B (b ≥ 1, B the cache's ``block``) are *boundaries*. At a boundary t0 the
+candidates are the pairs in the cache and the pairs that leave the window before the next boundary (positions
+t0 − W … t0 − W + B − 1, not sinks, not padding; B ≤ W, so they have all been seen). Each candidate gets a score
+against what precedes t0 (the linear state S, z that query t0 − 1 read, the queries t0 − B … t0 − 1, or the
+oracle's positions); the ``size`` best (ties: the newer) are the cache for the queries t0 … t0 + B − 1. Every pair
+j then has an *entry time* e_j: the boundary at which it left the cache, j + W if it was never cached, never for
+sinks and padding. Query t weighs
+
+- exactly (softmax, one normaliser with the window and sinks): the window t − W < j ≤ t, the sinks, and the pairs of
+  its block's cache with j ≤ t − W;
+- linearly (φ(q_t)·φ(k_j)): every other pair with e_j ≤ t, and the carried linear state;
+
+and combines them as the window op does (the mass form: the exact part carries the mass φ(q)·Σ_exact φ(k); or the
+factor γ). Without a cache (size 0) this is the window op.
+
+Forms. :func:`sparse_parallel` is the definition written out: every weight of every query, the states at the
+boundaries as explicit sums; called one token at a time it is the decoding form (:func:`sparse_recurrent`).
+:func:`sparse_chunked` runs the window op's chunked path (the linear part as keys entering at j + W, the banded
+exact part), decides the boundaries in one pass with incremental state sums (no gradient: the choice is
+discrete), and corrects each query block with its cache: the cached pairs that the shifted linear part counted
+are taken out of it and put in the exact part (their linear weight moves into the mass, so the form's denominator
+loses nothing), and pairs the state held cached before the call and that leave the cache are added to the linear
+part. O(N·size) beside the window op's O(N·W).
+
+Ordinary feature maps only (not log-space maps such as FAVOR+): the capability table says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...features import NEG_INF, finite
+from ...state import LinearAttentionState, SparseCache, SparseCacheState, WindowAttentionState
+from .chunked import causal_window_parts, empty_window_state, next_state
+from .hybrid import Hybrid
+
+NEVER = 1 << 62  # the entry time of a pair that never enters the linear state (in this call)
+
+
+# --- the decision at a boundary: scores and the choice, shared by every form -----------------------------------
+
+
+def sizes_for(cache: SparseCache, batch: torch.Size, device: torch.device) -> torch.Tensor:
+    """The per-head sizes as (...) int64 against the batch dims (..., H)."""
+    if isinstance(cache.size, int):
+        return torch.full(tuple(batch), cache.size, dtype=torch.long, device=device)
+    return torch.as_tensor(cache.size, dtype=torch.long, device=device).expand(batch)
+
+
+def choose(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, sizes: torch.Tensor,
+           slots: int) -> torch.Tensor:
+    """The positions kept: per row, the ``sizes`` valid candidates of highest score (ties: the larger position),
+    as (..., slots) ascending with −1 in the unused slots at the end."""
+    score = scores.masked_fill(~valid, NEG_INF)
+    by_position = torch.argsort(positions.masked_fill(~valid, -1), dim=-1, descending=True, stable=True)
+    score, positions, valid = (x.gather(-1, by_position) for x in (score, positions, valid))
+    order = torch.argsort(score, dim=-1, descending=True, stable=True)
+    positions, valid = positions.gather(-1, order), valid.gather(-1, order)
+    rank = torch.arange(positions.shape[-1], device=positions.device)
+    kept = positions.masked_fill(~(valid & (rank < sizes.unsqueeze(-1))), -1)
+    if kept.shape[-1] < slots:
+        kept = torch.nn.functional.pad(kept, (0, slots - kept.shape[-1]), value=-1)
+    kept = kept[..., :slots]
+    ascending = torch.where(kept < 0, NEVER, kept).sort(-1).values
+    return torch.where(ascending == NEVER, -1, ascending)
+
+
+def recall_scores(kf: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, k_sum: torch.Tensor) -> torch.Tensor:
+    """LoLA's self-recall error ‖v − Sᵀφ(k) / (zᵀφ(k))‖ of candidates kf (..., C, F), v (..., C, Dv) against the
+    state kv (..., F, Dv), k_sum (..., F); an empty state (zᵀφ(k) = 0) recalls 0."""
+    num = kf @ kv
+    den = (kf @ k_sum.unsqueeze(-1))
+    seen = den > 0
+    recalled = torch.where(seen, num / torch.where(seen, den, torch.ones_like(den)), torch.zeros_like(num))
+    return (v - recalled).norm(dim=-1)
+
+
+def attention_scores(queries: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor,
+                     positions: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """The softmax mass each candidate (keys (..., C, D) at ``positions`` (..., C)) receives from the queries
+    (..., Q, D) at ``query_positions`` (Q,), the softmax taken over the candidates each query sees."""
+    scores = (queries @ keys.transpose(-1, -2)) * scale  # (..., Q, C)
+    sees = (positions.unsqueeze(-2) <= query_positions.unsqueeze(-1)) & valid.unsqueeze(-2)
+    scores = scores.masked_fill(~sees, NEG_INF)
+    top = finite(scores.amax(-1, keepdim=True))
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1, keepdim=True)
+    return (weights / torch.where(total > 0, total, torch.ones_like(total))).sum(-2)
+
+
+def oracle_scores(cache: SparseCache, positions: torch.Tensor) -> torch.Tensor:
+    """1 where the oracle keeps a position, else 0."""
+    assert cache.keep is not None
+    keep = cache.keep.to(positions.device).expand(*positions.shape[:-1], cache.keep.shape[-1])
+    inside = (positions >= 0) & (positions < keep.shape[-1])
+    picked = keep.gather(-1, positions.clamp(0, keep.shape[-1] - 1))
+    return (picked & inside).to(torch.float64)
+
+
+def scores_for(cache: SparseCache, hybrid: Hybrid, *, kf: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+               positions: torch.Tensor, valid: torch.Tensor, kv: torch.Tensor, k_sum: torch.Tensor,
+               queries: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """The candidates' scores under ``cache.score``."""
+    if cache.score == "recall":
+        return recall_scores(kf, v, kv, k_sum)
+    if cache.score == "attention":
+        return attention_scores(queries, query_positions, keys, positions, valid, hybrid.scale)
+    return oracle_scores(cache, positions)
+
+
+def empty_cache(cache: SparseCache, k: torch.Tensor, v: torch.Tensor, window: int) -> SparseCacheState:
+    slots, batch = cache.largest, k.shape[:-2]
+    return SparseCacheState(
+        torch.full((*batch, slots), -1, dtype=torch.long, device=k.device), k.new_zeros(*batch, slots, k.shape[-1]),
+        v.new_zeros(*batch, slots, v.shape[-1]), k.new_zeros(*batch, 0, k.shape[-1]), cache.block_for(window),
+    )
+
+
+def _members(positions: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """Whether each of positions (..., X) is one of members (..., L) (−1 in members matches nothing)."""
+    if members.shape[-1] == 0:
+        return torch.zeros(positions.shape, dtype=torch.bool, device=positions.device)
+    hit = positions.unsqueeze(-1) == members.unsqueeze(-2)
+    return (hit & (members >= 0).unsqueeze(-2)).any(-1)
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows of x (..., X, D) at index (..., K) or (..., b, K) (indices < 0 give row 0; mask them yourself) →
+    (..., K, D) or (..., b, K, D). Whole rows are copied (advanced indexing), not element by element."""
+    batch = x.shape[:-2]
+    flat = x.reshape(-1, *x.shape[-2:])  # (R, X, D)
+    rows = index.clamp(min=0).reshape(flat.shape[0], -1)  # (R, ·)
+    picked = flat[torch.arange(flat.shape[0], device=x.device).unsqueeze(-1), rows]  # (R, ·, D)
+    return picked.reshape(*batch, *index.shape[len(batch):], x.shape[-1])
+
+
+def _queries_since(queries: torch.Tensor, first: int, end: int, block: int) -> torch.Tensor:
+    """The rows of queries (positions first … end−1) from the last boundary ≤ end − 1 on."""
+    start = ((end - 1) // block) * block if end > 0 else 0
+    return queries[..., max(0, start - first) :, :]
+
+
+# --- the definition, written out --------------------------------------------------------------------------------
+
+
+def sparse_parallel(
+    hybrid: Hybrid, cache: SparseCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+    state: WindowAttentionState | None,
+) -> tuple[torch.Tensor, WindowAttentionState]:
+    """Every weight of every query (..., N, X) and the boundary states as explicit sums; keep (..., N) bool."""
+    window, sinks, n, device = hybrid.window, hybrid.sinks, q.shape[-2], q.device
+    block = cache.block_for(window)
+    if state is None:
+        state = empty_window_state(hybrid, k, v, hybrid.key_logs(k[..., :1, :], None).shape[-1])
+    carried = state.cache if state.cache is not None else empty_cache(cache, k, v, window)
+    n0, end = state.num_tokens, state.num_tokens + n
+    batch, slots = q.shape[:-2], carried.positions.shape[-1]
+    ring_len, sink_len = state.keys.shape[-2], state.sink_keys.shape[-2]
+    ring_start = n0 - ring_len
+    own = min(sink_len, ring_start)  # sinks not also in the window buffer
+
+    def per_row(x: torch.Tensor) -> torch.Tensor:
+        return x.expand(*batch, x.shape[-1])
+
+    # every pair this call can weigh: cached pairs that have left the window, sinks, the window buffer, this call
+    slot_valid = (carried.positions >= 0) & (carried.positions < ring_start)
+    xpos = torch.cat([carried.positions, per_row(torch.arange(own, device=device)),
+                      per_row(torch.arange(ring_start, end, device=device))], -1)  # (..., X)
+    xk = torch.cat([carried.keys, state.sink_keys[..., :own, :], state.keys, k], -2)
+    xv = torch.cat([carried.values, state.sink_values[..., :own, :], state.values, v], -2)
+    xkeep = torch.cat([slot_valid, state.sink_keep[..., :own], state.keep, keep], -1)
+    kf = hybrid.key_logs(xk, xkeep)  # 0 at invalid rows
+    is_slot = torch.zeros_like(xkeep)
+    is_slot[..., :slots] = True
+    member = _members(xpos, carried.positions) & xkeep
+    enters = xkeep & (xpos >= sinks) & ~member
+    entry = torch.where(enters, xpos + window, NEVER)
+    sizes = sizes_for(cache, batch, device)
+    queries_all = torch.cat([carried.queries, q], -2)
+    query_first = n0 - carried.queries.shape[-2]
+
+    members = carried.positions
+    by_block: dict[int, torch.Tensor] = {}
+    first = -(-n0 // block) * block
+    for t0 in range(max(first, block), end, block):
+        entered = (xkeep & (entry >= n0) & (entry <= t0 - 1)).unsqueeze(-1)
+        kv = state.linear.kv + (kf * entered).transpose(-1, -2) @ xv
+        k_sum = state.linear.k_sum + (kf * entered).sum(-2)
+        now = _members(xpos, members) & xkeep
+        leaving = xkeep & ~is_slot & (xpos >= max(sinks, t0 - window)) & (xpos < t0 - window + block)
+        candidates = (now | leaving)
+        lo = t0 - block - query_first
+        scores = scores_for(cache, hybrid, kf=kf, v=xv, keys=xk, positions=xpos, valid=candidates, kv=kv,
+                            k_sum=k_sum, queries=queries_all[..., lo : lo + block, :],
+                            query_positions=torch.arange(t0 - block, t0, device=device))
+        chosen = choose(scores, xpos, candidates, sizes, slots)
+        kept = _members(xpos, chosen) & candidates
+        entry = torch.where(now & ~kept, t0, torch.where(kept, NEVER, entry))
+        members = chosen
+        by_block[t0 // block] = chosen
+
+    # the weights of every query
+    t = torch.arange(n0, end, device=device)  # (N,)
+    distance = t.unsqueeze(-1) - xpos.unsqueeze(-2)  # (..., N, X)
+    seen = xkeep.unsqueeze(-2) & (distance >= 0)
+    near = seen & (distance < window)
+    sink = seen & (xpos < sinks).unsqueeze(-2)
+    blocks = t // block
+    selections = torch.stack([by_block.get(int(b), carried.positions) for b in blocks.tolist()], -2)  # (..., N, L)
+    cached = seen & (distance >= window) & _members(xpos.unsqueeze(-2).expand(*batch, n, xpos.shape[-1]),
+                                                    selections)
+    exact = near | sink | cached
+    linear = seen & ~exact & (entry.unsqueeze(-2) <= t.unsqueeze(-1))
+
+    qf, _ = hybrid.query_features(q)
+    weights = qf @ kf.transpose(-1, -2)  # (..., N, X)
+    lin_weights = weights.masked_fill(~linear, 0.0)
+    lin_num = lin_weights @ xv + qf @ state.linear.kv
+    lin_den = lin_weights.sum(-1) + (qf @ state.linear.k_sum.unsqueeze(-1)).squeeze(-1)
+    scores = ((q @ xk.transpose(-1, -2)) * hybrid.scale).masked_fill(~exact, NEG_INF)
+    probs = torch.exp(scores - finite(scores.amax(-1, keepdim=True)))
+    mass = weights.masked_fill(~exact, 0.0).sum(-1) if hybrid.factor is None else None
+    out = hybrid.combine((lin_num, lin_den), (probs @ xv, probs.sum(-1), mass), None, None)
+
+    entered = (xkeep & (entry >= n0) & (entry <= end - 1)).unsqueeze(-1)
+    linear_state = LinearAttentionState(
+        state.linear.kv + (kf * entered).transpose(-1, -2) @ xv, state.linear.k_sum + (kf * entered).sum(-2),
+        state.linear.shift, state.linear.num_tokens,
+    )
+    nxt = next_state(state, linear_state, k, v, keep)
+    nxt.cache = _final_cache(cache, members, xpos, xkeep, xk, xv, queries_all, query_first, end, block)
+    return out, nxt
+
+
+def _final_cache(cache: SparseCache, members: torch.Tensor, xpos: torch.Tensor, xkeep: torch.Tensor,
+                 xk: torch.Tensor, xv: torch.Tensor, queries: torch.Tensor, query_first: int, end: int,
+                 block: int) -> SparseCacheState:
+    """The cache after the call: the members' keys and values (from the rows X where they are valid)."""
+    hit = (members.unsqueeze(-1) == xpos.unsqueeze(-2)) & xkeep.unsqueeze(-2)  # (..., L, X)
+    index = hit.to(torch.int8).argmax(-1)
+    filled = (members >= 0).unsqueeze(-1)
+    keys = _gather(xk, index) * filled
+    values = _gather(xv, index) * filled
+    kept = _queries_since(queries, query_first, end, block) if cache.score == "attention" else queries[..., :0, :]
+    return SparseCacheState(members, keys, values, kept, block)
+
+
+def sparse_recurrent(
+    hybrid: Hybrid, cache: SparseCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+    state: WindowAttentionState | None,
+) -> tuple[torch.Tensor, WindowAttentionState]:
+    """One token at a time (the decoding form): each step sees the O(S + W + size) buffered pairs and the state."""
+    outs = []
+    for t in range(q.shape[-2]):
+        step = slice(t, t + 1)
+        out, state = sparse_parallel(hybrid, cache, q[..., step, :], k[..., step, :], v[..., step, :],
+                                     keep[..., step], state)
+        outs.append(out)
+    assert state is not None
+    return torch.cat(outs, dim=-2), state
+
+
+# --- the chunked form ---------------------------------------------------------------------------------------------
+
+
+def sparse_chunked(
+    hybrid: Hybrid, cache: SparseCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    keep: torch.Tensor | None, state: WindowAttentionState | None, chunk_size: int,
+) -> tuple[torch.Tensor, WindowAttentionState]:
+    """The window op's chunked path, then each query block's cache (see the module docstring)."""
+    window, sinks, n, device = hybrid.window, hybrid.sinks, q.shape[-2], q.device
+    block = cache.block_for(window)
+    parts = causal_window_parts(hybrid, q, k, v, keep, state, chunk_size)
+    state, keep = parts.state, parts.keep
+    carried = state.cache if state.cache is not None else empty_cache(cache, k, v, window)
+    n0, end = state.num_tokens, state.num_tokens + n
+    batch, slots = q.shape[:-2], carried.positions.shape[-1]
+    ring_len = state.keys.shape[-2]
+    ring_start = n0 - ring_len
+    if slots == 0:  # no cache: the window op
+        nxt = next_state(state, parts.linear, k, v, keep)
+        nxt.cache = empty_cache(cache, k, v, window)
+        return hybrid.combine(parts.lin, parts.exact, parts.c, parts.r), nxt
+
+    # the rows X: the cache's slots (valid where the pair has left the window), the window buffer, this call
+    slot_valid = (carried.positions >= 0) & (carried.positions < ring_start)
+    ring_pos = torch.arange(ring_start, end, device=device)
+    xpos = torch.cat([carried.positions, ring_pos.expand(*batch, ring_pos.shape[0])], -1)
+    xkeep = torch.cat([slot_valid, state.keep, keep], -1) & (xpos >= sinks)
+    xk = torch.cat([carried.keys, state.keys, k], -2)
+    xv = torch.cat([carried.values, state.values, v], -2)
+    slot_features = hybrid.key_logs(carried.keys, slot_valid)
+    kf = torch.cat([slot_features, parts.ring_features, parts.features], -2).masked_fill(~xkeep.unsqueeze(-1), 0.0)
+
+    def index_of(positions: torch.Tensor) -> torch.Tensor:
+        """Row in X of each position (..., K) (−1: none): a slot for cached pairs older than the buffer."""
+        table = carried.positions.view(*batch, *([1] * (positions.dim() - len(batch) - 1)), slots)
+        slot = ((positions.unsqueeze(-1) == table.unsqueeze(-2)).to(torch.int8).argmax(-1)
+                if slots else torch.zeros_like(positions))
+        row = torch.where(positions < ring_start, slot, slots + positions - ring_start)
+        return torch.where(positions < 0, -1, row)
+
+    queries_all = torch.cat([carried.queries, q], -2)
+    query_first = n0 - carried.queries.shape[-2]
+    with torch.no_grad():
+        selections, entry = _decide(
+            cache, hybrid, block, n0, end, slots, ring_start, xpos, xkeep, kf.detach(), xk.detach(), xv.detach(),
+            carried.positions, state.linear, index_of, queries_all.detach(), query_first,
+        )
+
+    # each query block against its cache: (..., b, B, 2L) with the pairs held before the call
+    front = n0 % block
+    blocks = -(-(front + n) // block)
+    pad = blocks * block - front - n
+    held = slot_valid  # pairs the state held, already out of the window: not in the shifted linear part
+    chosen = torch.stack(selections, -2)  # (..., b, L)
+    rows = index_of(chosen)
+    u_pos, u_rows = chosen, rows
+    if bool(held.any()):
+        u_pos = torch.cat([chosen, carried.positions.unsqueeze(-2).expand_as(chosen)], -1)
+        u_rows = torch.cat([rows, torch.arange(slots, device=device).expand_as(chosen)], -1)
+    query_pos = (n0 - front + torch.arange(blocks * block, device=device)).view(blocks, block)  # (b, B)
+    left = (u_pos.unsqueeze(-2) >= 0) & (u_pos.unsqueeze(-2) + window <= query_pos.unsqueeze(-1))  # (..., b, B, U)
+    exact = left.clone()
+    exact[..., slots:] = False
+    coef = torch.zeros(exact.shape, dtype=kf.dtype, device=device)
+    coef[..., :slots] = -(exact[..., :slots] & (u_pos[..., :slots].unsqueeze(-2) + window >= n0)).to(kf.dtype)
+    if u_pos.shape[-1] > slots:
+        outside = held.unsqueeze(-2) & ~_members(carried.positions.unsqueeze(-2).expand_as(chosen), chosen)
+        coef[..., slots:] = outside.unsqueeze(-2).to(kf.dtype).expand(*outside.shape[:-1], block, slots)
+
+    u_keys, u_values, u_features = (_gather(x, u_rows) for x in (xk, xv, kf))  # (..., b, U, ·)
+
+    def blocked(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, 0, front, pad)).unflatten(-2, (blocks, block))  # (..., b, B, ·)
+
+    def unblocked(x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(-3, -2)[..., front : front + n, :]
+
+    qb, qfb = blocked(q), blocked(parts.qf)
+    weights = qfb @ u_features.transpose(-1, -2)  # (..., b, B, U)
+    moved = weights * coef
+    lin_num = parts.lin[0] + unblocked(moved @ u_values)
+    lin_den = parts.lin[1] + unblocked(moved.sum(-1, keepdim=True)).squeeze(-1)
+    scores = ((qb @ u_keys.transpose(-1, -2)) * hybrid.scale).masked_fill(~exact, NEG_INF)
+    cache_top = unblocked(scores.amax(-1, keepdim=True)).squeeze(-1)  # (..., N)
+    def blocked_rows(x: torch.Tensor) -> torch.Tensor:  # (..., N) → (..., b, B, 1)
+        return torch.nn.functional.pad(x, (front, pad)).unflatten(-1, (blocks, block)).unsqueeze(-1)
+
+    exact_part = _merge(hybrid, parts.exact, scores, u_values, cache_top, blocked_rows, unblocked,
+                        unblocked(weights.masked_fill(~exact, 0.0).sum(-1, keepdim=True)).squeeze(-1))
+    out = hybrid.combine((lin_num, lin_den), exact_part, parts.c, parts.r)
+
+    entered = ((entry >= n0) & (entry <= end - 1) & xkeep).unsqueeze(-1)
+    linear_state = LinearAttentionState(
+        state.linear.kv + (kf * entered).transpose(-1, -2) @ xv, state.linear.k_sum + (kf * entered).sum(-2),
+        state.linear.shift, state.linear.num_tokens,
+    )
+    nxt = next_state(state, linear_state, k, v, keep)
+    final = selections[-1] if selections else carried.positions
+    final_rows = index_of(final)
+    filled = (final >= 0).unsqueeze(-1)
+    kept = _queries_since(queries_all, query_first, end, block) if cache.score == "attention" else q[..., :0, :]
+    nxt.cache = SparseCacheState(final, _gather(xk, final_rows) * filled, _gather(xv, final_rows) * filled, kept,
+                                 block)
+    return out, nxt
+
+
+def _merge(hybrid: Hybrid, window_part: tuple[Any, ...], scores: torch.Tensor, values: torch.Tensor,
+           cache_top: torch.Tensor, blocked_rows: Any, unblocked: Any, cache_mass: torch.Tensor
+           ) -> tuple[Any, Any, Any]:
+    """The window's exact part (num, den, mass, log-scale: Σe^s·v = num·e^{ls}, Σe^s = den·e^{ls}; den None: 1)
+    joined with the cache's scores (..., b, B, U) (−inf where not exact) under one normaliser."""
+    num, den, mass, ls = window_part
+    if den is None:
+        den = torch.ones_like(ls)
+    shape_only = hybrid.factor is None
+    top = torch.maximum(ls, cache_top)
+    top = finite(top.detach() if shape_only else top)
+    probs = torch.exp(scores - blocked_rows(top))
+    window_weight = torch.exp(ls - top)
+    num = num * window_weight.unsqueeze(-1) + unblocked(probs @ values)
+    den = den * window_weight + unblocked(probs.sum(-1, keepdim=True)).squeeze(-1)
+    if not shape_only:
+        return num, den, None
+    assert mass is not None
+    return num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1), None, mass + cache_mass
+
+
+def _decide(
+    cache: SparseCache, hybrid: Hybrid, block: int, n0: int, end: int, slots: int, ring_start: int,
+    xpos: torch.Tensor, xkeep: torch.Tensor, kf: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
+    carried: torch.Tensor, linear: LinearAttentionState, index_of: Any, queries: torch.Tensor, query_first: int,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The boundaries of this call, in order, with the state's sums kept incrementally: the cache of each query
+    block of the call ((..., L) each) and every row's entry time (..., X)."""
+    window, device = hybrid.window, xpos.device
+    batch = xpos.shape[:-1]
+    sizes = sizes_for(cache, batch, device)
+    rows_after_slots = torch.arange(xpos.shape[-1], device=device) >= slots
+    entry = torch.where(xkeep & ~_members(xpos, carried) & rows_after_slots, xpos + window, NEVER)
+    entry = torch.cat([entry, entry.new_full((*batch, 1), NEVER)], -1)  # a spare column for the rows −1
+    kv, k_sum = linear.kv.clone(), linear.k_sum.clone()
+    selections = [] if n0 % block == 0 and n0 > 0 else [carried]
+    members = carried
+    before = torch.zeros(*batch, 0, dtype=torch.long, device=device)  # the last boundary's cached rows
+    done = n0 - 1  # the sums hold every entry ≤ done
+    for t0 in range(max(-(-n0 // block) * block, block), end, block):
+        # what entered since: pairs that left the window uncached, pairs the last boundary dropped
+        lo, hi = max(done + 1 - window, ring_start, 0), t0 - window
+        rows = torch.cat([before, slots + torch.arange(lo - ring_start, max(lo, hi) - ring_start,
+                                                       device=device).expand(*batch, -1)], -1)
+        when = entry.gather(-1, _spare(rows, entry))
+        adds = ((when > done) & (when <= t0 - 1)).unsqueeze(-1)
+        features = _gather(kf, rows) * adds
+        kv = kv + features.transpose(-1, -2) @ _gather(xv, rows)
+        k_sum = k_sum + features.sum(-2)
+        done = t0 - 1
+        # the candidates: the cache, and the pairs leaving the window before the next boundary
+        lo = max(t0 - window, 0)
+        leaving = slots + torch.arange(lo - ring_start, t0 - window + block - ring_start,
+                                       device=device).expand(*batch, -1)
+        old = index_of(members)
+        rows = torch.cat([old, leaving], -1)
+        valid = (rows >= 0) & xkeep.gather(-1, rows.clamp(min=0))
+        positions = torch.where(rows >= 0, xpos.gather(-1, rows.clamp(min=0)), -1)
+        start = t0 - block - query_first
+        scores = scores_for(cache, hybrid, kf=_gather(kf, rows), v=_gather(xv, rows), keys=_gather(xk, rows),
+                            positions=positions, valid=valid, kv=kv, k_sum=k_sum,
+                            queries=queries[..., start : start + block, :],
+                            query_positions=torch.arange(t0 - block, t0, device=device))
+        chosen = choose(scores, positions, valid, sizes, slots)
+        kept = _members(positions, chosen) & valid
+        was = torch.zeros_like(kept)
+        was[..., : old.shape[-1]] = True
+        target = _spare(rows, entry)
+        new_entry = torch.where(was & valid & ~kept, t0, torch.where(kept, NEVER, entry.gather(-1, target)))
+        entry = entry.scatter(-1, target, new_entry)
+        members, before = chosen, old
+        selections.append(chosen)
+    return selections, entry[..., :-1]
+
+
+def _spare(rows: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+    return torch.where(rows < 0, entry.shape[-1] - 1, rows)

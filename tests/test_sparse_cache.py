@@ -1,0 +1,201 @@
+"""The window op with a sparse exact cache: every form against the definition (``form="parallel"``) in float64,
+the definition against exact softmax and against the window op, the scores, states, gradients and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import linattn
+from linattn import LinearAttentionError, SparseCache, linear_attention
+
+TOL = 1e-10  # float64: the forms sum the same terms in other orders (blocks, chunks, state sums)
+
+
+def _inputs(n: int = 70, heads: int = 2, d: int = 8, seed: int = 0, batch: int = 1) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, heads, n, d, generator=g, dtype=torch.float64) for _ in range(3))
+
+
+def _run(q, k, v, cache, form, state=None, **options):
+    options = {"causal": True, "window": 8, "sinks": 2, **options}
+    return linear_attention(q, k, v, sparse_cache=cache, form=form, initial_state=state, return_state=True,
+                            **options)
+
+
+def _same_state(a: linattn.WindowAttentionState, b: linattn.WindowAttentionState) -> None:
+    assert a.num_tokens == b.num_tokens
+    assert torch.equal(a.cache.positions, b.cache.positions)
+    for x, y in ((a.linear.kv, b.linear.kv), (a.linear.k_sum, b.linear.k_sum), (a.cache.keys, b.cache.keys),
+                 (a.cache.values, b.cache.values), (a.keys, b.keys), (a.cache.queries, b.cache.queries)):
+        assert x.shape == y.shape
+        assert (x - y).abs().max().item() <= TOL if x.numel() else True
+
+
+SCORES = [SparseCache(size=3, score="recall", block=8), SparseCache(size=3, score="attention", block=8),
+          SparseCache(size=(2, 5), score="recall", block=4)]
+
+
+@pytest.mark.parametrize("cache", SCORES, ids=["recall", "attention", "per-head"])
+@pytest.mark.parametrize("factor", [None, 0.7])
+def test_chunked_equals_definition(cache: SparseCache, factor: float | None) -> None:
+    q, k, v = _inputs()
+    ref, ref_state = _run(q, k, v, cache, "parallel", window_factor=factor)
+    out, state = _run(q, k, v, cache, "chunked", window_factor=factor)
+    assert (out - ref).abs().max().item() <= TOL
+    _same_state(state, ref_state)
+    # the cache changed something: it is not the window op
+    plain = linear_attention(q, k, v, causal=True, window=8, sinks=2, window_factor=factor)
+    assert (out - plain).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("cache", SCORES, ids=["recall", "attention", "per-head"])
+def test_pieces_and_tokens_continue_the_whole(cache: SparseCache) -> None:
+    q, k, v = _inputs(n=61, seed=1)
+    whole, whole_state = _run(q, k, v, cache, "chunked")
+    state, outs = None, []
+    for lo, hi in ((0, 13), (13, 16), (16, 40), (40, 41), (41, 61)):  # boundaries inside, at and across pieces
+        part = slice(lo, hi)
+        out, state = _run(q[..., part, :], k[..., part, :], v[..., part, :], cache, "chunked", state)
+        outs.append(out)
+    assert (torch.cat(outs, -2) - whole).abs().max().item() <= TOL
+    _same_state(state, whole_state)
+    tokens, token_state = _run(q, k, v, cache, "recurrent")
+    assert (tokens - whole).abs().max().item() <= TOL
+    _same_state(token_state, whole_state)
+
+
+def test_size_zero_is_the_window_op() -> None:
+    q, k, v = _inputs()
+    out, _ = _run(q, k, v, SparseCache(size=0, block=8), "chunked")
+    ref, _ = _run(q, k, v, SparseCache(size=0, block=8), "parallel")
+    plain = linear_attention(q, k, v, causal=True, window=8, sinks=2, form="parallel")
+    assert (out - plain).abs().max().item() <= TOL
+    assert (ref - plain).abs().max().item() <= TOL
+
+
+def test_keeping_every_pair_is_softmax_attention() -> None:
+    """The oracle keeping every position with room for all: every key exact, so the mass form is causal softmax."""
+    q, k, v = _inputs(n=48)
+    cache = SparseCache(size=48, score="oracle", block=8, keep=torch.ones(48, dtype=torch.bool))
+    scores = (q @ k.transpose(-1, -2)) / 8 ** 0.5
+    scores = scores.masked_fill(torch.ones(48, 48, dtype=torch.bool).triu(1), float("-inf"))
+    softmax = torch.softmax(scores, -1) @ v
+    for form in ("parallel", "chunked"):
+        out, _ = _run(q, k, v, cache, form, eps=0.0)  # eps would weigh in against the mass
+        assert (out - softmax).abs().max().item() <= TOL
+
+
+def test_oracle_keeps_the_given_positions_newest_first() -> None:
+    q, k, v = _inputs(n=64)
+    keep = torch.zeros(64, dtype=torch.bool)
+    keep[[3, 10, 11, 20]] = True
+    _, state = _run(q, k, v, SparseCache(size=3, score="oracle", block=8, keep=keep), "chunked")
+    assert state.cache.positions.tolist() == [[[10, 11, 20]] * 2]
+
+
+def test_recall_keeps_what_the_state_recalls_worst() -> None:
+    """Keys that repeat one direction are recalled well by the state; the one odd pair is kept."""
+    n, d = 40, 4
+    k = torch.zeros(1, 1, n, d, dtype=torch.float64)
+    k[..., 0] = 3.0
+    v = torch.ones(1, 1, n, d, dtype=torch.float64)
+    k[..., 9, :] = torch.tensor([0.0, 0.0, 0.0, 3.0], dtype=torch.float64)
+    v[..., 9, :] = -5.0
+    q = torch.randn(1, 1, n, d, dtype=torch.float64)
+    _, state = _run(q, k, v, SparseCache(size=1, block=4), "chunked", window=4, sinks=0, feature_map="relu")
+    assert state.cache.positions.tolist() == [[[9]]]
+
+
+@pytest.mark.parametrize("form", ["parallel", "chunked"])
+def test_padding(form: str) -> None:
+    q, k, v = _inputs(n=40, seed=2)
+    mask = torch.ones(1, 40, dtype=torch.bool)
+    mask[:, [5, 17, 18, 30]] = False
+    cache = SparseCache(size=3, block=8)
+    out, state = _run(q, k, v, cache, form, key_padding_mask=mask)
+    ref, ref_state = _run(q, k, v, cache, "recurrent", key_padding_mask=mask)
+    assert (out - ref).abs().max().item() <= TOL
+    _same_state(state, ref_state)
+    assert not set(state.cache.positions.flatten().tolist()) & {5, 17, 18, 30}
+
+
+def test_gradients() -> None:
+    q, k, v = (x[..., :24, :4].clone().requires_grad_() for x in _inputs(n=24, d=4, seed=3))
+    cache = SparseCache(size=2, block=4)
+
+    def chunked(q, k, v):
+        out, state = _run(q, k, v, cache, "chunked", window=4, sinks=1, window_factor=0.5)
+        return out, state.linear.kv
+
+    def parallel(q, k, v):
+        out, state = _run(q, k, v, cache, "parallel", window=4, sinks=1, window_factor=0.5)
+        return out, state.linear.kv
+
+    assert torch.autograd.gradcheck(chunked, (q, k, v))
+    assert torch.autograd.gradcheck(parallel, (q, k, v))
+    mass = lambda q, k, v: _run(q, k, v, cache, "chunked", window=4, sinks=1)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(mass, (q, k, v))
+
+
+def test_memory_is_constant() -> None:
+    q, k, v = _inputs(n=200, seed=4)
+    cache = SparseCache(size=5, block=8)
+    _, short = _run(q[..., :40, :], k[..., :40, :], v[..., :40, :], cache, "chunked")
+    _, long = _run(q, k, v, cache, "chunked")
+    size = lambda s: sum(x.numel() * x.element_size() for x in (  # noqa: E731
+        s.keys, s.values, s.sink_keys, s.sink_values, s.linear.kv, s.linear.k_sum, s.cache.keys, s.cache.values,
+        s.cache.positions, s.cache.queries))
+    assert size(short) == size(long)
+
+
+def test_errors() -> None:
+    q, k, v = _inputs(n=16)
+    with pytest.raises(LinearAttentionError, match="pass window="):
+        linear_attention(q, k, v, causal=True, sparse_cache=4)
+    with pytest.raises(LinearAttentionError, match="causal=True"):
+        linear_attention(q, k, v, window=8, sparse_cache=4)
+    with pytest.raises(LinearAttentionError, match="block ≤ window"):
+        linear_attention(q, k, v, causal=True, window=4, sparse_cache=SparseCache(4, block=8))
+    with pytest.raises(LinearAttentionError, match="one per query head"):
+        linear_attention(q, k, v, causal=True, window=8, sparse_cache=SparseCache((1, 2, 3)))
+    with pytest.raises(LinearAttentionError, match="log-space"):
+        linear_attention(q, k, v, causal=True, window=8, sparse_cache=4, feature_map="favor+")
+    with pytest.raises(LinearAttentionError, match="score"):
+        SparseCache(4, score="best")
+    with pytest.raises(LinearAttentionError, match="keep="):
+        SparseCache(4, score="oracle")
+    _, state = linear_attention(q, k, v, causal=True, window=8, sparse_cache=4, return_state=True)
+    with pytest.raises(LinearAttentionError, match="same sparse_cache"):
+        linear_attention(q, k, v, causal=True, window=8, initial_state=state)
+    with pytest.raises(LinearAttentionError, match="same sparse_cache"):
+        linear_attention(q, k, v, causal=True, window=8, initial_state=state, sparse_cache=5)
+
+
+def test_transformers_cache_decodes_what_the_whole_sequence_computes() -> None:
+    """A tiny Llama with the cache: logits token by token through the transformers cache (the definition's form from
+    the state) equal one forward pass over the whole sequence (the chunked form), and the cache's bytes do not grow."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from linattn import hf
+    from linattn.hf_cache import LinearAttentionCache
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).eval().double()
+    hf.linearize(model, "elu", window=8, sinks=2, sparse_cache=SparseCache(size=3, block=4))
+    ids = torch.randint(1, 50, (1, 60))
+    with torch.no_grad():
+        whole = model(ids).logits
+        cache = LinearAttentionCache()
+        out = model(ids[:, :21], past_key_values=cache, use_cache=True)
+        steps = [out.logits]
+        sizes = []
+        for t in range(21, 60):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+            sizes.append(cache.nbytes())
+    assert (torch.cat(steps, 1) - whole).abs().max().item() <= 1e-9
+    assert len(set(sizes[5:])) == 1
