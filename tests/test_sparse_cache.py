@@ -199,3 +199,13 @@ def test_transformers_cache_decodes_what_the_whole_sequence_computes() -> None:
             sizes.append(cache.nbytes())
     assert (torch.cat(steps, 1) - whole).abs().max().item() <= 1e-9
     assert len(set(sizes[5:])) == 1
+
+
+def test_split_keeps_the_total_and_follows_the_scores() -> None:
+    scores = torch.tensor([[0.0, 1.0, 3.0], [0.5, 0.0, 0.0]])
+    caches = SparseCache.split(scores, 10, floor=2)
+    sizes = torch.tensor([list(cache.size) for cache in caches])
+    assert int(sizes.sum()) == 10 * 6
+    assert int(sizes.min()) == 2
+    assert sizes[0, 2] > sizes[0, 1] > sizes[1, 0] > sizes[0, 0]
+    assert [list(c.size) for c in SparseCache.split(torch.zeros(2, 3), 7)] == [[7, 7, 7]] * 2

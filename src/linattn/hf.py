@@ -288,12 +288,21 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
     if isinstance(feature_maps, str | os.PathLike) and os.path.isfile(feature_maps):
         feature_maps = load_feature_maps(os.fspath(feature_maps))  # before the options: a file carries its window
     attention_options, options = _split_options(dict(options), feature_maps)
-    _check_attention_options(attention_options)  # at the call, not at the model's first forward
     modules = attention_modules(model)
     if not modules:
         raise LinearAttentionError(
             f"model: no attention module (a '*Attention' module with a layer_idx) found in {type(model).__name__}"
         )
+    per_layer_caches = attention_options.get("sparse_cache")
+    if isinstance(per_layer_caches, list | tuple):  # one cache per layer (per-head budgets chosen per layer)
+        if len(per_layer_caches) != len(modules):
+            raise LinearAttentionError(f"sparse_cache: {len(per_layer_caches)} caches for {len(modules)} attention "
+                                       "layers; pass one per layer, or one for all")
+        for cache in per_layer_caches:
+            _check_attention_options({**attention_options, "sparse_cache": cache})
+    else:
+        per_layer_caches = None
+        _check_attention_options(attention_options)  # at the call, not at the model's first forward
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     head_dim = getattr(config, "head_dim", None) or (
@@ -338,6 +347,8 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
             factor = fitted_options(layer).get("window_factor")  # the γ form's per-head factor of this layer
             if factor is not None and "window_factor" not in layer_options:
                 layer_options["window_factor"] = factor  # (H,): broadcasts over the (B, H) batch dims
+        if per_layer_caches is not None:
+            layer_options["sparse_cache"] = per_layer_caches[layer]
         setattr(module, OPTIONS_ATTRIBUTE, layer_options)
     if hasattr(model, "generate"):
         from .hf_cache import install

@@ -199,6 +199,27 @@ class SparseCache:
             return self.size
         return int(max(self.size.tolist() if isinstance(self.size, torch.Tensor) else self.size, default=0))
 
+    @staticmethod
+    def split(scores: torch.Tensor, mean: int, *, floor: int = 0, score: str = "recall",
+              block: int | None = None) -> list[SparseCache]:
+        """Caches for every layer from one total, ``mean`` pairs per head on average, split across heads in
+        proportion to ``scores`` (layers, heads) ≥ 0 (e.g. :func:`linattn.train.end_to_end.retrieval_scores`), each
+        head at least ``floor``; the largest remainders take the pairs left by rounding. One cache per layer."""
+        if scores.dim() != 2 or mean < 0 or floor < 0 or floor > mean:
+            raise LinearAttentionError(
+                f"scores, mean, floor: need (layers, heads) scores and 0 ≤ floor ≤ mean, got shape "
+                f"{tuple(scores.shape)}, mean={mean}, floor={floor}"
+            )
+        weights = scores.double().clamp(min=0).flatten()
+        spare = (mean - floor) * weights.numel()
+        share = weights / weights.sum() * spare if float(weights.sum()) > 0 else torch.full_like(weights, mean - floor)
+        sizes = share.floor().long()
+        left = spare - int(sizes.sum())
+        if left > 0:
+            sizes[torch.argsort(share - sizes, descending=True, stable=True)[:left]] += 1
+        sizes = (sizes + floor).view(scores.shape)
+        return [SparseCache(size=tuple(int(x) for x in row), score=score, block=block) for row in sizes]
+
     def block_for(self, window: int) -> int:
         """The block between decisions for a window of W."""
         return self.block if self.block is not None else min(64, window)

@@ -52,21 +52,23 @@ def sizes_for(cache: SparseCache, batch: torch.Size, device: torch.device) -> to
 
 
 def choose(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, sizes: torch.Tensor,
-           slots: int) -> torch.Tensor:
-    """The positions kept: per row, the ``sizes`` valid candidates of highest score (ties: the larger position),
-    as (..., slots) ascending with −1 in the unused slots at the end."""
+           slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The candidates kept: per row, the ``sizes`` valid candidates of highest score (ties: the larger position).
+    Returns their positions (..., slots) ascending with −1 in the unused slots at the end, their indices among the
+    candidates in the same order (−1 unused), and the kept mask over the candidates (..., C)."""
     score = scores.masked_fill(~valid, NEG_INF)
     by_position = torch.argsort(positions.masked_fill(~valid, -1), dim=-1, descending=True, stable=True)
-    score, positions, valid = (x.gather(-1, by_position) for x in (score, positions, valid))
-    order = torch.argsort(score, dim=-1, descending=True, stable=True)
-    positions, valid = positions.gather(-1, order), valid.gather(-1, order)
-    rank = torch.arange(positions.shape[-1], device=positions.device)
-    kept = positions.masked_fill(~(valid & (rank < sizes.unsqueeze(-1))), -1)
-    if kept.shape[-1] < slots:
-        kept = torch.nn.functional.pad(kept, (0, slots - kept.shape[-1]), value=-1)
-    kept = kept[..., :slots]
-    ascending = torch.where(kept < 0, NEVER, kept).sort(-1).values
-    return torch.where(ascending == NEVER, -1, ascending)
+    order = by_position.gather(-1, torch.argsort(score.gather(-1, by_position), dim=-1, descending=True, stable=True))
+    rank = torch.arange(order.shape[-1], device=order.device)
+    take = valid.gather(-1, order) & (rank < sizes.unsqueeze(-1))  # in rank order
+    kept = torch.zeros_like(valid).scatter(-1, order, take)
+    index = order.masked_fill(~take, -1)
+    if index.shape[-1] < slots:
+        index = torch.nn.functional.pad(index, (0, slots - index.shape[-1]), value=-1)
+    index = index[..., :slots]
+    at = torch.where(index < 0, NEVER, positions.gather(-1, index.clamp(min=0)))
+    ascending, moved = at.sort(-1)
+    return torch.where(ascending == NEVER, -1, ascending), index.gather(-1, moved), kept
 
 
 def recall_scores(kf: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, k_sum: torch.Tensor) -> torch.Tensor:
@@ -131,11 +133,11 @@ def _members(positions: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
 def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows of x (..., X, D) at index (..., K) or (..., b, K) (indices < 0 give row 0; mask them yourself) →
     (..., K, D) or (..., b, K, D). Whole rows are copied (advanced indexing), not element by element."""
-    batch = x.shape[:-2]
-    flat = x.reshape(-1, *x.shape[-2:])  # (R, X, D)
-    rows = index.clamp(min=0).reshape(flat.shape[0], -1)  # (R, ·)
-    picked = flat[torch.arange(flat.shape[0], device=x.device).unsqueeze(-1), rows]  # (R, ·, D)
-    return picked.reshape(*batch, *index.shape[len(batch):], x.shape[-1])
+    batch, length = x.shape[:-2], x.shape[-2]
+    flat = x.reshape(-1, x.shape[-1])  # (R·X, D)
+    rows = index.clamp(min=0).reshape(batch.numel(), -1)
+    rows = rows + (torch.arange(rows.shape[0], device=x.device) * length).unsqueeze(-1)
+    return flat.index_select(0, rows.flatten()).reshape(*batch, *index.shape[len(batch):], x.shape[-1])
 
 
 def _queries_since(queries: torch.Tensor, first: int, end: int, block: int) -> torch.Tensor:
@@ -197,8 +199,7 @@ def sparse_parallel(
         scores = scores_for(cache, hybrid, kf=kf, v=xv, keys=xk, positions=xpos, valid=candidates, kv=kv,
                             k_sum=k_sum, queries=queries_all[..., lo : lo + block, :],
                             query_positions=torch.arange(t0 - block, t0, device=device))
-        chosen = choose(scores, xpos, candidates, sizes, slots)
-        kept = _members(xpos, chosen) & candidates
+        chosen, _, kept = choose(scores, xpos, candidates, sizes, slots)
         entry = torch.where(now & ~kept, t0, torch.where(kept, NEVER, entry))
         members = chosen
         by_block[t0 // block] = chosen
@@ -397,50 +398,52 @@ def _decide(
     carried: torch.Tensor, linear: LinearAttentionState, index_of: Any, queries: torch.Tensor, query_first: int,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The boundaries of this call, in order, with the state's sums kept incrementally: the cache of each query
-    block of the call ((..., L) each) and every row's entry time (..., X)."""
+    block of the call ((..., L) each) and every row's entry time (..., X).
+
+    Between two boundaries the sums take exactly the candidates of the first that were not kept (the dropped
+    cached pairs at the boundary, the other leaving pairs as they leave), so each boundary adds those in one
+    product."""
     window, device = hybrid.window, xpos.device
     batch = xpos.shape[:-1]
     sizes = sizes_for(cache, batch, device)
     rows_after_slots = torch.arange(xpos.shape[-1], device=device) >= slots
     entry = torch.where(xkeep & ~_members(xpos, carried) & rows_after_slots, xpos + window, NEVER)
     entry = torch.cat([entry, entry.new_full((*batch, 1), NEVER)], -1)  # a spare column for the rows −1
-    kv, k_sum = linear.kv.clone(), linear.k_sum.clone()
+    kv, k_sum = linear.kv, linear.k_sum
     selections = [] if n0 % block == 0 and n0 > 0 else [carried]
-    members = carried
-    before = torch.zeros(*batch, 0, dtype=torch.long, device=device)  # the last boundary's cached rows
-    done = n0 - 1  # the sums hold every entry ≤ done
-    for t0 in range(max(-(-n0 // block) * block, block), end, block):
-        # what entered since: pairs that left the window uncached, pairs the last boundary dropped
-        lo, hi = max(done + 1 - window, ring_start, 0), t0 - window
-        rows = torch.cat([before, slots + torch.arange(lo - ring_start, max(lo, hi) - ring_start,
-                                                       device=device).expand(*batch, -1)], -1)
-        when = entry.gather(-1, _spare(rows, entry))
-        adds = ((when > done) & (when <= t0 - 1)).unsqueeze(-1)
-        features = _gather(kf, rows) * adds
-        kv = kv + features.transpose(-1, -2) @ _gather(xv, rows)
-        k_sum = k_sum + features.sum(-2)
-        done = t0 - 1
-        # the candidates: the cache, and the pairs leaving the window before the next boundary
+    member_rows = index_of(carried)
+    entering: tuple[torch.Tensor, torch.Tensor] | None = None  # (features masked to what enters, values)
+    first = max(-(-n0 // block) * block, block)
+    if first < end and first > n0:  # pairs leaving uncached between the call's start and its first boundary
+        lo = max(n0 - window, ring_start, 0)
+        rows = slots + torch.arange(lo - ring_start, max(lo, first - window) - ring_start, device=device)
+        enters = ((entry[..., rows] >= n0) & (entry[..., rows] <= first - 1)).unsqueeze(-1)
+        entering = (kf[..., rows, :] * enters, xv[..., rows, :])
+    for t0 in range(first, end, block):
+        if entering is not None:
+            kv = torch.baddbmm(kv.flatten(0, -3), entering[0].flatten(0, -3).transpose(-1, -2),
+                               entering[1].flatten(0, -3)).view_as(kv)
+            k_sum = k_sum + entering[0].sum(-2)
         lo = max(t0 - window, 0)
-        leaving = slots + torch.arange(lo - ring_start, t0 - window + block - ring_start,
-                                       device=device).expand(*batch, -1)
-        old = index_of(members)
-        rows = torch.cat([old, leaving], -1)
-        valid = (rows >= 0) & xkeep.gather(-1, rows.clamp(min=0))
-        positions = torch.where(rows >= 0, xpos.gather(-1, rows.clamp(min=0)), -1)
+        leaving = slots + torch.arange(lo - ring_start, t0 - window + block - ring_start, device=device)
+        rows = torch.cat([member_rows, leaving.expand(*batch, -1)], -1)
+        safe = rows.clamp(min=0)
+        valid = (rows >= 0) & xkeep.gather(-1, safe)
+        positions = torch.where(valid, xpos.gather(-1, safe), -1)
+        features, values = _gather(kf, rows) * valid.unsqueeze(-1), _gather(xv, rows)
         start = t0 - block - query_first
-        scores = scores_for(cache, hybrid, kf=_gather(kf, rows), v=_gather(xv, rows), keys=_gather(xk, rows),
+        scores = scores_for(cache, hybrid, kf=features, v=values,
+                            keys=_gather(xk, rows) if cache.score == "attention" else values,
                             positions=positions, valid=valid, kv=kv, k_sum=k_sum,
                             queries=queries[..., start : start + block, :],
                             query_positions=torch.arange(t0 - block, t0, device=device))
-        chosen = choose(scores, positions, valid, sizes, slots)
-        kept = _members(positions, chosen) & valid
-        was = torch.zeros_like(kept)
-        was[..., : old.shape[-1]] = True
+        chosen, index, kept = choose(scores, positions, valid, sizes, slots)
+        was = torch.arange(rows.shape[-1], device=device) < member_rows.shape[-1]
         target = _spare(rows, entry)
         new_entry = torch.where(was & valid & ~kept, t0, torch.where(kept, NEVER, entry.gather(-1, target)))
         entry = entry.scatter(-1, target, new_entry)
-        members, before = chosen, old
+        entering = (features * (valid & ~kept).unsqueeze(-1), values)
+        member_rows = rows.gather(-1, index.clamp(min=0)).masked_fill(index < 0, -1)
         selections.append(chosen)
     return selections, entry[..., :-1]
 

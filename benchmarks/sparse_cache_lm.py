@@ -1,0 +1,108 @@
+"""The sparse exact cache on a linearized decoder, with the equal-memory baselines beside it.
+
+Reads a folder written by ``linattn linearize`` (its fitted maps, window W and sinks S) and scores, on the
+held-out text: the original model; softmax over a window of W + λ and the sinks alone (the softmax model with
+the memory of the cache); the hybrid with a window of W + λ and no cache (the same maps: what more window buys);
+the hybrid as linearized (window W); and the hybrid with a cache of λ pairs per head, for each score. Each row:
+perplexity, the repeated passage's perplexity, passkey retrieval (hits of ``--passkey-trials`` per filler length,
+with a 95 % Wilson interval). No weights change: the cache is added to the fitted model as it is.
+
+Rows are written to ``--out`` (JSON) as they finish; a rerun skips the rows already there (an interrupted run
+loses at most the row in progress).
+
+    .venv/bin/python benchmarks/sparse_cache_lm.py DIR [--size 128] [--scores recall attention]
+        [--passkey-trials 20] [--repeat-trials 8] [--out docs/results/sparse_cache_smollm2.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from linattn import SparseCache, hf
+from linattn.evaluate.card import wilson_interval
+from linattn.evaluate.linearized import atomic_write, load_linearized, read_index
+from linattn.evaluate.lm_compare import score_model
+from linattn.evaluate.lm_config import ProbeOptions
+from linattn.evaluate.lm_stages import read_text
+from linattn.evaluate.window_softmax import use_window_softmax
+from linattn.feature_maps.fitted import load_feature_maps
+
+
+def rows(folder: Path, size: int, scores: list[str]) -> list[tuple[str, dict[str, Any], Any]]:
+    """(name, what it is, how to switch the model to it)."""
+    entry = read_index(folder)
+    options = dict(entry["options"])
+    maps: Any = entry["maps"].get("name")
+    if "file" in entry["maps"]:
+        maps = load_feature_maps(str(folder / entry["maps"]["file"]))
+    window = int(options.get("window", getattr(maps, "window", 64)))
+    sinks = int(options.get("sinks", getattr(maps, "sinks", 4)))
+    wide = window + size
+
+    def hybrid(**extra: Any) -> Any:
+        return lambda model: hf.linearize(model, maps, **{**options, "window": window, "sinks": sinks, **extra})
+
+    listed: list[tuple[str, dict[str, Any], Any]] = [
+        ("original (softmax)", {"memory": "grows"}, lambda model: model.set_attn_implementation("sdpa")),
+        (f"softmax window {wide} + {sinks} sinks", {"exact_pairs": wide + sinks},
+         lambda model: use_window_softmax(model, wide, sinks)),
+        (f"hybrid window {wide}, no cache", {"exact_pairs": wide + sinks}, hybrid(window=wide)),
+        (f"hybrid window {window}, no cache", {"exact_pairs": window + sinks}, hybrid()),
+    ]
+    for score in scores:
+        listed.append((f"hybrid window {window} + cache {size} ({score})", {"exact_pairs": window + sinks + size},
+                       hybrid(sparse_cache=SparseCache(size, score=score))))
+    return listed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder")
+    parser.add_argument("--size", type=int, default=128)
+    parser.add_argument("--scores", nargs="+", default=["recall", "attention"])
+    parser.add_argument("--passkey-trials", type=int, default=20)
+    parser.add_argument("--repeat-trials", type=int, default=8)
+    parser.add_argument("--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="docs/results/sparse_cache_smollm2.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    folder, out = Path(args.folder), Path(args.out)
+    done: dict[str, Any] = json.loads(out.read_text(encoding="utf-8")) if out.is_file() else {}
+    model, tokenizer = load_linearized(folder)
+    heldout = read_text(None, "heldout")
+    probes = ProbeOptions(passage_tokens=128, gap_tokens=512, repeat_trials=args.repeat_trials,
+                          passkey_lengths=tuple(args.passkey_lengths), passkey_trials=args.passkey_trials)
+    done.setdefault("setting", {"folder": os.fspath(folder), "size": args.size, "threads": torch.get_num_threads(),
+                                "passkey_trials": args.passkey_trials, "repeat_trials": args.repeat_trials,
+                                "passage_tokens": 128, "gap_tokens": 512, "heldout": "the shipped corpus's held-out part"})
+    results = done.setdefault("rows", {})
+    for name, info, switch in rows(folder, args.size, args.scores):
+        if name in results:
+            print(f"{name}: done before, skipped", flush=True)
+            continue
+        begin = time.perf_counter()
+        switch(model)
+        with torch.no_grad():
+            row = {**info, **score_model(model, tokenizer, heldout, probes)}
+        row["seconds"] = time.perf_counter() - begin
+        row["passkey_interval"] = {
+            length: wilson_interval(round(rate * args.passkey_trials), args.passkey_trials)
+            for length, rate in row["passkey"].items()
+        }
+        results[name] = row
+        atomic_write(out, json.dumps(done, indent=2))
+        passkey = "/".join(f"{rate:.2f}" for rate in row["passkey"].values())
+        print(f"{name}: perplexity {row['perplexity']:.2f}, repeat {row['repeat_perplexity']:.2f}, passkey "
+              f"{passkey} ({row['seconds']:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
