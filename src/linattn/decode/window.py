@@ -32,6 +32,10 @@ def lean_step(
         return DecodeStep(fmap, state, eps=options.get("eps", 1e-6))
     if step == "window":
         return window_step(fmap, state, options, kv_heads)
+    if step == "sparse":
+        from .sparse import sparse_step  # (sparse.py builds on this module)
+
+        return sparse_step(fmap, state, options, kv_heads)
     if step == "delta":
         return DeltaDecodeStep(fmap, state, beta=options.get("beta"), decay=options.get("decay"))
     return None
@@ -266,6 +270,8 @@ class WindowDecodeStep(_Step):
         ``index_select`` works."""
         if not steps or len(steps) != len(pads) or any(step.batch_size != 1 for step in steps):
             raise LinearAttentionError("steps/pads: need one one-row WindowDecodeStep per pad count")
+        if any(type(step) is not WindowDecodeStep for step in steps):  # a subclass keeps more than the ring
+            raise LinearAttentionError("steps: only plain WindowDecodeSteps stack (a sparse cache's step does not)")
         first = steps[0]
         total = first.num_tokens + pads[0]
         if any(step.num_tokens + pad != total or pad < 0 for step, pad in zip(steps, pads, strict=True)):
