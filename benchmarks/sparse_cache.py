@@ -1,14 +1,14 @@
 """What the sparse exact cache costs on CPU: the window op (W = 64, 4 sinks) with and without a cache of λ pairs
 per head, causal forward and forward+backward at N tokens, alternating in the same rounds; the decoding step
 (one token from a state after ``--context`` tokens) of the window op (its lean step) and with the cache (the
-definition's form from the state); and training memory.
+definition's form from the state, and its lean step SparseDecodeStep); and training memory.
 
 Every variant runs once per round, in turn, so a change of machine load hits all alike; the figure is the median
 over rounds. Memory: the peak of live allocations during forward+backward as a multiple of the bytes of q, k, v
 and the output.
 
     .venv/bin/python benchmarks/sparse_cache.py [--n 16384] [--heads 8] [--dim 64] [--size 128] [--rounds 3]
-        [--threads 2] [--context 4096] [--memory]
+        [--threads 2] [--context 4096] [--memory] [--decoding-only]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 import linattn
 from linattn import SparseCache
-from linattn.decode import WindowDecodeStep
+from linattn.decode import SparseDecodeStep, WindowDecodeStep
 from linattn.feature_maps import create
 from linattn.measure import peak_memory
 
@@ -82,28 +82,32 @@ def decoding(heads: int, dim: int, size: int, context: int, rounds: int) -> None
     _, cache_state = linattn.linear_attention(q[..., head, :], k[..., head, :], v[..., head, :], causal=True,
                                               window=WINDOW, sinks=SINKS, feature_map=fmap, sparse_cache=cache,
                                               return_state=True)
-    step = WindowDecodeStep(fmap, plain_state)
-    times: dict[str, list[float]] = {"window step": [], f"cache {size} step": []}
-    state = cache_state
+    lean, per_call = f"cache {size} step", f"cache {size} per call"
+    times: dict[str, list[float]] = {"window step": [], lean: [], per_call: []}
     with torch.no_grad():
-        for _ in range(rounds + 1):
-            for t in range(context, context + 64):
+        for _ in range(rounds + 1):  # the first round warms up
+            step, sparse = WindowDecodeStep(fmap, plain_state), SparseDecodeStep(fmap, cache_state, cache)
+            state = cache_state
+            for t in range(context, context + 64):  # one boundary (block 64) among the 64 tokens of a round
                 token = slice(t, t + 1)
+                x = q[..., token, :], k[..., token, :], v[..., token, :]
                 start = time.perf_counter()
-                step(q[..., token, :], k[..., token, :], v[..., token, :])
+                step(*x)
                 times["window step"].append(time.perf_counter() - start)
                 start = time.perf_counter()
-                _, state = linattn.linear_attention(q[..., token, :], k[..., token, :], v[..., token, :], causal=True,
-                                                    window=WINDOW, sinks=SINKS, feature_map=fmap, sparse_cache=cache,
-                                                    initial_state=state, return_state=True)
-                times[f"cache {size} step"].append(time.perf_counter() - start)
-            step = WindowDecodeStep(fmap, plain_state)
-            state = cache_state
-    ms = {name: statistics.median(values[64:]) * 1e3 for name, values in times.items()}
-    print(f"\ndecoding one token after {context} (B=1, H={heads}; median over {rounds}×64 steps, a boundary every "
-          "64 of them)")
-    for name, value in ms.items():
-        print(f"  {name:<18}{value:>8.3f} ms   × window step {value / ms['window step']:.2f}")
+                sparse(*x)
+                times[lean].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                _, state = linattn.linear_attention(*x, causal=True, window=WINDOW, sinks=SINKS, feature_map=fmap,
+                                                    sparse_cache=cache, initial_state=state, return_state=True)
+                times[per_call].append(time.perf_counter() - start)
+    median = {name: statistics.median(values[64:]) * 1e3 for name, values in times.items()}
+    mean = {name: statistics.fmean(values[64:]) * 1e3 for name, values in times.items()}
+    print(f"\ndecoding one token after {context} (B=1, H={heads}; {rounds}×64 steps, a boundary every 64 of them: "
+          f"the median is a token between boundaries, the mean includes the boundary; load {os.getloadavg()[0]:.1f})")
+    for name in times:
+        print(f"  {name:<22}median {median[name]:>8.3f} ms   × window step {median[name] / median['window step']:5.2f}"
+              f"   mean {mean[name]:>8.3f} ms   × window step {mean[name] / mean['window step']:5.2f}")
 
 
 def memory(n: int, heads: int, dim: int, size: int) -> None:
@@ -125,12 +129,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--memory", action="store_true", help="also the training peak-memory table")
+    parser.add_argument("--decoding-only", action="store_true", help="only the decoding table")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}; B=1 "
           f"H={args.heads} N={args.n} D={args.dim} fp32, causal, window {WINDOW} + {SINKS} sinks, elu; median of "
           f"{args.rounds} alternating rounds")
-    timing(args.n, args.heads, args.dim, args.size, args.rounds)
+    if not args.decoding_only:
+        timing(args.n, args.heads, args.dim, args.size, args.rounds)
     decoding(args.heads, args.dim, args.size, args.context, args.rounds)
     if args.memory:
         memory(args.n, args.heads, args.dim, args.size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from linattn import LinearAttentionError, LinearAttentionState, WindowAttentionState
+from linattn import LinearAttentionError, LinearAttentionState, SparseCache, WindowAttentionState
 from linattn.nn import LinearAttention
 from maps_for_tests import LogExp
 from reference import elu_plus_one, reference_attention, rel_error
@@ -335,10 +335,12 @@ def test_window_layer_options_are_checked():
         ({"feature_map": "elu", "num_kv_heads": 1}, "DecodeStep"),  # GQA
         ({"feature_map": "elu", "window": 5, "sinks": 2}, "WindowDecodeStep"),
         ({"feature_map": "hedgehog", "window": 4, "num_kv_heads": 1}, "WindowDecodeStep"),
+        ({"feature_map": "elu", "window": 5, "sinks": 1, "sparse_cache": SparseCache(2, block=3), "num_kv_heads": 1},
+         "SparseDecodeStep"),
         ({"feature_map": "elu", "decay": "retnet"}, None),  # no lean step for decays: forward with the state
         ({"feature_map": "elu", "min_denom": 1e-3}, None),
     ],
-    ids=["elu", "hedgehog", "logspace", "gqa", "window", "window-hedgehog-gqa", "decay", "min_denom"],
+    ids=["elu", "hedgehog", "logspace", "gqa", "window", "window-hedgehog-gqa", "sparse-gqa", "decay", "min_denom"],
 )
 def test_decoder_equals_one_parallel_call(case, lean):
     """layer.decoder(state): token by token after a prefill, in float64, equals the layer on the whole sequence; it

@@ -173,12 +173,14 @@ def test_errors() -> None:
 
 
 def test_transformers_cache_decodes_what_the_whole_sequence_computes() -> None:
-    """A tiny Llama with the cache: logits token by token through the transformers cache (the definition's form from
-    the state) equal one forward pass over the whole sequence (the chunked form), and the cache's bytes do not grow."""
+    """A tiny Llama with the cache: logits token by token through the transformers cache (the lean
+    SparseDecodeStep from the prefill's state; for the last token the definition's form from the step's state())
+    equal one forward pass over the whole sequence (the chunked form), and the cache's bytes do not grow."""
     pytest.importorskip("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from linattn import hf
+    from linattn.decode import SparseDecodeStep
     from linattn.hf_cache import LinearAttentionCache
 
     torch.manual_seed(0)
@@ -193,10 +195,14 @@ def test_transformers_cache_decodes_what_the_whole_sequence_computes() -> None:
         out = model(ids[:, :21], past_key_values=cache, use_cache=True)
         steps = [out.logits]
         sizes = []
-        for t in range(21, 60):
+        for t in range(21, 59):
             out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
             steps.append(out.logits)
             sizes.append(cache.nbytes())
+        assert all(isinstance(layer.stepper, SparseDecodeStep) for layer in cache.layers)
+        for layer in cache.layers:
+            assert layer.current_state().cache is not None and layer.stepper is None
+        steps.append(model(ids[:, 59:], past_key_values=cache, use_cache=True).logits)
     assert (torch.cat(steps, 1) - whole).abs().max().item() <= 1e-9
     assert len(set(sizes[5:])) == 1
 

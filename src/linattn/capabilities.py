@@ -21,7 +21,7 @@ from torch import nn
 from .backends import triton as triton_backend
 from .errors import LinearAttentionError
 from .features import is_log_space, is_signed
-from .state import DeltaRuleState, LinearAttentionState, WindowAttentionState
+from .state import DeltaRuleState, LinearAttentionState, SparseCache, WindowAttentionState
 
 BACKENDS = ("auto", "torch", "triton")
 # "auto" runs non-causal attention chunked beyond this many keys: measured faster from 8192 keys on (features and
@@ -238,6 +238,8 @@ def choose_backend(backend: str, call: Call, route: Route, q: torch.Tensor, dtyp
 # linear_attention options a step reproduces; any other option (window=, sinks=, min_denom=, ...) is left to it
 STEP_OPTIONS = frozenset({"eps", "chunk_size", "form"})
 WINDOW_STEP_OPTIONS = STEP_OPTIONS | frozenset({"window", "sinks", "window_factor", "softmax_scale"})
+# the sparse cache's step: the window step's options and the cache (an int or a SparseCache) the state was made with
+SPARSE_STEP_OPTIONS = WINDOW_STEP_OPTIONS | frozenset({"sparse_cache"})
 # the delta step: a fixed β and decay rate come as options, per-token ones with each call
 DELTA_STEP_OPTIONS = STEP_OPTIONS | frozenset({"update", "normalize", "beta", "decay"})
 
@@ -258,10 +260,13 @@ def _step_common(fmap: nn.Module, kv: torch.Tensor, options: dict[str, Any], all
 
 def step_reasons(step: str, fmap: nn.Module, state: Any, options: dict[str, Any]) -> list[str]:
     """Why the lean decoding step ``step`` ("plain": :class:`~linattn.decode.DecodeStep`, "window":
-    :class:`~linattn.decode.WindowDecodeStep`, "delta": :class:`~linattn.decode.DeltaDecodeStep`) does not compute
-    what ``linear_attention(..., **options)`` would from ``state``; [] when it does."""
+    :class:`~linattn.decode.WindowDecodeStep`, "sparse": :class:`~linattn.decode.SparseDecodeStep`, "delta":
+    :class:`~linattn.decode.DeltaDecodeStep`) does not compute what ``linear_attention(..., **options)`` would from
+    ``state``; [] when it does."""
     if step == "delta":
         return _delta_step_reasons(state, options)
+    if step == "sparse":
+        return _sparse_step_reasons(fmap, state, options)
     if step == "plain":
         if type(state) is not LinearAttentionState:
             return [f"state {type(state).__name__}: the step continues a LinearAttentionState"]
@@ -275,6 +280,24 @@ def step_reasons(step: str, fmap: nn.Module, state: Any, options: dict[str, Any]
     found += _step_common(fmap, state.linear.kv, options, WINDOW_STEP_OPTIONS)
     if is_log_space(fmap):
         found.append("a log-space feature map: the window step keeps every sum at scale 1")
+    return found
+
+
+def _sparse_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) -> list[str]:
+    if type(state) is not WindowAttentionState or state.cache is None:
+        return [f"state {type(state).__name__}: the sparse step continues a WindowAttentionState that carries a "
+                "sparse cache (made with sparse_cache=)"]
+    found = [] if state.linear.kv.dim() == 4 else ["state: the sparse step needs batch shape (B, H)"]
+    option = options.get("sparse_cache")
+    cache = SparseCache(option) if isinstance(option, int) and not isinstance(option, bool) else option
+    if not isinstance(cache, SparseCache):
+        found.append("sparse_cache: the options carry no cache (an int or a SparseCache) to continue the state's with")
+    elif cache.block_for(state.window) != state.cache.block or cache.largest != state.cache.positions.shape[-1]:
+        found.append("sparse_cache: not the cache the state was made with (its block or slots differ)")
+    found += _step_common(fmap, state.linear.kv, options, SPARSE_STEP_OPTIONS)
+    if is_log_space(fmap):
+        found.append("a log-space feature map: the sparse step keeps every sum at scale 1 (and the cache takes "
+                     "ordinary maps)")
     return found
 
 
@@ -299,9 +322,9 @@ def _delta_step_reasons(state: Any, options: dict[str, Any]) -> list[str]:
 
 
 def choose_step(fmap: nn.Module, state: Any, options: dict[str, Any]) -> str | None:
-    """"plain", "window" or "delta": the lean step that continues ``state``, or None (``linear_attention`` runs
-    instead)."""
-    for step in ("plain", "window", "delta"):
+    """"plain", "window", "sparse" or "delta": the lean step that continues ``state``, or None
+    (``linear_attention`` runs instead)."""
+    for step in ("plain", "window", "sparse", "delta"):
         if not step_reasons(step, fmap, state, options):
             return step
     return None

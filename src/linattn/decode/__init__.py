@@ -28,6 +28,11 @@ With grouped-query attention (``kv_heads=``) the exact keys and values are held 
 :meth:`WindowDecodeStep.stack` joins one-row steps into the step of a left-padded batch in which each row keeps its
 own first S tokens as sinks.
 
+:class:`SparseDecodeStep` is the window step for the window op with a sparse exact cache (``sparse_cache=``): λ more
+exact slots per query head hold the cached pairs, and every B tokens a boundary scores and chooses them with the
+functions that define the op (:mod:`linattn.forms.window.sparse`); between boundaries a token costs the window
+step's ops on S + W + λ slots and two small ones more (:mod:`linattn.decode.sparse`).
+
 :class:`DeltaDecodeStep` continues a :class:`~linattn.DeltaRuleState` (``update="delta"``, DeltaNet and Gated
 DeltaNet): S ← a·S, u = β(v − Sᵀk̂), S += k̂uᵀ, o = Sᵀq̂ on the preallocated memory, a fixed β and decay from the
 options or per-token ones with each call (:mod:`linattn.decode.delta`).
@@ -35,13 +40,14 @@ options or per-token ones with each call (:mod:`linattn.decode.delta`).
 
 from __future__ import annotations
 
-from ..capabilities import DELTA_STEP_OPTIONS, STEP_OPTIONS, WINDOW_STEP_OPTIONS
+from ..capabilities import DELTA_STEP_OPTIONS, SPARSE_STEP_OPTIONS, STEP_OPTIONS, WINDOW_STEP_OPTIONS
 from .delta import DeltaDecodeStep
 from .plain import DecodeStep, supports
+from .sparse import SparseDecodeStep, sparse_step
 from .window import WindowDecodeStep, lean_step, supports_window, window_step
 
 __all__ = [
-    "DELTA_STEP_OPTIONS", "STEP_OPTIONS", "WINDOW_STEP_OPTIONS", "DecodeStep", "DeltaDecodeStep", "WindowDecodeStep",
-    "lean_step", "supports",
+    "DELTA_STEP_OPTIONS", "SPARSE_STEP_OPTIONS", "STEP_OPTIONS", "WINDOW_STEP_OPTIONS", "DecodeStep",
+    "DeltaDecodeStep", "SparseDecodeStep", "WindowDecodeStep", "lean_step", "sparse_step", "supports",
     "supports_window", "window_step",
 ]

@@ -32,6 +32,10 @@ def lean_step(
         return DecodeStep(fmap, state, eps=options.get("eps", 1e-6))
     if step == "window":
         return window_step(fmap, state, options, kv_heads)
+    if step == "sparse":
+        from .sparse import sparse_step  # (sparse.py builds on this module)
+
+        return sparse_step(fmap, state, options, kv_heads)
     if step == "delta":
         return DeltaDecodeStep(fmap, state, beta=options.get("beta"), decay=options.get("decay"))
     return None
@@ -127,8 +131,31 @@ class WindowDecodeStep(_Step):
         """q (B, H, 1, d), k (B, Hkv, 1, d), v (B, Hkv, 1, Dv), keep (B, 1) bool or None → out (B, H, 1, Dv).
 
         Inference only (no gradient flows through a step); output in q's dtype, the buffers in the state's."""
+        out_dtype = q.dtype
+        q, k, v, qf, kf, kept = self._inputs(q, k, v, keep)
+        t, window, sinks = self.num_tokens, self.window, self.sinks
+        slot = sinks + t % window
+        per_row = self.offsets is not None and t - window - self._max_offset < sinks  # see stack
+        if t >= window:  # key t − W leaves the window: a sink stays exact, any other key enters the linear sums
+            if per_row:
+                self._leave_rows(t, slot)
+            elif t - window < sinks:
+                self.live[:, t - window] = self.live[:, slot]
+            else:
+                self._enter_linear(slot, self.key_features[:, slot])
+        self._write(t, slot, k, v, kf, kept)
+        if per_row:
+            self._sink_rows(t, k, v, kf)
+        self.num_tokens = t + 1
+        return self._output(q, qf, ~self.live, out_dtype)
+
+    def _inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One token's inputs in the buffers' dtype: q (B, H, 1, d); k (B·Hkv, d) and v (B·Hkv, Dv), v zero where
+        masked; the features qf (B·H, 1, F) and kf (B·H, F) (zero where masked: per query head, as per-head maps
+        give them); the keep flags per query head (B·H,) or None."""
         batch, heads, features, values = self._shape
-        out_dtype, dtype = q.dtype, self.kv.dtype
+        dtype = self.kv.dtype
         if q.dtype != dtype or k.dtype != dtype or v.dtype != dtype:
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         kv_heads, group = self.kv_heads, self.group
@@ -144,40 +171,38 @@ class WindowDecodeStep(_Step):
             kept = keep.reshape(batch, 1).expand(batch, heads).reshape(-1)  # (B·H,)
             kf = kf.masked_fill(~kept.unsqueeze(-1), 0.0)
             v = v.masked_fill(~kept[::group].unsqueeze(-1), 0.0)
-        t, window, sinks = self.num_tokens, self.window, self.sinks
-        slot = sinks + t % window
-        per_row = self.offsets is not None and t - window - self._max_offset < sinks  # see stack
-        if t >= window:  # key t − W leaves the window: a sink stays exact, any other key enters the linear sums
-            if per_row:
-                self._leave_rows(t, slot)
-            elif t - window < sinks:
-                self.live[:, t - window] = self.live[:, slot]
-            else:
-                self._enter_linear(slot, self.key_features[:, slot])
+        return q, k, v, qf, kf, kept
+
+    def _write(self, t: int, slot: int, k: torch.Tensor, v: torch.Tensor, kf: torch.Tensor,
+               kept: torch.Tensor | None) -> None:
+        """Key t (k, v: B·Hkv rows; kf: B·H rows) into its ring slot, and into its sink slot when t < S."""
         self.keys[:, slot] = k
         self.values[:, slot] = v
         self.key_features[:, slot] = kf
         self.live[:, slot] = True if kept is None else kept
-        if per_row:
-            self._sink_rows(t, k, v, kf)
-        elif t < sinks:  # also a sink: exact by its own slot once it has left the window
+        if t < self.sinks and self.offsets is None:  # also a sink: exact by its own slot once it has left the window
             self.keys[:, t], self.values[:, t], self.key_features[:, t] = k, v, kf
             self.live[:, t] = False
-        self.num_tokens = t + 1
+
+    def _output(self, q: torch.Tensor, qf: torch.Tensor, dead: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The hybrid's output (B, H, 1, Dv) of queries q (B, H, 1, d) with features qf (B·H, 1, F) from the linear
+        sums and every exact slot, ``dead`` (B·H, slots) marking the slots that are not exact keys now; in
+        ``out_dtype`` (default: the buffers' dtype)."""
+        batch, heads, features, values = self._shape
+        dtype = self.kv.dtype
         lin_num = torch.bmm(qf, self.kv.view(-1, features, values)).squeeze(1)  # (B·H, Dv)
         lin_den = torch.bmm(qf, self.k_sum.view(-1, features, 1)).view(-1)
-        # (B·Hkv, group, d) queries against each key/value head's keys: (B·H, S + W) scores
-        scores = torch.bmm(q.reshape(-1, group, q.shape[-1]), self.keys.transpose(1, 2)).view(-1, self.keys.shape[1])
+        scores = self._scores(q)
         scores.mul_(self.scale)
-        dead = ~self.live
-        scores.masked_fill_(dead, float("-inf"))  # (B·H, S + W)
+        scores.masked_fill_(dead, float("-inf"))  # (B·H, slots)
         # the row maximum; −inf (no live key) becomes the lowest finite number, so e^{−inf − top} = 0
         top = scores.amax(-1, keepdim=True).clamp_(min=-torch.finfo(dtype).max)
         probs = scores.sub_(top).exp_()
-        win_num = torch.bmm(probs.view(-1, group, probs.shape[-1]), self.values).view(-1, values)
+        win_num = self._weighted_values(probs)
         win_den = probs.sum(-1)  # ≥ 1 (the maximum's own term) when a key is live, else 0
         if self.gamma is None:
-            weights = torch.bmm(qf, self.key_features.transpose(1, 2)).squeeze(1)  # (B·H, S + W)
+            weights = torch.bmm(qf, self.key_features.transpose(1, 2)).squeeze(1)  # (B·H, slots)
             mass = weights.masked_fill_(dead, 0.0).sum(-1)
             num = lin_num.addcmul_((mass / win_den.clamp_(min=1.0)).unsqueeze(-1), win_num)
             den = lin_den.add_(mass)
@@ -188,7 +213,16 @@ class WindowDecodeStep(_Step):
         if self.eps <= 0:  # no visible key and eps = 0: output 0, not 0/0 (as finalize)
             den = torch.where(den == 0, 1.0, den)
         out = num.div_(den.unsqueeze(-1)).view(batch, heads, 1, values)
-        return out if out_dtype == dtype else out.to(out_dtype)
+        return out if out_dtype is None or out_dtype == dtype else out.to(out_dtype)
+
+    def _scores(self, q: torch.Tensor) -> torch.Tensor:
+        """q·k of every exact slot, unscaled: (B·Hkv, group, d) queries against each key/value head's keys →
+        (B·H, slots), a new tensor."""
+        return torch.bmm(q.reshape(-1, self.group, q.shape[-1]), self.keys.transpose(1, 2)).view(-1, self.keys.shape[1])
+
+    def _weighted_values(self, probs: torch.Tensor) -> torch.Tensor:
+        """Σ_slots probs·v: probs (B·H, slots) → (B·H, Dv)."""
+        return torch.bmm(probs.view(-1, self.group, probs.shape[-1]), self.values).view(-1, self.values.shape[-1])
 
     @property
     def batch_size(self) -> int:
@@ -236,6 +270,8 @@ class WindowDecodeStep(_Step):
         ``index_select`` works."""
         if not steps or len(steps) != len(pads) or any(step.batch_size != 1 for step in steps):
             raise LinearAttentionError("steps/pads: need one one-row WindowDecodeStep per pad count")
+        if any(type(step) is not WindowDecodeStep for step in steps):  # a subclass keeps more than the ring
+            raise LinearAttentionError("steps: only plain WindowDecodeSteps stack (a sparse cache's step does not)")
         first = steps[0]
         total = first.num_tokens + pads[0]
         if any(step.num_tokens + pad != total or pad < 0 for step, pad in zip(steps, pads, strict=True)):
