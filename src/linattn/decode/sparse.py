@@ -203,7 +203,7 @@ class SparseDecodeStep(WindowDecodeStep):
         scores = scores_for(self.cache, self.hybrid, kf=heads_of(feats), v=heads_of(vals), keys=heads_of(keys),
                             positions=heads_of(positions), valid=heads_of(valid), kv=self.kv, k_sum=self.k_sum,
                             queries=heads_of(queries), query_positions=torch.arange(t0 - block, t0, device=device))
-        chosen = choose(scores, heads_of(positions), heads_of(valid), self.sizes, slots).view(rows, slots)
+        chosen = choose(scores, heads_of(positions), heads_of(valid), self.sizes, slots)[0].view(rows, slots)
         chosen = chosen.masked_fill(chosen < 0, NEVER)  # ascending, NEVER in empty slots (as ``positions``)
 
         def among_chosen(x: torch.Tensor) -> torch.Tensor:  # whether each position of x (B·H, X) was chosen
