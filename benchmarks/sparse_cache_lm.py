@@ -82,7 +82,8 @@ def main() -> None:
                           passkey_lengths=tuple(args.passkey_lengths), passkey_trials=args.passkey_trials)
     done.setdefault("setting", {"folder": os.fspath(folder), "size": args.size, "threads": torch.get_num_threads(),
                                 "passkey_trials": args.passkey_trials, "repeat_trials": args.repeat_trials,
-                                "passage_tokens": 128, "gap_tokens": 512, "heldout": "the shipped corpus's held-out part"})
+                                "passage_tokens": 128, "gap_tokens": 512,
+                                "heldout": "the shipped corpus's held-out part"})
     results = done.setdefault("rows", {})
     for name, info, switch in rows(folder, args.size, args.scores):
         if name in results:
