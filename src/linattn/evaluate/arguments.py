@@ -106,10 +106,14 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         "a GGUF file, a model in the local Hugging Face cache)")
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--linear", action="store_true", help="linearize a plain model first (elu+1 beside a "
-                        "softmax window; no fitted maps ship with linattn)")
-    parser.add_argument("--window", type=int, default=LM_WINDOW, help="with --linear: the softmax window")
-    parser.add_argument("--sinks", type=int, default=LM_SINKS, help="with --linear: the sink tokens")
+    parser.add_argument("--linear", action="store_true", help="linearize a plain model first: with the maps "
+                        "shipped for it (smollm2), else elu+1 beside a softmax window")
+    parser.add_argument("--untrained", action="store_true", help="with --linear: elu+1 beside the window even where "
+                        "fitted maps ship")
+    parser.add_argument("--window", type=int, default=LM_WINDOW, help="with --linear and elu+1: the softmax window")
+    parser.add_argument("--sinks", type=int, default=LM_SINKS, help="with --linear and elu+1: the sink tokens")
+    parser.add_argument("--sparse-cache", type=int, default=None, help="add a sparse exact cache of this many pairs "
+                        "per head beside the window (docs/sparse_cache.md)")
     parser.add_argument("--compare-softmax", action="store_true", help="also generate with the original model")
     parser.add_argument("--plot", default=None, help="a PNG file: ms/token and cache bytes against position")
 

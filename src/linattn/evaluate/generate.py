@@ -25,7 +25,7 @@ import torch
 
 from .. import hf
 from ..errors import LinearAttentionError
-from .linearized import is_linearized, load_linearized, read_index
+from .linearized import is_linearized, load_linearized, read_index, shipped
 from .models import check_model_name, is_causal_lm, load_model, looks_causal
 
 
@@ -126,7 +126,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
     """(model, tokenizer, original or None, label): what ``args`` asks to generate with."""
     name = args.model
     if is_linearized(name):
-        model, tokenizer = load_linearized(name)
+        model, tokenizer = load_linearized(name, sparse_cache=args.sparse_cache)
         original = None
         if args.compare_softmax:
             original, _, _ = load_model(read_index(name)["base"]["model"], causal_lm=True)
@@ -144,10 +144,20 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
     if not is_causal_lm(model):
         raise LinearAttentionError(f"model: {name!r} loaded as {type(model).__name__}, not a *ForCausalLM")
     original = load_model(name, causal_lm=True)[0] if args.compare_softmax and args.linear else None
+    if args.linear and shipped(name) is not None and not args.untrained:
+        folder = shipped(name)
+        assert folder is not None
+        del model
+        model, tokenizer = load_linearized(folder, base=name, sparse_cache=args.sparse_cache)
+        return model, tokenizer, original, f"linearized (the maps shipped with linattn{_cached(args)})"
     if args.linear:
-        hf.linearize(model, "elu", window=args.window, sinks=args.sinks)
+        hf.linearize(model, "elu", window=args.window, sinks=args.sinks, sparse_cache=args.sparse_cache)
         return model, tokenizer, original, f"linearized (elu, window {args.window}, sinks {args.sinks})"
     return model, tokenizer, None, "softmax"
+
+
+def _cached(args: argparse.Namespace) -> str:
+    return f", sparse cache {args.sparse_cache}" if args.sparse_cache else ""
 
 
 def _summary(runs: list[Generation]) -> list[str]:

@@ -134,6 +134,15 @@ def save_linearized(model: Any, directory: str | os.PathLike[str], *, maps: Any 
     return directory
 
 
+SHIPPED = Path(__file__).resolve().parent.parent / "data" / "linearized"
+
+
+def shipped(name: str) -> Path | None:
+    """The linearized folder shipped with linattn for the base model ``name`` (``smollm2``), or None."""
+    folder = SHIPPED / name
+    return folder if (folder / INDEX).is_file() else None
+
+
 def is_linearized(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a folder written by :func:`save_linearized`."""
     return os.path.isfile(os.path.join(path, INDEX))
@@ -156,9 +165,11 @@ def read_index(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_linearized(directory: str | os.PathLike[str], *, base: str | None = None,
-                    device: str | torch.device = "cpu") -> tuple[Any, Any]:
+                    device: str | torch.device = "cpu", sparse_cache: Any = None) -> tuple[Any, Any]:
     """(model, tokenizer): the base model recorded in ``directory`` (or ``base``, e.g. after moving it), loaded
-    offline, its fingerprint checked, linearized as saved and its adapters attached; in eval mode."""
+    offline, its fingerprint checked, linearized as saved and its adapters attached; in eval mode.
+    ``sparse_cache``: add (or replace) a sparse exact cache beside the window (an int per head, a
+    :class:`~linattn.SparseCache`, or one per layer)."""
     directory = Path(directory)
     entry = read_index(directory)
     name = base or entry["base"]["model"]
@@ -173,7 +184,10 @@ def load_linearized(directory: str | os.PathLike[str], *, base: str | None = Non
         )
     maps_entry = entry["maps"]
     maps: Any = load_feature_maps(str(directory / maps_entry["file"])) if "file" in maps_entry else maps_entry["name"]
-    hf.linearize(model, maps, **entry["options"])
+    options = dict(entry["options"])
+    if sparse_cache is not None:
+        options["sparse_cache"] = sparse_cache
+    hf.linearize(model, maps, **options)
     if entry.get("adapters"):
         from ..train.lora import load_lora  # peft: only for a folder with adapters
 
