@@ -138,15 +138,16 @@ def test_gradients() -> None:
     assert torch.autograd.gradcheck(mass, (q, k, v))
 
 
-def test_memory_is_constant() -> None:
-    q, k, v = _inputs(n=200, seed=4)
-    cache = SparseCache(size=5, block=8)
-    _, short = _run(q[..., :40, :], k[..., :40, :], v[..., :40, :], cache, "chunked")
-    _, long = _run(q, k, v, cache, "chunked")
+@pytest.mark.parametrize("score", ["recall", "attention"])
+def test_memory_is_constant(score: str) -> None:
+    """The state's bytes once the window and the sinks are full: the same after 40, 200 and 4,096 tokens."""
+    q, k, v = _inputs(n=4096, seed=4)
+    cache = SparseCache(size=5, block=8, score=score)
     size = lambda s: sum(x.numel() * x.element_size() for x in (  # noqa: E731
         s.keys, s.values, s.sink_keys, s.sink_values, s.linear.kv, s.linear.k_sum, s.cache.keys, s.cache.values,
         s.cache.positions, s.cache.queries))
-    assert size(short) == size(long)
+    sizes = {n: size(_run(q[..., :n, :], k[..., :n, :], v[..., :n, :], cache, "chunked")[1]) for n in (40, 200, 4096)}
+    assert len(set(sizes.values())) == 1, sizes
 
 
 def test_errors() -> None:
