@@ -227,14 +227,19 @@ def sparse_parallel(
     mass = weights.masked_fill(~exact, 0.0).sum(-1) if hybrid.factor is None else None
     out = hybrid.combine((lin_num, lin_den), (probs @ xv, probs.sum(-1), mass), None, None)
 
-    entered = (xkeep & (entry >= n0) & (entry <= end - 1)).unsqueeze(-1)
-    linear_state = LinearAttentionState(
-        state.linear.kv + (kf * entered).transpose(-1, -2) @ xv, state.linear.k_sum + (kf * entered).sum(-2),
-        state.linear.shift, state.linear.num_tokens,
-    )
-    nxt = next_state(state, linear_state, k, v, keep)
+    nxt = next_state(state, _linear_after(state.linear, kf, xv, xkeep, entry, n0, end), k, v, keep)
     nxt.cache = _final_cache(cache, members, xpos, xkeep, xk, xv, queries_all, query_first, end, block)
     return out, nxt
+
+
+def _linear_after(linear: LinearAttentionState, kf: torch.Tensor, xv: torch.Tensor, xkeep: torch.Tensor,
+                  entry: torch.Tensor, n0: int, end: int) -> LinearAttentionState:
+    """The linear sums after the call: the carried ones plus every row X (features kf, values xv) whose entry time
+    falls in the call (n0 … end − 1)."""
+    entered = (xkeep & (entry >= n0) & (entry <= end - 1)).unsqueeze(-1)
+    features = kf * entered
+    return LinearAttentionState(linear.kv + features.transpose(-1, -2) @ xv, linear.k_sum + features.sum(-2),
+                                linear.shift, linear.num_tokens)
 
 
 def _final_cache(cache: SparseCache, members: torch.Tensor, xpos: torch.Tensor, xkeep: torch.Tensor,
@@ -356,12 +361,7 @@ def sparse_chunked(
                         unblocked(weights.masked_fill(~exact, 0.0).sum(-1, keepdim=True)).squeeze(-1))
     out = hybrid.combine((lin_num, lin_den), exact_part, parts.c, parts.r)
 
-    entered = ((entry >= n0) & (entry <= end - 1) & xkeep).unsqueeze(-1)
-    linear_state = LinearAttentionState(
-        state.linear.kv + (kf * entered).transpose(-1, -2) @ xv, state.linear.k_sum + (kf * entered).sum(-2),
-        state.linear.shift, state.linear.num_tokens,
-    )
-    nxt = next_state(state, linear_state, k, v, keep)
+    nxt = next_state(state, _linear_after(state.linear, kf, xv, xkeep, entry, n0, end), k, v, keep)
     final = selections[-1] if selections else carried.positions
     final_rows = index_of(final)
     filled = (final >= 0).unsqueeze(-1)
