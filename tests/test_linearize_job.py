@@ -126,15 +126,33 @@ def test_a_budget_too_small_is_refused_with_the_least_that_would_do(tiny, tmp_pa
 
 
 def test_plan_steps_shares_what_is_left_after_the_fixed_costs():
-    costs = {"calibration": 10.0, "fit_fixed": 20.0, "measure": 30.0, "sampling": 40.0, "fit_step": 1.0,
+    costs = {"calibration": 10.0, "fit_fixed": 20.0, "measure": 30.0, "sampling_batch": 40.0, "fit_step": 1.0,
              "end_to_end_step": 2.0}
-    # 80 % of 600 s, less 100 s fixed: 380 s, 40 % (152 s) of fitting and 60 % (228 s) end to end
-    plan = plan_steps(10, costs, end_to_end=True)
-    assert (plan["fit_steps"], plan["end_to_end_steps"]) == (152, 114)
+    # 80 % of 600 s, less 100 s fixed (one batch of 8 samples): 380 s, 40 % (152 s) of fitting and 60 % (228 s)
+    # end to end
+    plan = plan_steps(10, costs, end_to_end=True, samples=8)
+    assert (plan["fit_steps"], plan["end_to_end_steps"], plan["end_to_end_samples"]) == (152, 114, 8)
     assert plan["estimates"]["fit"] == 172 and plan["estimates"]["end_to_end"] == 268
     assert plan_steps(10, costs, end_to_end=False)["fit_steps"] == 420  # no sampling, everything to the fit
     with pytest.raises(LinearAttentionError, match="pass --budget 3 or more"):  # (100 + 10 · 1 / 0.4) / 0.8 s = 2.6 min
         plan_steps(2, costs, end_to_end=True)
+
+
+def test_plan_steps_samples_no_more_than_the_end_to_end_steps_use():
+    costs = {"calibration": 10.0, "fit_fixed": 20.0, "measure": 30.0, "sampling_batch": 40.0, "fit_step": 1.0,
+             "end_to_end_step": 20.0}
+    # one batch: 380 s left, 228 s of 20 s steps = 11 steps, and 8 samples give 13 training sequences: enough
+    plan = plan_steps(10, costs, end_to_end=True, samples=32)
+    assert (plan["end_to_end_samples"], plan["fit_steps"], plan["end_to_end_steps"]) == (8, 152, 11)
+    assert plan["estimates"]["end_to_end"] == 40 + 11 * 20
+    # cheap steps: 32 samples (4 batches, 260 s left, 78 steps) still give fewer than 78 sequences, so all are made
+    cheap = plan_steps(10, {**costs, "end_to_end_step": 2.0}, end_to_end=True, samples=32)
+    assert (cheap["end_to_end_samples"], cheap["fit_steps"], cheap["end_to_end_steps"]) == (32, 104, 78)
+    # 16 samples (2 batches, 340 s left): 29 sequences against 30 steps of 6.8 s, too few; 24: 45 against 26
+    middle = plan_steps(10, {**costs, "end_to_end_step": 6.8}, end_to_end=True, samples=32)
+    assert (middle["end_to_end_samples"], middle["end_to_end_steps"]) == (24, 26)
+    with pytest.raises(LinearAttentionError, match="--end-to-end-samples: need more than 2"):
+        plan_steps(10, costs, end_to_end=True, samples=2)
 
 
 def test_wilson_interval_matches_its_closed_form():

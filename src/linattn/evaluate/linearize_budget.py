@@ -3,11 +3,19 @@ that fit.
 
 The fit's cost is measured as one capture, then fits of 1 and 9 steps on it (the difference is eight steps),
 an end-to-end step as one softmax forward pass and one linear forward and backward pass (the maps alone taking
-gradients, as in training) on a sequence as long as
-the stage's, sampling as 8 tokens generated for one batch of prompts, and the measuring stage from one forward pass
-over 256 tokens (every row reads about the same number of tokens). What remains of the budget after the fixed
-costs (of 80 % of the budget: a shared machine's load changes during a run) goes 40 % to fitting steps and 60 %
-to end-to-end steps; a budget that leaves fewer than
+gradients, as in training) on a sequence as long as the stage's, and the measuring stage from one forward pass over
+256 tokens (every row reads about the same number of tokens).
+
+Sampling is timed as 8 tokens generated for one batch of short prompts, plus what a token costs more at the end of
+a sample than at its start: one decoding step of the batch after a prompt as long as a whole sample, against one
+after a short prompt (the softmax cache is read and copied whole at every step, so a step's cost grows with the
+length; on SmolLM2 a batch of 8 steps at 1,552 tokens costs 2.3 times one at 16). A sample's tokens cost the mean
+of the two.
+
+What remains of 80 % of the budget (a shared machine's load changes during a run) after the fixed costs goes 40 % to
+fitting steps and 60 % to end-to-end steps. The number of samples is the least (in whole batches, up to
+``--end-to-end-samples``) that gives the end-to-end steps one training sequence each: a sample the steps never
+reach costs its sampling and buys nothing, and its time goes to steps instead. A budget that leaves fewer than
 :data:`MIN_FIT_STEPS` / :data:`MIN_END_TO_END_STEPS` is refused, naming the least that would do.
 """
 
@@ -23,7 +31,7 @@ from .. import hf
 from ..errors import LinearAttentionError
 from ..train.distill import fit_model_feature_maps
 from .capture import capture_attention
-from .lm_config import LMCompareConfig
+from .lm_config import HELD_OUT_SAMPLES, LMCompareConfig
 from .lm_stages import PROMPT_TOKENS
 
 MIN_FIT_STEPS, MIN_END_TO_END_STEPS = 10, 5
@@ -31,6 +39,7 @@ MAX_STEPS = 2000  # a large budget on a small model: beyond this, more steps are
 FIT_SHARE = 0.4
 EVAL_OVERHEAD = 1.3  # fit_end_to_end scores 2 held-out sequences every 5 steps: ~30 % more forward passes
 SAMPLING_BATCH = 8  # sample_texts' batch
+SAMPLING_PROMPT = 16  # tokens of the short prompts sampling is timed after
 FIT_PROBE_STEPS = 8  # fitting steps timed (beyond a first one)
 SAFETY = 0.8  # the share of the budget planned: the machine's load varies while the run goes on
 
@@ -53,10 +62,29 @@ def _probe_tokens(config: LMCompareConfig, heldout_tokens: int) -> int:
     return heldout_tokens + repeats + keys
 
 
+def _decode_step(model: Any, ids: torch.Tensor, batch: int) -> float:
+    """Seconds of one decoding step of ``batch`` rows after the prompt ``ids`` (1, L): the prompt's cache is made
+    once and repeated for the batch (a prefill of the whole batch would cost ``batch`` times more to time)."""
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        cache = out.cache
+        if hasattr(cache, "batch_repeat_interleave"):
+            cache.batch_repeat_interleave(batch)
+        else:  # a cache without it: the batch's own prefill
+            cache = model(input_ids=ids.expand(batch, -1), use_cache=True).cache
+        token = ids[:, -1:].expand(batch, 1)
+        best = float("inf")
+        for _ in range(3):  # the cache grows by one token per step: the same length, near enough
+            begin = time.perf_counter()
+            model(input_ids=token, cache=cache, use_cache=True)
+            best = min(best, time.perf_counter() - begin)
+    return best
+
+
 def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
               config: LMCompareConfig) -> dict[str, float]:
-    """Seconds: ``fit_fixed`` (capture), ``fit_step``, ``end_to_end_step``, ``sampling`` (all samples),
-    ``measure`` (the three rows), and ``calibration`` (what measuring these took)."""
+    """Seconds: ``fit_fixed`` (capture), ``fit_step``, ``end_to_end_step``, ``sampling_batch`` (one batch of
+    :data:`SAMPLING_BATCH` samples), ``measure`` (the three rows), and ``calibration`` (what measuring these took)."""
     begin = time.perf_counter()
     fit = config.fit
     model.set_attn_implementation("sdpa")
@@ -89,30 +117,59 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
         model.zero_grad(set_to_none=True)
     model.set_attn_implementation("sdpa")
     batch = min(SAMPLING_BATCH, config.end_to_end.samples)
-    prompt = torch.randint(0, int(model.config.vocab_size), (batch, 16))
+    prompt = torch.randint(0, int(model.config.vocab_size), (batch, SAMPLING_PROMPT))
     with torch.no_grad():
         eight, _ = _timed(lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
                                                  min_new_tokens=8, do_sample=False, pad_token_id=0))
-    batches = math.ceil(config.end_to_end.samples / SAMPLING_BATCH)
+    growth = max(_decode_step(model, ids, batch) - _decode_step(model, ids[:, :SAMPLING_PROMPT], batch), 0.0)
     with torch.no_grad():
         forward, _ = _timed(lambda: model(input_ids=ids[:, :256]), repeats=2)
     heldout_tokens = len(tokenizer(heldout)["input_ids"])
     measure = 3 * 1.5 * forward / min(256, length) * _probe_tokens(config, heldout_tokens)  # linear rows: slower
     return {"fit_fixed": capture_seconds + max(short - fit_step, 0.0), "fit_step": fit_step,
             "end_to_end_step": (teacher + student) * EVAL_OVERHEAD,
-            "sampling": eight / 8 * config.end_to_end.tokens * batches, "measure": measure,
+            "sampling_batch": (eight / 8 + growth / 2) * config.end_to_end.tokens, "measure": measure,
             "calibration": time.perf_counter() - begin}
 
 
-def plan_steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool) -> dict[str, Any]:
-    """Fit and end-to-end step counts that fit ``budget_minutes`` given ``costs`` (:func:`calibrate`), and the
-    estimated seconds of each stage; refuses a budget too small for the least useful run."""
-    fixed = costs["calibration"] + costs["fit_fixed"] + costs["measure"] + (costs["sampling"] if end_to_end else 0)
+def training_sequences_of(samples: int) -> int:
+    """End-to-end training sequences from ``samples`` samples: the samples and their copying sequences, less the
+    held-out ones (:func:`~.lm_stages.training_set`)."""
+    return 2 * samples - HELD_OUT_SAMPLES - 1
+
+
+def _sample_counts(most: int) -> list[int]:
+    """Sample counts worth planning, fewest first: whole batches, up to ``most``."""
+    counts = [min(batch * SAMPLING_BATCH, most) for batch in range(1, math.ceil(most / SAMPLING_BATCH) + 1)]
+    return [count for count in counts if count > HELD_OUT_SAMPLES]
+
+
+def _steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int) -> tuple[float, int, int]:
+    """The fixed seconds and the fitting and end-to-end steps that fit, with ``samples`` samples."""
+    sampling = costs["sampling_batch"] * math.ceil(samples / SAMPLING_BATCH) if end_to_end else 0.0
+    fixed = costs["calibration"] + costs["fit_fixed"] + costs["measure"] + sampling
     left = budget_minutes * 60 * SAFETY - fixed
     share = FIT_SHARE if end_to_end else 1.0
     fit_steps = min(int(left * share / costs["fit_step"]), MAX_STEPS) if left > 0 else 0
     e2e_steps = min(int(left * (1 - share) / costs["end_to_end_step"]), MAX_STEPS) if end_to_end and left > 0 else 0
+    return fixed, fit_steps, e2e_steps
+
+
+def plan_steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int = 32) -> dict[str, Any]:
+    """Fit and end-to-end step counts and the number of samples (at most ``samples``) that fit ``budget_minutes``
+    given ``costs`` (:func:`calibrate`), and the estimated seconds of each stage; refuses a budget too small for
+    the least useful run."""
+    counts = _sample_counts(samples) if end_to_end else [0]
+    if not counts:
+        raise LinearAttentionError(f"--end-to-end-samples: need more than {HELD_OUT_SAMPLES}, got {samples}")
+    chosen = counts[-1]
+    for count in counts:  # the fewest samples that give every end-to-end step its own sequence
+        if training_sequences_of(count) >= _steps(budget_minutes, costs, end_to_end, count)[2]:
+            chosen = count
+            break
+    fixed, fit_steps, e2e_steps = _steps(budget_minutes, costs, end_to_end, chosen)
     if fit_steps < MIN_FIT_STEPS or (end_to_end and e2e_steps < MIN_END_TO_END_STEPS):
+        share = FIT_SHARE if end_to_end else 1.0
         least = fixed + MIN_FIT_STEPS * costs["fit_step"] / share
         if end_to_end:
             least = max(least, fixed + MIN_END_TO_END_STEPS * costs["end_to_end_step"] / (1 - share))
@@ -124,7 +181,9 @@ def plan_steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool)
             "more"
             + ("" if not end_to_end else ", or --end-to-end-steps 0 to skip that stage")
         )
+    sampling = costs["sampling_batch"] * math.ceil(chosen / SAMPLING_BATCH) if end_to_end else 0.0
     estimates = {"fit": costs["fit_fixed"] + fit_steps * costs["fit_step"],
-                 "end_to_end": (costs["sampling"] + e2e_steps * costs["end_to_end_step"]) if end_to_end else 0.0,
+                 "end_to_end": (sampling + e2e_steps * costs["end_to_end_step"]) if end_to_end else 0.0,
                  "measure": costs["measure"]}
-    return {"fit_steps": fit_steps, "end_to_end_steps": e2e_steps, "estimates": estimates, "costs": costs}
+    return {"fit_steps": fit_steps, "end_to_end_steps": e2e_steps, "end_to_end_samples": chosen,
+            "estimates": estimates, "costs": costs}

@@ -110,14 +110,17 @@ class Stages:
         return path
 
 
-def _config(args: argparse.Namespace, fit_steps: int, end_to_end_steps: int, samples_file: str) -> LMCompareConfig:
+def _config(args: argparse.Namespace, plan: dict[str, Any], samples_file: str) -> LMCompareConfig:
+    """The pipeline's settings: the options given, with the step counts and the number of samples of ``plan``."""
+    fit_steps, end_to_end_steps = plan["fit_steps"], plan["end_to_end_steps"]
+    samples = plan.get("end_to_end_samples", args.end_to_end_samples)  # a plan written before it was planned
     probes = ProbeOptions(passage_tokens=args.passage_tokens, gap_tokens=args.gap_tokens,
                           repeat_trials=args.repeat_trials, passkey_lengths=tuple(args.passkey_lengths),
                           passkey_trials=args.passkey_trials)
     fit = FitOptions(steps=fit_steps, num_features=args.num_features, max_tokens=args.fit_max_tokens or LM_FIT_TOKENS,
                      orders=args.fit_orders, gamma=False, fitted_maps=None, save_maps=None)
     end_to_end = EndToEndOptions(
-        steps=end_to_end_steps, samples=args.end_to_end_samples, tokens=args.end_to_end_tokens, texts=samples_file,
+        steps=end_to_end_steps, samples=samples, tokens=args.end_to_end_tokens, texts=samples_file,
         copies=True, corpus_orders=0, repeat_weight=1.0, lora_rank=args.lora if end_to_end_steps else 0,
         lora_lr=0.0005, retrieval_heads=0, retrieval_maps=None, train_other_heads=False)
     return LMCompareConfig(model=args.model, text=args.text, heldout=args.heldout, out=args.out,
@@ -145,8 +148,7 @@ class Job:
         check_disk(self.folder, self.model, args.num_features)
         self.train, self.heldout = read_text(args.text, "train"), read_text(args.heldout, "heldout")
         self.plan = saved if saved is not None else self._new_plan()
-        self.config = _config(args, self.plan["fit_steps"], self.plan["end_to_end_steps"],
-                              str(self.folder / "stages" / "samples.json"))
+        self.config = _config(args, self.plan, str(self.folder / "stages" / "samples.json"))
 
     def _options(self) -> dict[str, Any]:
         return {name: getattr(self.args, name) for name in _PLANNED}
@@ -169,13 +171,14 @@ class Job:
     def _new_plan(self) -> dict[str, Any]:
         """The step counts (chosen by --budget, or given), kept in ``stages/plan.json`` for reruns."""
         plan: dict[str, Any] = {"fit_steps": self.args.fit_steps, "end_to_end_steps": self.args.end_to_end_steps,
-                                "estimates": {}}
+                                "end_to_end_samples": self.args.end_to_end_samples, "estimates": {}}
         if self.args.budget is not None:
             from .linearize_budget import calibrate, plan_steps
 
-            config = _config(self.args, self.args.fit_steps, self.args.end_to_end_steps, "")
+            config = _config(self.args, plan, "")
             costs = calibrate(self.model, self.tokenizer, self.name, self.train, self.heldout, config)
-            plan = plan_steps(self.args.budget, costs, end_to_end=self.args.end_to_end_steps > 0)
+            plan = plan_steps(self.args.budget, costs, end_to_end=self.args.end_to_end_steps > 0,
+                              samples=self.args.end_to_end_samples)
         plan["options"] = self._options()
         atomic_write(self.folder / "stages" / "plan.json", json.dumps(plan, indent=2))
         return plan
