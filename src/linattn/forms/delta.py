@@ -17,14 +17,14 @@ Two forms, one definition:
       O = diag(b)·Q·S + (Q Kᵀ ⊙ Γ ⊙ [j ≤ t])·U,      S' = b_C·S + (K ⊙ Γ_Cj)ᵀ·U
 
   The system is solved once per chunk for both right-hand sides (the UT / WY representation: U = W_v − W_k·S with
-  W_v = T·diag(β)V, W_k = T·diag(β·b)K, T = (I + A)⁻¹, by forward substitution): everything but S is local to a
+  W_v = T·diag(β)V, W_k = T·diag(β·b)K, T = (I + A)⁻¹ by one triangular solve): everything but S is local to a
   chunk and computed for all chunks at once; only S' = (b_C·I − (K⊙Γ_C)ᵀW_k)·S + (K⊙Γ_C)ᵀW_v runs chunk after
   chunk, one F×F by F×Dv product each.
 
-  :class:`_DeltaChunks` keeps only the inputs and the state entering each chunk (N/C · F·Dv) for backward, and
-  recomputes the chunk-local tensors there: training memory O(N·(F + Dv) + N·C + (N/C)·F·Dv), never O(N·F·Dv).
-  Its backward runs the adjoint of the same recurrence backwards, dS = X_c + (b_C·I − W_kᵀ(K⊙Γ_C))·dS', then one
-  autograd pass over the recomputed chunk-local graph with the adjoints of every chunk's output and state.
+  :class:`_DeltaChunks` keeps the inputs, the state entering each chunk (N/C · F·Dv), W, U, T and the masked scores
+  for backward: training memory O(N·(F + Dv + C) + (N/C)·F·Dv), never O(N·F·Dv). Its backward runs the adjoint of
+  the same recurrence backwards, dS = X_c + (b_C·I − W_kᵀ(K⊙Γ_C))·dS', then the chunk-local gradients written out
+  for all chunks at once.
 """
 
 from __future__ import annotations
@@ -110,25 +110,31 @@ def _chunked(x: torch.Tensor, size: int) -> torch.Tensor:
 def _chunk_solution(
     kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, gamma: torch.Tensor | None, b: torch.Tensor | None,
     k_decay: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every chunk's local work at once: W = (W_v, W_k) = (I + A)⁻¹·(diag(β)V, diag(β·b)K) (..., nc, C, Dv + F),
-    and the two terms of S' = b_C·S − carry·S + adds: carry = (K⊙Γ_C)ᵀW_k (..., nc, F, F), adds = (K⊙Γ_C)ᵀW_v
-    (..., nc, F, Dv)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every chunk's local work at once: T = (I + A)⁻¹ (..., nc, C, C), W = (W_v, W_k) = T·(diag(β)V, diag(β·b)K)
+    (..., nc, C, Dv + F), and the two terms of S' = b_C·S − carry·S + adds: carry = (K⊙Γ_C)ᵀW_k (..., nc, F, F),
+    adds = (K⊙Γ_C)ᵀW_v (..., nc, F, Dv).
+
+    T is one triangular solve against the identity, then W one product: on CPU a batched triangular solve runs at a
+    fraction of a product's rate per flop, so solving for C columns and multiplying beats solving for F + Dv
+    columns; and the backward's transposed solve becomes one product with Tᵀ."""
     strict = _masks(kc.shape[-2], kc.device)[1]
     system = _scaled((kc @ kc.mT) * bc.unsqueeze(-1), gamma).masked_fill(~strict, 0)  # A
+    eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device)
+    inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
     rows = _scaled(bc, b).unsqueeze(-1)
-    solved = torch.linalg.solve_triangular(system, torch.cat([vc * bc.unsqueeze(-1), kc * rows], dim=-1),
-                                           upper=False, unitriangular=True)
+    solved = inverse @ torch.cat([vc * bc.unsqueeze(-1), kc * rows], dim=-1)
     k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)
     transfer = k_out.mT @ solved  # (K⊙Γ_C)ᵀ·(W_v, W_k), one product
-    return solved, transfer[..., vc.shape[-1]:], transfer[..., :vc.shape[-1]]
+    return solved, transfer[..., vc.shape[-1]:], transfer[..., :vc.shape[-1]], inverse
 
 
 class _DeltaChunks(torch.autograd.Function):
     """The chunkwise delta rule on inputs whose length is a multiple of the chunk.
 
-    Saved for backward: the inputs, the state entering each chunk, and the chunk's solution W = (W_v, W_k) and
-    writes U (O(N·(F + Dv)) in all); the C×C products are recomputed. The backward is written out (no autograd
+    Saved for backward: the inputs, the state entering each chunk, the chunk's solution W = (W_v, W_k) and writes U
+    (O(N·(F + Dv)) in all), and two C×C tensors per chunk (O(N·C)): the inverse T and the masked scores P, which the
+    backward would otherwise recompute (a triangular solve and a product). The backward is written out (no autograd
     graph of the chunk-local work is kept or rebuilt)."""
 
     @staticmethod
@@ -146,8 +152,8 @@ class _DeltaChunks(torch.autograd.Function):
         gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
                                          q.dtype)
         lower, _ = _masks(size, q.device)
-        solved, carry, adds = _chunk_solution(kc, _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma, b,
-                                              k_decay)
+        solved, carry, adds, inverse = _chunk_solution(kc, _chunked(v, size), beta.unflatten(-1, (-1, size)),
+                                                       gamma, b, k_decay)
         w_v, w_k = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
         state = initial if initial is not None else q.new_zeros(*q.shape[:-2], k.shape[-1], v.shape[-1])
         entering = _recur(state, carry, adds, last)
@@ -157,7 +163,7 @@ class _DeltaChunks(torch.autograd.Function):
         scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)  # P
         out = _scaled(qc, b.unsqueeze(-1) if b is not None else None) @ states + scores @ written
         ctx.size, ctx.has_initial = size, initial is not None
-        ctx.save_for_backward(q, k, v, beta, log_decay, states, solved, written)
+        ctx.save_for_backward(q, k, v, beta, log_decay, states, solved, written, inverse, scores)
         return out.flatten(-3, -2), state
 
     @staticmethod
@@ -199,10 +205,12 @@ def chunk_backward(
     sweep: Sweep,
 ) -> tuple[torch.Tensor | None, ...]:
     """The written-out backward of :class:`_DeltaChunks` from what its forward saved (q, k, v, beta, log_decay, the
-    states entering each chunk, W = (W_v, W_k), U): the chunk-local gradients around ``sweep``, the sequential
-    adjoint of the state (:func:`adjoint_sweep`, or a kernel with its signature). Returns dq, dk, dv, dβ, d log-decay
-    (None unless ``want_log``) and ∂L/∂(initial state)."""
-    q, k, v, beta, log_decay, states, solved, written = saved
+    states entering each chunk, W = (W_v, W_k), U, and optionally T = (I + A)⁻¹ and the masked scores P, which are
+    recomputed when absent): the chunk-local gradients around ``sweep``, the sequential adjoint of the state
+    (:func:`adjoint_sweep`, or a kernel with its signature). Returns dq, dk, dv, dβ, d log-decay (None unless
+    ``want_log``) and ∂L/∂(initial state)."""
+    q, k, v, beta, log_decay, states, solved, written, *kept = saved
+    inverse, scores = kept if kept else (None, None)
     assert q is not None and k is not None and v is not None and beta is not None
     assert states is not None and solved is not None and written is not None
     dv = v.shape[-1]
@@ -212,8 +220,8 @@ def chunk_backward(
                                      q.dtype)
     lower, strict = _masks(size, q.device)
     w_k = solved[..., dv:]
-    keys = kc @ kc.mT
-    scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)
+    if scores is None:
+        scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)
     bq = _scaled(qc, b.unsqueeze(-1) if b is not None else None)
     k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)
 
@@ -224,25 +232,32 @@ def chunk_backward(
     d_scores = (d_o @ written.mT).masked_fill_(~lower, 0)  # dP
     d_bq = d_o @ states.mT
     d_kout = written @ d_leaving.mT
-    d_solved = torch.cat([d_written, -(d_written @ states.mT)], dim=-1)  # (dW_v, dW_k)
-    system = _scaled(keys * bc.unsqueeze(-1), gamma).masked_fill_(~strict, 0)
-    d_rhs = torch.linalg.solve_triangular(system.mT, d_solved, upper=True, unitriangular=True)
-    d_system = (d_rhs @ solved.mT).neg_().masked_fill_(~strict, 0)  # dA
-    d_rv, d_rk = d_rhs.split([dv, k.shape[-1]], dim=-1)
+    system = None
+    if inverse is None or (log_decay is not None and want_log):
+        system = _scaled((kc @ kc.mT) * bc.unsqueeze(-1), gamma).masked_fill_(~strict, 0)
+    # W = T·R with U = W_v − W_k·S, so dW = (dU, −dU·Sᵀ) and dR = Tᵀ·dW = (Tᵀ·dU, −(Tᵀ·dU)·Sᵀ): one solve for the Dv
+    # columns of dU only; and dA = −dR·Wᵀ = −(Tᵀ·dU)·(W_v − W_k·S)ᵀ = −(Tᵀ·dU)·Uᵀ
+    if inverse is not None:
+        d_rv = inverse.mT @ d_written
+    else:
+        assert system is not None
+        d_rv = torch.linalg.solve_triangular(system.mT, d_written, upper=True, unitriangular=True)
+    d_rk = -(d_rv @ states.mT)
+    d_system = (d_rv @ written.mT).neg_().masked_fill_(~strict, 0)  # dA
 
     rows = _scaled(bc, b)
     dq = _scaled(d_scores, gamma) @ kc + _scaled(d_bq, b.unsqueeze(-1) if b is not None else None)
-    weighted = _scaled(d_system, gamma)  # dA ⊙ Γ
-    d_keys = weighted * bc.unsqueeze(-1)
-    dk = (rows.unsqueeze(-1) * d_rk + (d_keys + d_keys.mT) @ kc + _scaled(d_scores, gamma).mT @ qc
-          + _scaled(d_kout, k_decay.unsqueeze(-1) if k_decay is not None else None))
+    weighted = _scaled(d_system, gamma)  # dA ⊙ Γ; A_tj = β_t·Γ_tj·k_t·k_j
+    pulled = weighted @ kc  # Σ_j (dA ⊙ Γ)_tj k_j: the keys' row t of dA·K, before β_t
+    dk = (rows.unsqueeze(-1) * d_rk + bc.unsqueeze(-1) * pulled + weighted.mT @ (kc * bc.unsqueeze(-1))
+          + _scaled(d_scores, gamma).mT @ qc + _scaled(d_kout, k_decay.unsqueeze(-1) if k_decay is not None else None))
     d_v = bc.unsqueeze(-1) * d_rv
     d_rows = (kc * d_rk).sum(-1)
-    d_beta = (vc * d_rv).sum(-1) + (weighted * keys).sum(-1) + _scaled(d_rows, b)
+    d_beta = (vc * d_rv).sum(-1) + (kc * pulled).sum(-1) + _scaled(d_rows, b)
 
     d_log = None
     if log_decay is not None and want_log:
-        assert b is not None and last is not None and k_decay is not None
+        assert b is not None and last is not None and k_decay is not None and system is not None
         pairs = (d_system * system + d_scores * scores).to(torch.float64)  # dΓ·Γ
         d_cum = pairs.sum(-1) - pairs.sum(-2)
         d_cum += ((d_rows * bc + (qc * d_bq).sum(-1)) * b).to(torch.float64)  # through b_t
@@ -304,7 +319,7 @@ def delta_transition(
         log_decay = F.pad(log_decay, (0, pad)) if log_decay is not None else None
     gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
                                      kf.dtype)
-    _, carry, adds = _chunk_solution(_chunked(kf, size), _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma,
+    _, carry, adds, _ = _chunk_solution(_chunked(kf, size), _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma,
                                      b, k_decay)
     eye = torch.eye(kf.shape[-1], dtype=kf.dtype, device=kf.device)
     maps = torch.cat([_scaled(eye, last) - carry, adds], dim=-1)  # (..., nc, F, F + Dv): [A_c | B_c]
