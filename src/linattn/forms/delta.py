@@ -86,21 +86,33 @@ def _scaled(x: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
 
 
 def _recur(
-    state: torch.Tensor, carry: torch.Tensor, adds: torch.Tensor, last: torch.Tensor | None
+    state: torch.Tensor, carry: torch.Tensor, adds: torch.Tensor, last: torch.Tensor | None, reverse: bool = False
 ) -> list[torch.Tensor]:
-    """x_{c+1} = last_c·x_c − carry_c·x_c + adds_c over the chunk dimension −3 in order: [x_0, …, x_nc]. The
-    per-chunk operands are laid out chunk-first once, so each step is one batched product on contiguous memory."""
+    """x_{c+1} = (last_c·I − carry_c)·x_c + adds_c over the chunk dimension −3, in order (``reverse``: from the last
+    chunk to the first): [x_0, …, x_nc]. The step matrices last_c·I − carry_c are formed for every chunk at once,
+    laid out chunk-first, so each step is one batched product-and-add on contiguous memory."""
     batch = state.shape[:-2]
-    carry = carry.movedim(-3, 0).reshape(carry.shape[-3], -1, *carry.shape[-2:])
+    eye = torch.eye(carry.shape[-1], dtype=carry.dtype, device=carry.device)
+    if last is not None:
+        eye = last * eye
+    steps = carry.new_empty(carry.shape[-3], *carry.shape[:-3], *carry.shape[-2:])  # chunk-first, contiguous
+    torch.sub(eye if last is None else eye.movedim(-3, 0), carry.movedim(-3, 0), out=steps)
+    steps = steps.view(carry.shape[-3], -1, *carry.shape[-2:])
     adds = adds.movedim(-3, 0).reshape(adds.shape[-3], -1, *adds.shape[-2:])
-    kept = last.movedim(-3, 0).reshape(last.shape[-3], -1, 1, 1) if last is not None else None
     x = state.reshape(-1, *state.shape[-2:])
     out = [state]
-    for c in range(carry.shape[0]):
-        base = adds[c] + (x if kept is None else kept[c] * x)
-        x = torch.baddbmm(base, carry[c], x, alpha=-1)
+    for c in reversed(range(steps.shape[0])) if reverse else range(steps.shape[0]):
+        x = torch.baddbmm(adds[c], steps[c], x)
         out.append(x.view(*batch, *x.shape[-2:]))
     return out
+
+
+def _plus_product(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """base + alpha·(a @ b) in one batched call, over any leading dimensions (shared by the three)."""
+    lead = base.shape[:-2]
+    out = torch.baddbmm(base.reshape(-1, *base.shape[-2:]), a.reshape(-1, *a.shape[-2:]),
+                        b.reshape(-1, *b.shape[-2:]), alpha=alpha)
+    return out.view(*lead, *out.shape[-2:])
 
 
 def _chunked(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -110,31 +122,30 @@ def _chunked(x: torch.Tensor, size: int) -> torch.Tensor:
 def _chunk_solution(
     kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, gamma: torch.Tensor | None, b: torch.Tensor | None,
     k_decay: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every chunk's local work at once: T = (I + A)⁻¹ (..., nc, C, C), W = (W_v, W_k) = T·(diag(β)V, diag(β·b)K)
-    (..., nc, C, Dv + F), and the two terms of S' = b_C·S − carry·S + adds: carry = (K⊙Γ_C)ᵀW_k (..., nc, F, F),
-    adds = (K⊙Γ_C)ᵀW_v (..., nc, F, Dv).
+) -> tuple[torch.Tensor, ...]:
+    """Every chunk's local work at once: W_v = T·diag(β)V (..., nc, C, Dv), W_k = T·diag(β·b)K (..., nc, C, F), the
+    two terms of S' = b_C·S − carry·S + adds: carry = (K⊙Γ_C)ᵀW_k (..., nc, F, F), adds = (K⊙Γ_C)ᵀW_v
+    (..., nc, F, Dv), and T = (I + A)⁻¹ (..., nc, C, C).
 
-    T is one triangular solve against the identity, then W one product: on CPU a batched triangular solve runs at a
+    T is one triangular solve against the identity, then W two products: on CPU a batched triangular solve runs at a
     fraction of a product's rate per flop, so solving for C columns and multiplying beats solving for F + Dv
     columns; and the backward's transposed solve becomes one product with Tᵀ."""
     strict = _masks(kc.shape[-2], kc.device)[1]
     system = _scaled((kc @ kc.mT) * bc.unsqueeze(-1), gamma).masked_fill(~strict, 0)  # A
     eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device)
     inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
-    rows = _scaled(bc, b).unsqueeze(-1)
-    solved = inverse @ torch.cat([vc * bc.unsqueeze(-1), kc * rows], dim=-1)
-    k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)
-    transfer = k_out.mT @ solved  # (K⊙Γ_C)ᵀ·(W_v, W_k), one product
-    return solved, transfer[..., vc.shape[-1]:], transfer[..., :vc.shape[-1]], inverse
+    w_v = inverse @ (vc * bc.unsqueeze(-1))
+    w_k = inverse @ (kc * _scaled(bc, b).unsqueeze(-1))
+    k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None).mT
+    return w_v, w_k, k_out @ w_k, k_out @ w_v, inverse
 
 
 class _DeltaChunks(torch.autograd.Function):
     """The chunkwise delta rule on inputs whose length is a multiple of the chunk.
 
-    Saved for backward: the inputs, the state entering each chunk, the chunk's solution W = (W_v, W_k) and writes U
-    (O(N·(F + Dv)) in all), and two C×C tensors per chunk (O(N·C)): the inverse T and the masked scores P, which the
-    backward would otherwise recompute (a triangular solve and a product). The backward is written out (no autograd
+    Saved for backward: the inputs, the state entering each chunk, W_k and the writes U (O(N·(F + Dv)) in all), and
+    two C×C tensors per chunk (O(N·C)): the inverse T and the masked scores P, which the backward would otherwise
+    recompute (a triangular solve and a product). The backward is written out (no autograd
     graph of the chunk-local work is kept or rebuilt)."""
 
     @staticmethod
@@ -152,18 +163,17 @@ class _DeltaChunks(torch.autograd.Function):
         gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
                                          q.dtype)
         lower, _ = _masks(size, q.device)
-        solved, carry, adds, inverse = _chunk_solution(kc, _chunked(v, size), beta.unflatten(-1, (-1, size)),
-                                                       gamma, b, k_decay)
-        w_v, w_k = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+        w_v, w_k, carry, adds, inverse = _chunk_solution(kc, _chunked(v, size), beta.unflatten(-1, (-1, size)),
+                                                         gamma, b, k_decay)
         state = initial if initial is not None else q.new_zeros(*q.shape[:-2], k.shape[-1], v.shape[-1])
         entering = _recur(state, carry, adds, last)
         state = entering.pop()
         states = torch.stack(entering, dim=-3)  # the state entering each chunk, (..., nc, F, Dv)
-        written = w_v - w_k @ states  # U
+        written = _plus_product(w_v, w_k, states, alpha=-1)  # U
         scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)  # P
-        out = _scaled(qc, b.unsqueeze(-1) if b is not None else None) @ states + scores @ written
+        out = _plus_product(_scaled(qc, b.unsqueeze(-1) if b is not None else None) @ states, scores, written)
         ctx.size, ctx.has_initial = size, initial is not None
-        ctx.save_for_backward(q, k, v, beta, log_decay, states, solved, written, inverse, scores)
+        ctx.save_for_backward(q, k, v, beta, log_decay, states, w_k, written, inverse, scores)
         return out.flatten(-3, -2), state
 
     @staticmethod
@@ -189,8 +199,7 @@ def adjoint_sweep(
     b_C·dS'. Chunked inputs (..., nc, C, ·) as :func:`chunk_backward` forms them; returns the adjoint of the state
     leaving each chunk (..., nc, F, Dv) and the one entering the first (..., F, Dv)."""
     direct = bq.mT @ d_o - w_k.mT @ p_do  # (..., nc, F, Dv)
-    leaving = _recur(d_final, (w_k.mT @ k_out).flip(-3), direct.flip(-3), last.flip(-3) if last is not None
-                     else None)
+    leaving = _recur(d_final, w_k.mT @ k_out, direct, last, reverse=True)
     d_state = leaving.pop()
     return torch.stack(leaving[::-1], dim=-3), d_state
 
@@ -205,21 +214,19 @@ def chunk_backward(
     sweep: Sweep,
 ) -> tuple[torch.Tensor | None, ...]:
     """The written-out backward of :class:`_DeltaChunks` from what its forward saved (q, k, v, beta, log_decay, the
-    states entering each chunk, W = (W_v, W_k), U, and optionally T = (I + A)⁻¹ and the masked scores P, which are
+    states entering each chunk, W_k, U, and optionally T = (I + A)⁻¹ and the masked scores P, which are
     recomputed when absent): the chunk-local gradients around ``sweep``, the sequential adjoint of the state
     (:func:`adjoint_sweep`, or a kernel with its signature). Returns dq, dk, dv, dβ, d log-decay (None unless
     ``want_log``) and ∂L/∂(initial state)."""
-    q, k, v, beta, log_decay, states, solved, written, *kept = saved
+    q, k, v, beta, log_decay, states, w_k, written, *kept = saved
     inverse, scores = kept if kept else (None, None)
     assert q is not None and k is not None and v is not None and beta is not None
-    assert states is not None and solved is not None and written is not None
-    dv = v.shape[-1]
+    assert states is not None and w_k is not None and written is not None
     qc, kc, vc, d_o = _chunked(q, size), _chunked(k, size), _chunked(v, size), _chunked(d_out, size)
     bc = beta.unflatten(-1, (-1, size))
     gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
                                      q.dtype)
     lower, strict = _masks(size, q.device)
-    w_k = solved[..., dv:]
     if scores is None:
         scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)
     bq = _scaled(qc, b.unsqueeze(-1) if b is not None else None)
@@ -319,7 +326,7 @@ def delta_transition(
         log_decay = F.pad(log_decay, (0, pad)) if log_decay is not None else None
     gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
                                      kf.dtype)
-    _, carry, adds, _ = _chunk_solution(_chunked(kf, size), _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma,
+    _, _, carry, adds, _ = _chunk_solution(_chunked(kf, size), _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma,
                                      b, k_decay)
     eye = torch.eye(kf.shape[-1], dtype=kf.dtype, device=kf.device)
     maps = torch.cat([_scaled(eye, last) - carry, adds], dim=-1)  # (..., nc, F, F + Dv): [A_c | B_c]

@@ -107,8 +107,8 @@ class TritonDeltaFunction(torch.autograd.Function):
         *inputs, states, solved, written = ctx.saved_tensors
         rows, n, values = inputs[2].shape
         features = inputs[0].shape[-1]
-        # W and U as the torch form keeps them: (R, nc, C, ·)
-        saved = (*inputs, states, solved.unflatten(1, (-1, size)), written.unflatten(1, (-1, size)))
+        # W_k and U as the torch form keeps them: (R, nc, C, ·)
+        saved = (*inputs, states, solved.unflatten(1, (-1, size))[..., values:], written.unflatten(1, (-1, size)))
         d_out = d_out.reshape(rows, n, values).float()
         d_final = d_final.reshape(rows, features, values).float()
         dq, dk, dv, d_beta, d_log, d_initial = chunk_backward(
