@@ -8,7 +8,8 @@ perplexity, the repeated passage's perplexity, passkey retrieval (hits of ``--pa
 with a 95 % Wilson interval). No weights change: the cache is added to the fitted model as it is.
 
 Rows are written to ``--out`` (JSON) as they finish; a rerun skips the rows already there (an interrupted run
-loses at most the row in progress).
+loses at most the row in progress). The file records the SHA-256 of the folder's maps: a rerun on other maps (a
+folder written again) is refused rather than mixed with rows measured on the earlier ones.
 
     .venv/bin/python benchmarks/sparse_cache_lm.py DIR [--size 128] [--scores recall attention]
         [--passkey-trials 20] [--repeat-trials 8] [--out docs/results/sparse_cache_smollm2.json]
@@ -17,6 +18,7 @@ loses at most the row in progress).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -76,11 +78,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     folder, out = Path(args.folder), Path(args.out)
     done: dict[str, Any] = json.loads(out.read_text(encoding="utf-8")) if out.is_file() else {}
+    maps = hashlib.sha256((folder / read_index(folder)["maps"]["file"]).read_bytes()).hexdigest()
+    if done.get("setting", {}).get("maps_sha256", maps) != maps:
+        raise SystemExit(f"{out} holds rows measured with other maps (SHA-256 {done['setting']['maps_sha256'][:12]}…, "
+                         f"{folder}'s are {maps[:12]}…); pass another --out")
     model, tokenizer = load_linearized(folder)
     heldout = read_text(None, "heldout")
     probes = ProbeOptions(passage_tokens=128, gap_tokens=512, repeat_trials=args.repeat_trials,
                           passkey_lengths=tuple(args.passkey_lengths), passkey_trials=args.passkey_trials)
-    done.setdefault("setting", {"folder": os.fspath(folder), "size": args.size, "threads": torch.get_num_threads(),
+    done.setdefault("setting", {"folder": os.fspath(folder), "maps_sha256": maps, "size": args.size,
+                                "threads": torch.get_num_threads(),
                                 "passkey_trials": args.passkey_trials, "repeat_trials": args.repeat_trials,
                                 "passage_tokens": 128, "gap_tokens": 512,
                                 "heldout": "the shipped corpus's held-out part"})
