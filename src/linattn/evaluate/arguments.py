@@ -125,7 +125,8 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
     add("text", nargs="?", default=None, help="training text file (default: the shipped corpus)")
     add("--out", required=True, help="the folder to write (stages, maps, results, card); a rerun continues it")
     add("--budget", type=float, default=None, help="minutes: time a few steps of each stage, then choose the step "
-        "counts that fit (replaces --fit-steps and --end-to-end-steps)")
+        "counts that fit (replaces --fit-steps and --end-to-end-steps) and as many samples as those steps use (up "
+        "to --end-to-end-samples)")
     add("--heldout", default=None, help="held-out text file for the measuring stage (default: the shipped corpus)")
     add("--window", type=int, default=LM_WINDOW, help="softmax window beside the linear part")
     add("--sinks", type=int, default=LM_SINKS, help="sink tokens (the first tokens, always attended)")
