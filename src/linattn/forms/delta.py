@@ -29,6 +29,7 @@ Two forms, one definition:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -107,16 +108,41 @@ def _recur(
     return out
 
 
-def _plus_product(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """base + alpha·(a @ b) in one batched call, over any leading dimensions (shared by the three)."""
-    lead = base.shape[:-2]
-    out = torch.baddbmm(base.reshape(-1, *base.shape[-2:]), a.reshape(-1, *a.shape[-2:]),
-                        b.reshape(-1, *b.shape[-2:]), alpha=alpha)
-    return out.view(*lead, *out.shape[-2:])
+def _add_product_(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """base += alpha·(a @ b) in place, in one batched call over any leading dimensions (shared by the three; base
+    contiguous and not needed as it was). Returns base."""
+    base.view(-1, *base.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), alpha=alpha)
+    return base
 
 
 def _chunked(x: torch.Tensor, size: int) -> torch.Tensor:
     return x.unflatten(-2, (x.shape[-2] // size, size))
+
+
+TILE_BYTES = 1 << 21  # a tile's C×C tensors: small enough to stay in cache and to be reused by the allocator
+
+
+def _by_tiles(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Tensor | None], lead: int
+              ) -> tuple[torch.Tensor, ...]:
+    """``fn`` over tiles of chunks: every input (…, nc, ·) has ``lead`` dimensions up to and including the chunks',
+    flattened into one; ``fn`` takes a tile of each (None stays None) and returns tensors with the tile first, which
+    are gathered into (…, nc, ·) outputs allocated once.
+
+    Chunk-local work is independent from chunk to chunk. Done for all chunks at once, every step of it would make a
+    tensor as large as the input (each streamed through memory, and freshly allocated: above glibc's 32 MiB mmap
+    threshold, a fresh allocation is page-faulted anew each time); done by tiles, the intermediates stay in cache."""
+    first = next(x for x in inputs if x is not None)
+    shape, total = first.shape[:lead], math.prod(first.shape[:lead])
+    flat = [x.reshape(total, *x.shape[lead:]) if x is not None else None for x in inputs]
+    per = max(1, TILE_BYTES // (first.element_size() * first.shape[-1] * first.shape[-2]))
+    outputs: list[torch.Tensor] = []
+    for begin in range(0, total, per):
+        part = fn(*(x[begin : begin + per] if x is not None else None for x in flat))
+        if not outputs:
+            outputs = [y.new_empty(total, *y.shape[1:]) for y in part]
+        for out, y in zip(outputs, part, strict=True):
+            out[begin : begin + per] = y
+    return tuple(out.view(*shape, *out.shape[1:]) for out in outputs)
 
 
 def _chunk_solution(
@@ -163,15 +189,22 @@ class _DeltaChunks(torch.autograd.Function):
         gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
                                          q.dtype)
         lower, _ = _masks(size, q.device)
-        w_v, w_k, carry, adds, inverse = _chunk_solution(kc, _chunked(v, size), beta.unflatten(-1, (-1, size)),
-                                                         gamma, b, k_decay)
+        lead = q.dim() - 1  # the batch dimensions and the chunks'
+        w_v, w_k, carry, adds, inverse = _by_tiles(
+            _chunk_solution, [kc, _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma, b, k_decay], lead)
         state = initial if initial is not None else q.new_zeros(*q.shape[:-2], k.shape[-1], v.shape[-1])
         entering = _recur(state, carry, adds, last)
         state = entering.pop()
         states = torch.stack(entering, dim=-3)  # the state entering each chunk, (..., nc, F, Dv)
-        written = _plus_product(w_v, w_k, states, alpha=-1)  # U
-        scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)  # P
-        out = _plus_product(_scaled(qc, b.unsqueeze(-1) if b is not None else None) @ states, scores, written)
+
+        def outputs(qc: torch.Tensor, kc: torch.Tensor, w_v: torch.Tensor, w_k: torch.Tensor, states: torch.Tensor,
+                    gamma: torch.Tensor | None, b: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+            written = _add_product_(w_v, w_k, states, alpha=-1)  # U, in W_v's place (not needed after)
+            scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)  # P
+            out = _add_product_(_scaled(qc, b.unsqueeze(-1) if b is not None else None) @ states, scores, written)
+            return written, scores, out
+
+        written, scores, out = _by_tiles(outputs, [qc, kc, w_v, w_k, states, gamma, b], lead)
         ctx.size, ctx.has_initial = size, initial is not None
         ctx.save_for_backward(q, k, v, beta, log_decay, states, w_k, written, inverse, scores)
         return out.flatten(-3, -2), state
@@ -235,43 +268,61 @@ def chunk_backward(
     p_do = scores.mT @ d_o
     d_leaving, d_state = sweep(bq, k_out, w_k, p_do, d_o, last, d_final)  # the adjoint of each chunk's output state
 
-    d_written = p_do + k_out @ d_leaving  # dU
-    d_scores = (d_o @ written.mT).masked_fill_(~lower, 0)  # dP
-    d_bq = d_o @ states.mT
-    d_kout = written @ d_leaving.mT
-    system = None
-    if inverse is None or (log_decay is not None and want_log):
-        system = _scaled((kc @ kc.mT) * bc.unsqueeze(-1), gamma).masked_fill_(~strict, 0)
-    # W = T·R with U = W_v − W_k·S, so dW = (dU, −dU·Sᵀ) and dR = Tᵀ·dW = (Tᵀ·dU, −(Tᵀ·dU)·Sᵀ): one solve for the Dv
-    # columns of dU only; and dA = −dR·Wᵀ = −(Tᵀ·dU)·(W_v − W_k·S)ᵀ = −(Tᵀ·dU)·Uᵀ
-    if inverse is not None:
-        d_rv = inverse.mT @ d_written
-    else:
-        assert system is not None
-        d_rv = torch.linalg.solve_triangular(system.mT, d_written, upper=True, unitriangular=True)
-    d_rk = -(d_rv @ states.mT)
-    d_system = (d_rv @ written.mT).neg_().masked_fill_(~strict, 0)  # dA
+    want = log_decay is not None and want_log
 
-    rows = _scaled(bc, b)
-    dq = _scaled(d_scores, gamma) @ kc + _scaled(d_bq, b.unsqueeze(-1) if b is not None else None)
-    weighted = _scaled(d_system, gamma)  # dA ⊙ Γ; A_tj = β_t·Γ_tj·k_t·k_j
-    pulled = weighted @ kc  # Σ_j (dA ⊙ Γ)_tj k_j: the keys' row t of dA·K, before β_t
-    dk = (rows.unsqueeze(-1) * d_rk + bc.unsqueeze(-1) * pulled + weighted.mT @ (kc * bc.unsqueeze(-1))
-          + _scaled(d_scores, gamma).mT @ qc + _scaled(d_kout, k_decay.unsqueeze(-1) if k_decay is not None else None))
-    d_v = bc.unsqueeze(-1) * d_rv
-    d_rows = (kc * d_rk).sum(-1)
-    d_beta = (vc * d_rv).sum(-1) + (kc * pulled).sum(-1) + _scaled(d_rows, b)
+    def local(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, d_o: torch.Tensor,
+              states: torch.Tensor, written: torch.Tensor, p_do: torch.Tensor, d_leaving: torch.Tensor,
+              k_out: torch.Tensor, scores: torch.Tensor, inverse: torch.Tensor | None, gamma: torch.Tensor | None,
+              b: torch.Tensor | None, k_decay: torch.Tensor | None, last: torch.Tensor | None
+              ) -> tuple[torch.Tensor, ...]:
+        """The chunk-local gradients of a tile of chunks, from the adjoints of their output states."""
+        d_written = _add_product_(p_do, k_out, d_leaving)  # dU (PᵀdO is not needed after the sweep)
+        d_scores = (d_o @ written.mT).masked_fill_(~lower, 0)  # dP
+        d_bq = d_o @ states.mT
+        d_kout = written @ d_leaving.mT
+        system = None
+        if inverse is None or want:
+            system = _scaled((kc @ kc.mT) * bc.unsqueeze(-1), gamma).masked_fill_(~strict, 0)
+        # W = T·R with U = W_v − W_k·S, so dW = (dU, −dU·Sᵀ) and dR = Tᵀ·dW = (Tᵀ·dU, −(Tᵀ·dU)·Sᵀ): one solve for
+        # the Dv columns of dU only; and dA = −dR·Wᵀ = −(Tᵀ·dU)·(W_v − W_k·S)ᵀ = −(Tᵀ·dU)·Uᵀ
+        if inverse is not None:
+            d_rv = inverse.mT @ d_written
+        else:
+            assert system is not None
+            d_rv = torch.linalg.solve_triangular(system.mT, d_written, upper=True, unitriangular=True)
+        d_rk = (d_rv @ states.mT).neg_()
+        d_system = (d_rv @ written.mT).neg_().masked_fill_(~strict, 0)  # dA
 
-    d_log = None
-    if log_decay is not None and want_log:
-        assert b is not None and last is not None and k_decay is not None and system is not None
-        pairs = (d_system * system + d_scores * scores).to(torch.float64)  # dΓ·Γ
-        d_cum = pairs.sum(-1) - pairs.sum(-2)
-        d_cum += ((d_rows * bc + (qc * d_bq).sum(-1)) * b).to(torch.float64)  # through b_t
-        out_decay = ((kc * d_kout).sum(-1) * k_decay).to(torch.float64)  # through e^{G_C − G_j}
-        d_cum -= out_decay
-        d_cum[..., -1] += out_decay.sum(-1) + ((states * d_leaving).sum((-2, -1)) * last[..., 0, 0]).double()
-        d_log = torch.flip(torch.cumsum(torch.flip(d_cum, [-1]), dim=-1), [-1]).flatten(-2)  # G = cumsum(g)
+        rows = _scaled(bc, b)
+        gated_scores = _scaled(d_scores, gamma)  # dP ⊙ Γ
+        # d_bq and d_kout are read again below only with a decay, when _scaled has made new tensors: in place is safe
+        dq = _add_product_(_scaled(d_bq, b.unsqueeze(-1) if b is not None else None), gated_scores, kc)
+        weighted = _scaled(d_system, gamma)  # dA ⊙ Γ; A_tj = β_t·Γ_tj·k_t·k_j
+        pulled = weighted @ kc  # Σ_j (dA ⊙ Γ)_tj k_j: the keys' row t of dA·K, before β_t
+        dk = _add_product_(_scaled(d_kout, k_decay.unsqueeze(-1) if k_decay is not None else None), gated_scores.mT,
+                           qc)
+        dk = _add_product_(dk, weighted.mT, kc * bc.unsqueeze(-1))
+        dk.addcmul_(rows.unsqueeze(-1), d_rk).addcmul_(bc.unsqueeze(-1), pulled)
+        d_v = bc.unsqueeze(-1) * d_rv
+        d_rows = (kc * d_rk).sum(-1)
+        d_beta = (vc * d_rv).sum(-1) + (kc * pulled).sum(-1) + _scaled(d_rows, b)
+
+        if want:
+            assert b is not None and last is not None and k_decay is not None and system is not None
+            pairs = (d_system * system + d_scores * scores).to(torch.float64)  # dΓ·Γ
+            d_cum = pairs.sum(-1) - pairs.sum(-2)
+            d_cum += ((d_rows * bc + (qc * d_bq).sum(-1)) * b).to(torch.float64)  # through b_t
+            out_decay = ((kc * d_kout).sum(-1) * k_decay).to(torch.float64)  # through e^{G_C − G_j}
+            d_cum -= out_decay
+            d_cum[..., -1] += out_decay.sum(-1) + ((states * d_leaving).sum((-2, -1)) * last[..., 0, 0]).double()
+            d_log = torch.flip(torch.cumsum(torch.flip(d_cum, [-1]), dim=-1), [-1])  # G = cumsum(g)
+            return dq, dk, d_v, d_beta, d_log
+        return dq, dk, d_v, d_beta
+
+    grads = _by_tiles(local, [qc, kc, vc, bc, d_o, states, written, p_do, d_leaving, k_out, scores, inverse, gamma, b,
+                              k_decay, last], q.dim() - 1)
+    dq, dk, d_v, d_beta = grads[:4]
+    d_log = grads[4].flatten(-2) if want else None
     return dq.flatten(-3, -2), dk.flatten(-3, -2), d_v.flatten(-3, -2), d_beta.flatten(-2), d_log, d_state
 
 
