@@ -144,15 +144,17 @@ def _sample_counts(most: int) -> list[int]:
     return [count for count in counts if count > HELD_OUT_SAMPLES]
 
 
-def _steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int) -> tuple[float, int, int]:
-    """The fixed seconds and the fitting and end-to-end steps that fit, with ``samples`` samples."""
+def _steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int
+           ) -> tuple[float, float, int, int]:
+    """The fixed seconds, the sampling's share of them, and the fitting and end-to-end steps that fit, with
+    ``samples`` samples."""
     sampling = costs["sampling_batch"] * math.ceil(samples / SAMPLING_BATCH) if end_to_end else 0.0
     fixed = costs["calibration"] + costs["fit_fixed"] + costs["measure"] + sampling
     left = budget_minutes * 60 * SAFETY - fixed
     share = FIT_SHARE if end_to_end else 1.0
     fit_steps = min(int(left * share / costs["fit_step"]), MAX_STEPS) if left > 0 else 0
     e2e_steps = min(int(left * (1 - share) / costs["end_to_end_step"]), MAX_STEPS) if end_to_end and left > 0 else 0
-    return fixed, fit_steps, e2e_steps
+    return fixed, sampling, fit_steps, e2e_steps
 
 
 def plan_steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int = 32) -> dict[str, Any]:
@@ -162,14 +164,12 @@ def plan_steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool,
     counts = _sample_counts(samples) if end_to_end else [0]
     if not counts:
         raise LinearAttentionError(f"--end-to-end-samples: need more than {HELD_OUT_SAMPLES}, got {samples}")
-    chosen = counts[-1]
-    for count in counts:  # the fewest samples that give every end-to-end step its own sequence
-        if training_sequences_of(count) >= _steps(budget_minutes, costs, end_to_end, count)[2]:
-            chosen = count
-            break
-    fixed, fit_steps, e2e_steps = _steps(budget_minutes, costs, end_to_end, chosen)
+    plans = [(count, _steps(budget_minutes, costs, end_to_end, count)) for count in counts]
+    # the fewest samples that give every end-to-end step its own sequence, else as many as allowed
+    chosen, (fixed, sampling, fit_steps, e2e_steps) = next(
+        (plan for plan in plans if training_sequences_of(plan[0]) >= plan[1][3]), plans[-1])
+    share = FIT_SHARE if end_to_end else 1.0
     if fit_steps < MIN_FIT_STEPS or (end_to_end and e2e_steps < MIN_END_TO_END_STEPS):
-        share = FIT_SHARE if end_to_end else 1.0
         least = fixed + MIN_FIT_STEPS * costs["fit_step"] / share
         if end_to_end:
             least = max(least, fixed + MIN_END_TO_END_STEPS * costs["end_to_end_step"] / (1 - share))
@@ -181,7 +181,6 @@ def plan_steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool,
             "more"
             + ("" if not end_to_end else ", or --end-to-end-steps 0 to skip that stage")
         )
-    sampling = costs["sampling_batch"] * math.ceil(chosen / SAMPLING_BATCH) if end_to_end else 0.0
     estimates = {"fit": costs["fit_fixed"] + fit_steps * costs["fit_step"],
                  "end_to_end": (sampling + e2e_steps * costs["end_to_end_step"]) if end_to_end else 0.0,
                  "measure": costs["measure"]}
