@@ -18,13 +18,13 @@ Two forms, one definition:
 
   The system is solved once per chunk for both right-hand sides (the UT / WY representation: U = W_v − W_k·S with
   W_v = T·diag(β)V, W_k = T·diag(β·b)K, T = (I + A)⁻¹ by one triangular solve): everything but S is local to a
-  chunk and computed for all chunks at once; only S' = (b_C·I − (K⊙Γ_C)ᵀW_k)·S + (K⊙Γ_C)ᵀW_v runs chunk after
+  chunk and computed for tiles of chunks at once; only S' = (b_C·I − (K⊙Γ_C)ᵀW_k)·S + (K⊙Γ_C)ᵀW_v runs chunk after
   chunk, one F×F by F×Dv product each.
 
-  :class:`_DeltaChunks` keeps the inputs, the state entering each chunk (N/C · F·Dv), W, U, T and the masked scores
-  for backward: training memory O(N·(F + Dv + C) + (N/C)·F·Dv), never O(N·F·Dv). Its backward runs the adjoint of
-  the same recurrence backwards, dS = X_c + (b_C·I − W_kᵀ(K⊙Γ_C))·dS', then the chunk-local gradients written out
-  for all chunks at once.
+  :class:`_DeltaChunks` keeps the inputs, the state entering each chunk (N/C · F·Dv), W_k, U, T and the masked
+  scores for backward: training memory O(N·(F + Dv + C) + (N/C)·F·Dv), never O(N·F·Dv). Its backward runs the
+  adjoint of the same recurrence backwards, dS = X_c + (b_C·I − W_kᵀ(K⊙Γ_C))·dS', then the chunk-local gradients
+  written out, tile by tile.
 """
 
 from __future__ import annotations
@@ -93,11 +93,9 @@ def _recur(
     chunk to the first): [x_0, …, x_nc]. The step matrices last_c·I − carry_c are formed for every chunk at once,
     laid out chunk-first, so each step is one batched product-and-add on contiguous memory."""
     batch = state.shape[:-2]
-    eye = torch.eye(carry.shape[-1], dtype=carry.dtype, device=carry.device)
-    if last is not None:
-        eye = last * eye
+    kept = _scaled(torch.eye(carry.shape[-1], dtype=carry.dtype, device=carry.device), last)  # last_c·I
     steps = carry.new_empty(carry.shape[-3], *carry.shape[:-3], *carry.shape[-2:])  # chunk-first, contiguous
-    torch.sub(eye if last is None else eye.movedim(-3, 0), carry.movedim(-3, 0), out=steps)
+    torch.sub(kept if last is None else kept.movedim(-3, 0), carry.movedim(-3, 0), out=steps)
     steps = steps.view(carry.shape[-3], -1, *carry.shape[-2:])
     adds = adds.movedim(-3, 0).reshape(adds.shape[-3], -1, *adds.shape[-2:])
     x = state.reshape(-1, *state.shape[-2:])
@@ -171,8 +169,8 @@ class _DeltaChunks(torch.autograd.Function):
 
     Saved for backward: the inputs, the state entering each chunk, W_k and the writes U (O(N·(F + Dv)) in all), and
     two C×C tensors per chunk (O(N·C)): the inverse T and the masked scores P, which the backward would otherwise
-    recompute (a triangular solve and a product). The backward is written out (no autograd
-    graph of the chunk-local work is kept or rebuilt)."""
+    recompute (a triangular solve and a product). The backward is written out (no autograd graph of the chunk-local
+    work is kept or rebuilt)."""
 
     @staticmethod
     def forward(
@@ -199,12 +197,13 @@ class _DeltaChunks(torch.autograd.Function):
 
         def outputs(qc: torch.Tensor, kc: torch.Tensor, w_v: torch.Tensor, w_k: torch.Tensor, states: torch.Tensor,
                     gamma: torch.Tensor | None, b: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-            written = _add_product_(w_v, w_k, states, alpha=-1)  # U, in W_v's place (not needed after)
+            written = _add_product_(w_v, w_k, states, alpha=-1)  # U, written over the tile of W_v
             scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)  # P
             out = _add_product_(_scaled(qc, b.unsqueeze(-1) if b is not None else None) @ states, scores, written)
-            return written, scores, out
+            return scores, out
 
-        written, scores, out = _by_tiles(outputs, [qc, kc, w_v, w_k, states, gamma, b], lead)
+        scores, out = _by_tiles(outputs, [qc, kc, w_v, w_k, states, gamma, b], lead)
+        written = w_v  # each tile of W_v now holds U (W_v is not needed after)
         ctx.size, ctx.has_initial = size, initial is not None
         ctx.save_for_backward(q, k, v, beta, log_decay, states, w_k, written, inverse, scores)
         return out.flatten(-3, -2), state
@@ -377,8 +376,8 @@ def delta_transition(
         log_decay = F.pad(log_decay, (0, pad)) if log_decay is not None else None
     gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
                                      kf.dtype)
-    _, _, carry, adds, _ = _chunk_solution(_chunked(kf, size), _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma,
-                                     b, k_decay)
+    _, _, carry, adds, _ = _chunk_solution(_chunked(kf, size), _chunked(v, size), beta.unflatten(-1, (-1, size)),
+                                           gamma, b, k_decay)
     eye = torch.eye(kf.shape[-1], dtype=kf.dtype, device=kf.device)
     maps = torch.cat([_scaled(eye, last) - carry, adds], dim=-1)  # (..., nc, F, F + Dv): [A_c | B_c]
     features = kf.shape[-1]
