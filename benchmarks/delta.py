@@ -4,7 +4,8 @@ the inverse built row by row, autograd through it), all in the same rounds; and 
 
 Every variant runs once per round, in turn, so a change of machine load hits all alike; the figure is the median
 over rounds, the ratio is to the additive path with the same (identity) map, unnormalised — the closest additive
-computation — and to the library's default additive call (elu + 1, normalised). Memory: the peak of live
+computation (for the gated delta rule: the additive path with the same gate) — and to the library's default
+additive call (elu + 1, normalised). Memory: the peak of live
 allocations during forward+backward as a multiple of the bytes of q, k, v and the output.
 
     .venv/bin/python benchmarks/delta.py [--n 16384] [--heads 8] [--dim 64] [--rounds 5] [--threads 2]
@@ -45,6 +46,7 @@ def linattn_variants(chunk: int) -> dict[str, Callable[[Inputs], torch.Tensor]]:
     return {
         "add elu": lambda x: call(x),
         "add id": lambda x: call(x, feature_map="identity", normalize=False),
+        "add id gated": lambda x: call(x, feature_map="identity", normalize=False, log_gate=x["log_gate"]),
         "delta": lambda x: call(x, feature_map="identity", update="delta", beta=x["beta"], chunk_size=chunk),
         "gated delta": lambda x: call(x, feature_map="identity", update="delta", beta=x["beta"],
                                       log_gate=x["log_gate"], chunk_size=chunk),
@@ -87,7 +89,7 @@ def timing(n: int, heads: int, dim: int, rounds: int, chunk: int) -> None:
     variants = linattn_variants(chunk) | textbook_variants(chunk)
     x = make_inputs(n, heads, dim)
     names = list(variants)
-    print(f"{'pass':<8}" + "".join(f"{name + ' ms':>17}" for name in names))
+    print(f"{'pass':<16}" + "".join(f"{name + ' ms':>20}" for name in names))
     for training in (False, True):
         times: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(rounds + 1):  # the first round warms up
@@ -97,9 +99,9 @@ def timing(n: int, heads: int, dim: int, rounds: int, chunk: int) -> None:
                 run(variants[name], inputs, training)
                 times[name].append(time.perf_counter() - start)
         ms = {name: statistics.median(times[name][1:]) * 1e3 for name in names}
-        print(f"{'fwd+bwd' if training else 'forward':<8}" + "".join(f"{ms[name]:>17.1f}" for name in names))
-        for base in ("add id", "add elu"):
-            print(f"  × {base:<5}" + "".join(f"{ms[name] / ms[base]:>17.2f}" for name in names))
+        print(f"{'fwd+bwd' if training else 'forward':<16}" + "".join(f"{ms[name]:>20.1f}" for name in names))
+        for base in ("add id", "add id gated", "add elu"):
+            print(f"  × {base:<12}" + "".join(f"{ms[name] / ms[base]:>20.2f}" for name in names))
         for name, textbook in (("delta", "textbook delta"), ("gated delta", "textbook gated")):
             if textbook in ms:
                 print(f"  {name}: {ms[textbook] / ms[name]:.1f}× faster than the textbook chunkwise form")

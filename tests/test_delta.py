@@ -157,6 +157,29 @@ def test_gradients_by_gradcheck():
     assert torch.autograd.gradcheck(run, (q, k, v, beta, log_decay, s0))
 
 
+def test_unit_features_differentiate_as_torch_normalize():
+    """The feature stage's unit rows (a written-out backward, its dy·y by blocks of rows) against
+    torch.nn.functional.normalize's autograd, float64, over more rows than one block and with all-zero rows (which
+    stay 0): values and gradients to rounding; second derivatives by gradgradcheck."""
+    from linattn.features import UNIT_BLOCK_ROWS, unit_rows
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, UNIT_BLOCK_ROWS // 2 + 7, 6, generator=g, dtype=torch.float64)
+    x[0, 3] = 0
+    x[2, -1] = 0
+    upstream = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    grads = []
+    for fn in (unit_rows, lambda t: F.normalize(t, dim=-1)):
+        leaf = x.clone().requires_grad_()
+        out = fn(leaf)
+        grads.append((out.detach(), torch.autograd.grad(out, leaf, upstream)[0]))
+    (ours, d_ours), (torch_values, d_torch) = grads
+    assert rel_error(ours, torch_values) < 1e-14 and rel_error(d_ours, d_torch) < 1e-12
+    assert ours[0, 3].abs().max() == 0
+    small = x[:1, :5].clone().requires_grad_()
+    assert torch.autograd.gradgradcheck(unit_rows, (small,))
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_chunked_gradients_equal_the_recurrent_forms(gated):
     q, k, v, beta, log_decay = (x.clone().requires_grad_() for x in inputs(n=70))

@@ -17,14 +17,14 @@ Two forms, one definition:
       O = diag(b)·Q·S + (Q Kᵀ ⊙ Γ ⊙ [j ≤ t])·U,      S' = b_C·S + (K ⊙ Γ_Cj)ᵀ·U
 
   The system is solved once per chunk for both right-hand sides (the UT / WY representation: U = W_v − W_k·S with
-  W_v = T·diag(β)V, W_k = T·diag(β·b)K, T = (I + A)⁻¹ by one triangular solve): everything but S is local to a
-  chunk and computed for tiles of chunks at once; only S' = (b_C·I − (K⊙Γ_C)ᵀW_k)·S + (K⊙Γ_C)ᵀW_v runs chunk after
-  chunk, one F×F by F×Dv product each.
+  W_v = T·diag(β)V, W_k = T·diag(β·b)K, T = (I + A)⁻¹ by one triangular solve): W, T, P and the outputs are local
+  to a chunk and computed for tiles of chunks at once; only U = W_v − W_k·S and S' = b_C·S + (K⊙Γ_C)ᵀU run chunk
+  after chunk, two C×F by F×Dv-sized products each.
 
   :class:`_DeltaChunks` keeps the inputs, the state entering each chunk (N/C · F·Dv), W_k, U, T and the masked
   scores for backward: training memory O(N·(F + Dv + C) + (N/C)·F·Dv), never O(N·F·Dv). Its backward runs the
-  adjoint of the same recurrence backwards, dS = X_c + (b_C·I − W_kᵀ(K⊙Γ_C))·dS', then the chunk-local gradients
-  written out, tile by tile.
+  adjoint of the same recurrence backwards, dU = PᵀdO + (K⊙Γ_C)·dS', dS = (bQ)ᵀdO + b_C·dS' − W_kᵀdU, then the
+  chunk-local gradients written out, tile by tile.
 """
 
 from __future__ import annotations
@@ -86,26 +86,6 @@ def _scaled(x: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
     return x if factor is None else x * factor
 
 
-def _recur(
-    state: torch.Tensor, carry: torch.Tensor, adds: torch.Tensor, last: torch.Tensor | None, reverse: bool = False
-) -> list[torch.Tensor]:
-    """x_{c+1} = (last_c·I − carry_c)·x_c + adds_c over the chunk dimension −3, in order (``reverse``: from the last
-    chunk to the first): [x_0, …, x_nc]. The step matrices last_c·I − carry_c are formed for every chunk at once,
-    laid out chunk-first, so each step is one batched product-and-add on contiguous memory."""
-    batch = state.shape[:-2]
-    kept = _scaled(torch.eye(carry.shape[-1], dtype=carry.dtype, device=carry.device), last)  # last_c·I
-    steps = carry.new_empty(carry.shape[-3], *carry.shape[:-3], *carry.shape[-2:])  # chunk-first, contiguous
-    torch.sub(kept if last is None else kept.movedim(-3, 0), carry.movedim(-3, 0), out=steps)
-    steps = steps.view(carry.shape[-3], -1, *carry.shape[-2:])
-    adds = adds.movedim(-3, 0).reshape(adds.shape[-3], -1, *adds.shape[-2:])
-    x = state.reshape(-1, *state.shape[-2:])
-    out = [state]
-    for c in reversed(range(steps.shape[0])) if reverse else range(steps.shape[0]):
-        x = torch.baddbmm(adds[c], steps[c], x)
-        out.append(x.view(*batch, *x.shape[-2:]))
-    return out
-
-
 def _add_product_(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """base += alpha·(a @ b) in place, in one batched call over any leading dimensions (shared by the three; base
     contiguous and not needed as it was). Returns base."""
@@ -145,11 +125,9 @@ def _by_tiles(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Te
 
 def _chunk_solution(
     kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, gamma: torch.Tensor | None, b: torch.Tensor | None,
-    k_decay: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ...]:
-    """Every chunk's local work at once: W_v = T·diag(β)V (..., nc, C, Dv), W_k = T·diag(β·b)K (..., nc, C, F), the
-    two terms of S' = b_C·S − carry·S + adds: carry = (K⊙Γ_C)ᵀW_k (..., nc, F, F), adds = (K⊙Γ_C)ᵀW_v
-    (..., nc, F, Dv), and T = (I + A)⁻¹ (..., nc, C, C).
+    """Every chunk's local solution at once: W_v = T·diag(β)V (..., nc, C, Dv), W_k = T·diag(β·b)K (..., nc, C, F)
+    and T = (I + A)⁻¹ (..., nc, C, C).
 
     T is one triangular solve against the identity, then W two products: on CPU a batched triangular solve runs at a
     fraction of a product's rate per flop, so solving for C columns and multiplying beats solving for F + Dv
@@ -160,8 +138,33 @@ def _chunk_solution(
     inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
     w_v = inverse @ (vc * bc.unsqueeze(-1))
     w_k = inverse @ (kc * _scaled(bc, b).unsqueeze(-1))
-    k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None).mT
-    return w_v, w_k, k_out @ w_k, k_out @ w_v, inverse
+    return w_v, w_k, inverse
+
+
+def _batch_rows(x: torch.Tensor, lead: int) -> torch.Tensor:
+    """(…, nc, ·, ·) with ``lead`` dimensions up to and including the chunks' → (rows, nc, ·, ·), a view."""
+    return x.reshape(-1, *x.shape[lead - 1 :])
+
+
+def _state_sweep(
+    state: torch.Tensor, w_k: torch.Tensor, written: torch.Tensor, k_out: torch.Tensor, last: torch.Tensor | None,
+    states: torch.Tensor,
+) -> torch.Tensor:
+    """The forward recurrence, chunk after chunk, on (rows, nc, ·, ·) views: U_c = W_v,c − W_k,c·S written over W_v
+    in place (``written`` holds W_v on entry, U on return), S ← b_C·S + K_outᵀU_c. ``states`` (rows, nc, F, Dv)
+    receives the state entering each chunk; returns the final state (rows, F, Dv). The products go to fresh
+    contiguous (rows, ·, ·) tensors, copied into the strided slots: an in-place product on a slot strided across
+    rows runs matrix by matrix.
+
+    Two products of C·F·Dv per chunk on the running state: no F×F transition matrix is formed per chunk (that
+    would cost F²·(C + Dv) more per chunk and four tensors the size of the input)."""
+    chunks = w_k.shape[1]
+    for c in range(chunks):
+        states[:, c] = state
+        u = torch.baddbmm(written[:, c], w_k[:, c], state, alpha=-1)
+        written[:, c] = u
+        state = torch.baddbmm(state if last is None else state * last[:, c], k_out[:, c].mT, u)
+    return state
 
 
 class _DeltaChunks(torch.autograd.Function):
@@ -188,34 +191,37 @@ class _DeltaChunks(torch.autograd.Function):
                                          q.dtype)
         lower, _ = _masks(size, q.device)
         lead = q.dim() - 1  # the batch dimensions and the chunks'
-        w_v, w_k, carry, adds, inverse = _by_tiles(
-            _chunk_solution, [kc, _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma, b, k_decay], lead)
+        w_v, w_k, inverse = _by_tiles(_chunk_solution, [kc, _chunked(v, size), beta.unflatten(-1, (-1, size)),
+                                                        gamma, b], lead)
+        k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)  # K ⊙ Γ_C
         state = initial if initial is not None else q.new_zeros(*q.shape[:-2], k.shape[-1], v.shape[-1])
-        entering = _recur(state, carry, adds, last)
-        state = entering.pop()
-        states = torch.stack(entering, dim=-3)  # the state entering each chunk, (..., nc, F, Dv)
+        states = q.new_empty(*qc.shape[:-2], k.shape[-1], v.shape[-1])  # the state entering each chunk
+        final = _state_sweep(state.reshape(-1, *state.shape[-2:]), _batch_rows(w_k, lead), _batch_rows(w_v, lead),
+                             _batch_rows(k_out, lead), _batch_rows(last, lead) if last is not None else None,
+                             _batch_rows(states, lead))
+        written = w_v  # U, written over W_v chunk by chunk (W_v is not needed after)
 
-        def outputs(qc: torch.Tensor, kc: torch.Tensor, w_v: torch.Tensor, w_k: torch.Tensor, states: torch.Tensor,
+        def outputs(qc: torch.Tensor, kc: torch.Tensor, written: torch.Tensor, states: torch.Tensor,
                     gamma: torch.Tensor | None, b: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-            written = _add_product_(w_v, w_k, states, alpha=-1)  # U, written over the tile of W_v
             scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)  # P
             out = _add_product_(_scaled(qc, b.unsqueeze(-1) if b is not None else None) @ states, scores, written)
             return scores, out
 
-        scores, out = _by_tiles(outputs, [qc, kc, w_v, w_k, states, gamma, b], lead)
-        written = w_v  # each tile of W_v now holds U (W_v is not needed after)
+        scores, out = _by_tiles(outputs, [qc, kc, written, states, gamma, b], lead)
         ctx.size, ctx.has_initial = size, initial is not None
         ctx.save_for_backward(q, k, v, beta, log_decay, states, w_k, written, inverse, scores)
-        return out.flatten(-3, -2), state
+        return out.flatten(-3, -2), final.view(state.shape)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        *grads, d_initial = chunk_backward(ctx.saved_tensors, d_out, d_final, ctx.size,
+        # a gradient broadcast from a sum arrives expanded (stride 0): made whole once, not in every product
+        *grads, d_initial = chunk_backward(ctx.saved_tensors, d_out.contiguous(), d_final, ctx.size,
                                            want_log=ctx.needs_input_grad[4], sweep=adjoint_sweep)
         return (*grads, d_initial if ctx.has_initial else None, None)
 
 
-Sweep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+Sweep = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
 
 
 def adjoint_sweep(
@@ -226,14 +232,25 @@ def adjoint_sweep(
     d_o: torch.Tensor,
     last: torch.Tensor | None,
     d_final: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The adjoint of the state recurrence, chunk after chunk backwards: dS = (bQ)ᵀdO − W_kᵀ(PᵀdO + K_out·dS') +
-    b_C·dS'. Chunked inputs (..., nc, C, ·) as :func:`chunk_backward` forms them; returns the adjoint of the state
-    leaving each chunk (..., nc, F, Dv) and the one entering the first (..., F, Dv)."""
-    direct = bq.mT @ d_o - w_k.mT @ p_do  # (..., nc, F, Dv)
-    leaving = _recur(d_final, w_k.mT @ k_out, direct, last, reverse=True)
-    d_state = leaving.pop()
-    return torch.stack(leaving[::-1], dim=-3), d_state
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The adjoint of the state recurrence, chunk after chunk backwards, on the running adjoint dS' of the state
+    leaving a chunk: dU = PᵀdO + K_out·dS', dS = (bQ)ᵀdO + b_C·dS' − W_kᵀdU. Chunked inputs (..., nc, C, ·) as
+    :func:`chunk_backward` forms them; returns the adjoint of the state leaving each chunk (..., nc, F, Dv), dU
+    (..., nc, C, Dv, written over ``p_do``) and the adjoint of the state entering the first chunk (..., F, Dv).
+    A kernel with this signature may return None for dU (then computed from ``p_do`` and the first result)."""
+    lead = bq.dim() - 2
+    direct = _batch_rows(bq.mT @ d_o, lead)  # (bQ)ᵀdO for every chunk at once
+    d_leaving = direct.new_empty(direct.shape)
+    d_written, k_rows, w_rows = _batch_rows(p_do, lead), _batch_rows(k_out, lead), _batch_rows(w_k, lead)
+    last_rows = _batch_rows(last, lead) if last is not None else None
+    d_state = d_final.reshape(-1, *d_final.shape[-2:])
+    for c in reversed(range(direct.shape[1])):
+        d_leaving[:, c] = d_state
+        d_u = torch.baddbmm(d_written[:, c], k_rows[:, c], d_state)
+        d_written[:, c] = d_u
+        kept = direct[:, c] + (d_state if last_rows is None else d_state * last_rows[:, c])
+        d_state = torch.baddbmm(kept, w_rows[:, c].mT, d_u, alpha=-1)
+    return d_leaving.view(*bq.shape[:-2], *d_leaving.shape[-2:]), p_do, d_state.view(d_final.shape)
 
 
 def chunk_backward(
@@ -265,17 +282,18 @@ def chunk_backward(
     k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)
 
     p_do = scores.mT @ d_o
-    d_leaving, d_state = sweep(bq, k_out, w_k, p_do, d_o, last, d_final)  # the adjoint of each chunk's output state
+    d_leaving, d_written, d_state = sweep(bq, k_out, w_k, p_do, d_o, last, d_final)  # leaving each chunk; dU
+    if d_written is None:
+        d_written = _add_product_(p_do, k_out, d_leaving)  # dU (PᵀdO is not needed after the sweep)
 
     want = log_decay is not None and want_log
 
     def local(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, d_o: torch.Tensor,
-              states: torch.Tensor, written: torch.Tensor, p_do: torch.Tensor, d_leaving: torch.Tensor,
+              states: torch.Tensor, written: torch.Tensor, d_written: torch.Tensor, d_leaving: torch.Tensor,
               k_out: torch.Tensor, scores: torch.Tensor, inverse: torch.Tensor | None, gamma: torch.Tensor | None,
               b: torch.Tensor | None, k_decay: torch.Tensor | None, last: torch.Tensor | None
               ) -> tuple[torch.Tensor, ...]:
         """The chunk-local gradients of a tile of chunks, from the adjoints of their output states."""
-        d_written = _add_product_(p_do, k_out, d_leaving)  # dU (PᵀdO is not needed after the sweep)
         d_scores = (d_o @ written.mT).masked_fill_(~lower, 0)  # dP
         d_bq = d_o @ states.mT
         d_kout = written @ d_leaving.mT
@@ -318,8 +336,8 @@ def chunk_backward(
             return dq, dk, d_v, d_beta, d_log
         return dq, dk, d_v, d_beta
 
-    grads = _by_tiles(local, [qc, kc, vc, bc, d_o, states, written, p_do, d_leaving, k_out, scores, inverse, gamma, b,
-                              k_decay, last], q.dim() - 1)
+    grads = _by_tiles(local, [qc, kc, vc, bc, d_o, states, written, d_written, d_leaving, k_out, scores, inverse,
+                              gamma, b, k_decay, last], q.dim() - 1)
     dq, dk, d_v, d_beta = grads[:4]
     d_log = grads[4].flatten(-2) if want else None
     return dq.flatten(-3, -2), dk.flatten(-3, -2), d_v.flatten(-3, -2), d_beta.flatten(-2), d_log, d_state
@@ -376,8 +394,9 @@ def delta_transition(
         log_decay = F.pad(log_decay, (0, pad)) if log_decay is not None else None
     gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
                                      kf.dtype)
-    _, _, carry, adds, _ = _chunk_solution(_chunked(kf, size), _chunked(v, size), beta.unflatten(-1, (-1, size)),
-                                           gamma, b, k_decay)
+    w_v, w_k, _ = _chunk_solution(_chunked(kf, size), _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma, b)
+    k_out = _scaled(_chunked(kf, size), k_decay.unsqueeze(-1) if k_decay is not None else None).mT
+    carry, adds = k_out @ w_k, k_out @ w_v
     eye = torch.eye(kf.shape[-1], dtype=kf.dtype, device=kf.device)
     maps = torch.cat([_scaled(eye, last) - carry, adds], dim=-1)  # (..., nc, F, F + Dv): [A_c | B_c]
     features = kf.shape[-1]

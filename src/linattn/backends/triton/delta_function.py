@@ -137,9 +137,10 @@ def adjoint_sweep(
     d_final: torch.Tensor,
     *,
     precision: str = "tf32x3",
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, None, torch.Tensor]:
     """forms/delta.py's ``adjoint_sweep`` on the kernel: chunked (R, nc, C, ·) inputs in fp32, ``last`` (R, nc, 1, 1)
-    or None; the adjoint of the state leaving each chunk (R, nc, F, Dv) and of the initial state (R, F, Dv)."""
+    or None; the adjoint of the state leaving each chunk (R, nc, F, Dv), None for dU (chunk_backward forms it from
+    the first result) and the adjoint of the initial state (R, F, Dv)."""
     rows, chunks, size, features = bq.shape
     values = d_o.shape[-1]
     n = chunks * size
@@ -154,7 +155,7 @@ def adjoint_sweep(
         C=size, BF=block_f, BV=block_v, HAS_DECAY=last is not None, PRECISION=precision,
         num_warps=warps, num_stages=1,
     )
-    return d_leaving, d_initial
+    return d_leaving, None, d_initial
 
 
 def delta_chunked(
