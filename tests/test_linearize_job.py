@@ -186,3 +186,38 @@ def test_lora_adapters_travel_with_the_folder_and_the_card_says_fine_tuned(tiny,
     # with the adapters attached the reloaded model is the one measured (rounding only, as above)
     assert perplexity(model, tokenizer, (tiny / "heldout.txt").read_text()).perplexity == pytest.approx(measured,
                                                                                                          rel=1e-6)
+
+
+@pytest.mark.slow  # ~10 s: the pipeline once, with a sparse cache
+def test_a_sparse_cache_is_trained_and_measured_in_place_and_saved(tiny, tmp_path, monkeypatch):
+    """--sparse-cache N: the end-to-end stage trains with the cache in every attention layer, the measured row and
+    the reloaded folder have it (the reloaded model scores what was measured), and the softmax row beside it has
+    the equal memory of W + N keys."""
+    from linattn import hf
+    from linattn.cli import main
+    from linattn.evaluate import lm_stages, perplexity
+
+    seen = []
+    real = lm_stages.fit_end_to_end
+
+    def spy(model, *args, **kwargs):
+        seen.extend(getattr(module, hf.OPTIONS_ATTRIBUTE).get("sparse_cache") for module in
+                    hf.attention_modules(model))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", spy)
+    out = tmp_path / "cached"
+    assert main(command(tiny, out, "--sparse-cache", "4")) == 0
+    assert seen and all(cache == 4 for cache in seen)
+    assert json.loads((out / "linattn.json").read_text())["options"] == {"sparse_cache": 4}
+    results = json.loads((out / "results.json").read_text())
+    assert [row["name"] for row in results["rows"]][1] == "window 12 + 1 sinks (softmax)"  # W 8 + 4
+    assert results["stages"]["end_to_end"]["sparse_cache"] == 4
+    assert "sparse exact cache of 4" in (out / "README.md").read_text()
+    model, tokenizer = load_linearized(out)
+    assert all(getattr(module, hf.OPTIONS_ATTRIBUTE).get("sparse_cache") == 4 for module in
+               hf.attention_modules(model))
+    measured = results["rows"][-1]["perplexity"]
+    assert perplexity(model, tokenizer, (tiny / "heldout.txt").read_text()).perplexity == pytest.approx(measured,
+                                                                                                         rel=1e-6)
+    assert main(command(tiny, out)) == 2  # the same folder without the cache: other options, refused

@@ -130,6 +130,9 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
     add("--heldout", default=None, help="held-out text file for the measuring stage (default: the shipped corpus)")
     add("--window", type=int, default=LM_WINDOW, help="softmax window beside the linear part")
     add("--sinks", type=int, default=LM_SINKS, help="sink tokens (the first tokens, always attended)")
+    add("--sparse-cache", type=int, default=0, help="a sparse exact cache of N pairs per head beside the window "
+        "(docs/sparse_cache.md): in place while the end-to-end stage trains and in the measured row, and saved with "
+        "the folder; the softmax window row then has W + N keys (equal memory). 0: none")
     add("--fit-steps", type=int, default=150, help="steps of the Hedgehog fit")
     add("--num-features", type=int, default=None, help="m of the Hedgehog maps (default: the fit's)")
     add("--fit-max-tokens", type=int, default=None, help="longest captured piece for the fit (default 1024)")

@@ -76,10 +76,13 @@ def card_lines(result: dict[str, Any], plotted: bool) -> list[str]:
     trials = result["passkey_trials"]
     lengths = list(result["rows"][0]["passkey"]) if result["rows"] else []
     stages = result.get("stages", {})
+    cache = int(result.get("sparse_cache") or 0)
+    kept = (f" and a sparse exact cache of {cache} older key/value pairs per head, trained and measured in place"
+            if cache else "")
     lines = [
         f"# {result['model']}, linearized", "",
         f"Every attention layer of `{result['model']}` is linear attention with learned Hedgehog feature maps beside "
-        f"a softmax window (recent tokens: {result['window']}, sink tokens: {result['sinks']}) "
+        f"a softmax window (recent tokens: {result['window']}, sink tokens: {result['sinks']}){kept} "
         "(linattn's sliding-window hybrid); its memory per layer stays the same at any context length.",
         "", "Load it (offline: the base model is loaded from the name or path recorded in `linattn.json`):", "",
         "    model, tokenizer = linattn.evaluate.linearized.load_linearized(\"THIS_FOLDER\")",
@@ -88,8 +91,9 @@ def card_lines(result: dict[str, Any], plotted: bool) -> list[str]:
         f"Held-out text: {result['heldout_source']}. Repeated passage: {result['passage_tokens']} tokens, then "
         f"{result['gap_tokens']} other tokens, then the passage again (only the repeat scored; passages: "
         f"{result['repeat_trials']}). Passkey: hits of {trials} trials per filler length, with the 95 % "
-        "Wilson interval. The window row is softmax over the same window and sinks without a linear part: the "
-        "softmax model of equal memory.", "",
+        "Wilson interval. The window row is softmax over the same window" + (" widened by the cache's pairs"
+                                                                             if cache else "")
+        + " and sinks without a linear part: the softmax model of equal memory.", "",
         *markdown_table(["model", "perplexity", "repeated passage", *(f"passkey {n}" for n in lengths)],
                         [[row["name"], number(row["perplexity"], 2), number(row["repeat_perplexity"], 2),
                           *(_passkey_cell(v, trials) for v in row["passkey"].values())] for row in result["rows"]],

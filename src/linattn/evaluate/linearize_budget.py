@@ -103,7 +103,7 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         teacher, _ = _timed(lambda: model(input_ids=ids), repeats=2)
-    hf.linearize(model, maps)
+    hf.linearize(model, maps, **config.end_to_end.cache_options)
     flags = [(param, param.requires_grad) for param in model.parameters()]
     for param, _ in flags:  # as in fit_end_to_end: the model's own weights frozen, gradients for the maps only
         param.requires_grad_(False)

@@ -48,7 +48,7 @@ STAGES = ("fit", "end_to_end", "measure")
 DISK_MARGIN = 64 * 2**20
 # options that change what a stage makes (a rerun must pass the same); --quiet and --budget's own value do not
 _PLANNED = ("model", "text", "heldout", "window", "sinks", "fit_steps", "num_features", "fit_max_tokens", "fit_orders",
-            "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "lora", "budget")
+            "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "lora", "sparse_cache", "budget")
 
 
 def prepare_out(out: str) -> Path:
@@ -122,7 +122,8 @@ def _config(args: argparse.Namespace, plan: dict[str, Any], samples_file: str) -
     end_to_end = EndToEndOptions(
         steps=end_to_end_steps, samples=samples, tokens=args.end_to_end_tokens, texts=samples_file,
         copies=True, corpus_orders=0, repeat_weight=1.0, lora_rank=args.lora if end_to_end_steps else 0,
-        lora_lr=0.0005, retrieval_heads=0, retrieval_maps=None, train_other_heads=False)
+        lora_lr=0.0005, retrieval_heads=0, retrieval_maps=None, train_other_heads=False,
+        sparse_cache=args.sparse_cache)
     return LMCompareConfig(model=args.model, text=args.text, heldout=args.heldout, out=args.out,
                            maps=("hedgehog+window",), window=args.window, sinks=args.sinks, max_tokens=0,
                            metrics=False, baselines=True, quiet=args.quiet, probes=probes, fit=fit,
@@ -160,8 +161,9 @@ class Job:
             return None
         saved = json.loads(path.read_text(encoding="utf-8"))
         options = self._options()
-        if saved["options"] != options:
-            differ = sorted(name for name in options if saved["options"].get(name) != options[name])
+        earlier = {"sparse_cache": 0, **saved["options"]}  # a plan from before the option existed had no cache
+        if earlier != options:
+            differ = sorted(name for name in options if earlier.get(name) != options[name])
             raise LinearAttentionError(
                 f"--out: {self.args.out!r} holds the stages of a run with other options ({', '.join(differ)}); "
                 "run again with the same options to continue it, or pass another --out"
@@ -258,10 +260,12 @@ class Job:
         args, model = self.args, self.model
         rows = []
         positions = min(2048, getattr(model.config, "max_position_embeddings", None) or 2048)
-        label = f"window {args.window} + {args.sinks} sinks (softmax)"
+        cache = self.config.end_to_end.cache_options
+        wide = args.window + args.sparse_cache  # the softmax window of equal memory: W + λ keys
+        label = f"window {wide} + {args.sinks} sinks (softmax)"
         for name, switch in (("original (softmax)", lambda: model.set_attn_implementation("sdpa")),
-                             (label, lambda: use_window_softmax(model, args.window, args.sinks)),
-                             ("linearized", lambda: hf.linearize(model, tuned))):
+                             (label, lambda: use_window_softmax(model, wide, args.sinks)),
+                             ("linearized", lambda: hf.linearize(model, tuned, **cache))):
             switch()
             if adapters is not None and name == "linearized":
                 adapters.attach()
@@ -274,12 +278,14 @@ class Job:
         stages = {name: info for name in STAGES[:2] if (info := self.stages.done(name)) is not None}
         probes = self.config.probes
         result = {"model": self.name, "base": args.model, "window": args.window, "sinks": args.sinks,
+                  "sparse_cache": args.sparse_cache,
                   "heldout_source": f"`{args.heldout}`" if args.heldout else "the shipped corpus's held-out text",
                   "passage_tokens": probes.passage_tokens, "gap_tokens": probes.gap_tokens,
                   "repeat_trials": probes.repeat_trials, "passkey_trials": probes.passkey_trials,
                   "threads": torch.get_num_threads(), "rows": rows, "stages": stages,
                   "fine_tuned": adapters is not None}
-        save_linearized(model, self.folder, maps=tuned, base=args.model, adapters=adapters, results=result)
+        save_linearized(model, self.folder, maps=tuned, options=cache, base=args.model, adapters=adapters,
+                        results=result)
         write_card(result, str(self.folder))
         self.stages.finish("measure", {"seconds": time.perf_counter() - begin})
         return result

@@ -71,6 +71,7 @@ class EndToEndOptions:
     retrieval_heads: int  # K heads retrieving most beyond the window; 0: none picked
     retrieval_maps: str | None  # a maps file whose retrieval heads' maps replace the fitted ones
     train_other_heads: bool  # train the heads other than the retrieval heads
+    sparse_cache: int = 0  # pairs per head of a sparse exact cache in place while training (and measuring); 0: none
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.samples < HELD_OUT_SAMPLES + 1 or self.tokens < 1:
@@ -78,6 +79,8 @@ class EndToEndOptions:
                                        f"({HELD_OUT_SAMPLES} are held out); --end-to-end-tokens: ≥ 1")
         if self.retrieval_heads < 0 or (self.retrieval_maps and not self.retrieval_heads):
             raise LinearAttentionError("--retrieval-heads: need ≥ 0, and ≥ 1 with --retrieval-maps")
+        if self.sparse_cache < 0:
+            raise LinearAttentionError(f"--sparse-cache: need pairs per head ≥ 0, got {self.sparse_cache}")
         if self.corpus_orders < 0:
             raise LinearAttentionError(f"--end-to-end-corpus-orders: need ≥ 0, got {self.corpus_orders}")
         self._check_lora()
@@ -99,6 +102,11 @@ class EndToEndOptions:
                                        "--train-other-heads)")
         if not self.lora_lr > 0:
             raise LinearAttentionError(f"--end-to-end-lora-lr: need > 0, got {self.lora_lr}")
+
+    @property
+    def cache_options(self) -> dict[str, int]:
+        """The ``hf.linearize`` options that put the sparse cache in place (none without one)."""
+        return {"sparse_cache": self.sparse_cache} if self.sparse_cache else {}
 
     @property
     def after_fit(self) -> bool:

@@ -164,7 +164,7 @@ def train_end_to_end(model: Any, tokenizer: Any, fitted: FittedFeatureMaps, conf
     if heads is not None and options.train_other_heads:
         heads = ~heads
     tuned = copy.deepcopy(fitted)
-    hf.linearize(model, tuned)
+    hf.linearize(model, tuned, **options.cache_options)  # with --sparse-cache, trained with the cache in place
     adapters = add_lora(model, rank=options.lora_rank) if options.lora_rank else None
     if adapters is not None:
         heads = None  # every map stays as it is (the retrieval heads' maps may come from --retrieval-maps)
@@ -181,4 +181,5 @@ def train_end_to_end(model: Any, tokenizer: Any, fitted: FittedFeatureMaps, conf
                              "corpus_sequences": data.corpus, "tokens": options.tokens, "steps": options.steps,
                              "heads": None if heads is None else int(heads.sum()),
                              "repeat_weight": options.repeat_weight, "lora_rank": options.lora_rank,
+                             "sparse_cache": options.sparse_cache,
                              "best_held_out_kl": info["best_held_out"], "history": info["history"]}
