@@ -138,6 +138,26 @@ def test_gradients() -> None:
     assert torch.autograd.gradcheck(mass, (q, k, v))
 
 
+@pytest.mark.parametrize("factor", [None, 0.5])
+def test_gradients_of_a_continuation_equal_the_definitions(factor: float | None) -> None:
+    """A call from a state whose cache holds pairs that leave it (the held pairs' linear weights) and a call that
+    starts inside a block: the chunked form's gradients (recomputed by tiles) against autograd through the
+    definition, in float64."""
+    q, k, v = _inputs(n=60, seed=5)
+    cache = SparseCache(size=3, block=8)
+    _, state = _run(q[..., :27, :], k[..., :27, :], v[..., :27, :], cache, "chunked", window_factor=factor)
+    assert bool((state.cache.positions >= 0).any())
+    later = [x[..., 27:, :].clone().requires_grad_() for x in (q, k, v)]
+    weight = torch.randn(1, 2, 33, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    grads = {}
+    for form in ("chunked", "parallel"):
+        out, after = _run(*later, cache, form, state, window_factor=factor)
+        loss = (out * weight).sum() + after.linear.kv.sum()
+        grads[form] = torch.autograd.grad(loss, later)
+    for got, want in zip(grads["chunked"], grads["parallel"], strict=True):
+        assert (got - want).abs().max().item() <= TOL
+
+
 @pytest.mark.parametrize("score", ["recall", "attention"])
 def test_memory_is_constant(score: str) -> None:
     """The state's bytes once the window and the sinks are full: the same after 40, 200 and 4,096 tokens."""

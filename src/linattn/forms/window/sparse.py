@@ -35,6 +35,7 @@ import torch
 
 from ...features import NEG_INF, finite
 from ...state import LinearAttentionState, SparseCache, SparseCacheState, WindowAttentionState
+from .cache_term import CacheTerm, Geometry
 from .chunked import causal_window_parts, empty_window_state, next_state
 from .hybrid import Hybrid
 
@@ -329,37 +330,42 @@ def sparse_chunked(
     if bool(held.any()):
         u_pos = torch.cat([chosen, carried.positions.unsqueeze(-2).expand_as(chosen)], -1)
         u_rows = torch.cat([rows, torch.arange(slots, device=device).expand_as(chosen)], -1)
-    query_pos = (n0 - front + torch.arange(blocks * block, device=device)).view(blocks, block)  # (b, B)
-    left = (u_pos.unsqueeze(-2) >= 0) & (u_pos.unsqueeze(-2) + window <= query_pos.unsqueeze(-1))  # (..., b, B, U)
-    exact = left.clone()
-    exact[..., slots:] = False
-    coef = torch.zeros(exact.shape, dtype=kf.dtype, device=device)
-    coef[..., :slots] = -(exact[..., :slots] & (u_pos[..., :slots].unsqueeze(-2) + window >= n0)).to(kf.dtype)
+    outside = None
     if u_pos.shape[-1] > slots:
         outside = held.unsqueeze(-2) & ~_members(carried.positions.unsqueeze(-2).expand_as(chosen), chosen)
-        coef[..., slots:] = outside.unsqueeze(-2).to(kf.dtype).expand(*outside.shape[:-1], block, slots)
 
-    u_keys, u_values, u_features = (_gather(x, u_rows) for x in (xk, xv, kf))  # (..., b, U, ·)
+    def padded(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:  # (..., N[, ·]) → (R, blocks·B[, ·])
+        spec = (front, pad) if x.dim() == len(batch) + 1 else (0, 0, front, pad)
+        return rows_of(torch.nn.functional.pad(x, spec, value=value))
 
-    def blocked(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(x, (0, 0, front, pad)).unflatten(-2, (blocks, block))  # (..., b, B, ·)
+    def unpadded(x: torch.Tensor) -> torch.Tensor:
+        return x[:, front : front + n].reshape(*batch, n, *x.shape[2:])
 
-    def unblocked(x: torch.Tensor) -> torch.Tensor:
-        return x.flatten(-3, -2)[..., front : front + n, :]
+    def rows_of(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, *x.shape[len(batch):])
 
-    qb, qfb = blocked(q), blocked(parts.qf)
-    weights = qfb @ u_features.transpose(-1, -2)  # (..., b, B, U)
-    moved = weights * coef
-    lin_num = parts.lin[0] + unblocked(moved @ u_values)
-    lin_den = parts.lin[1] + unblocked(moved.sum(-1, keepdim=True)).squeeze(-1)
-    scores = ((qb @ u_keys.transpose(-1, -2)) * hybrid.scale).masked_fill(~exact, NEG_INF)
-    cache_top = unblocked(scores.amax(-1, keepdim=True)).squeeze(-1)  # (..., N)
-    def blocked_rows(x: torch.Tensor) -> torch.Tensor:  # (..., N) → (..., b, B, 1)
-        return torch.nn.functional.pad(x, (front, pad)).unflatten(-1, (blocks, block)).unsqueeze(-1)
-
-    exact_part = _merge(hybrid, parts.exact, scores, u_values, cache_top, blocked_rows, unblocked,
-                        unblocked(weights.masked_fill(~exact, 0.0).sum(-1, keepdim=True)).squeeze(-1))
-    out = hybrid.combine((lin_num, lin_den), exact_part, parts.c, parts.r)
+    win_num, win_den, win_mass, ls = parts.exact
+    shape_only = hybrid.factor is None
+    geo = Geometry(n0, front, block, window, slots, hybrid.scale, shape_only)
+    terms = CacheTerm.apply(
+        padded(q), padded(parts.qf), rows_of(xk), rows_of(xv), rows_of(kf),
+        padded(ls.detach() if shape_only else ls, NEG_INF), rows_of(u_rows), rows_of(u_pos),
+        rows_of(outside) if outside is not None else None, geo,
+    )
+    lin_add, lin_den_add, ex_num, ex_den, cache_mass, top = (unpadded(x) for x in terms)
+    lin = (parts.lin[0] + lin_add, parts.lin[1] + lin_den_add)
+    if win_den is None:  # the fused window part: already its softmax average, at the log-scale ls
+        win_den = torch.ones_like(ls)
+    weight = torch.exp(ls - top)  # 0 where the window has no exact key (ls = −inf)
+    num = win_num * weight.unsqueeze(-1) + ex_num
+    den = win_den * weight + ex_den
+    if shape_only:
+        assert win_mass is not None
+        exact_part: tuple[Any, ...] = (num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1), None,
+                                       win_mass + cache_mass)
+    else:
+        exact_part = (num, den, None)
+    out = hybrid.combine(lin, exact_part, parts.c, parts.r)
 
     nxt = next_state(state, _linear_after(state.linear, kf, xv, xkeep, entry, n0, end), k, v, keep)
     final = selections[-1] if selections else carried.positions
@@ -369,27 +375,6 @@ def sparse_chunked(
     nxt.cache = SparseCacheState(final, _gather(xk, final_rows) * filled, _gather(xv, final_rows) * filled, kept,
                                  block)
     return out, nxt
-
-
-def _merge(hybrid: Hybrid, window_part: tuple[Any, ...], scores: torch.Tensor, values: torch.Tensor,
-           cache_top: torch.Tensor, blocked_rows: Any, unblocked: Any, cache_mass: torch.Tensor
-           ) -> tuple[Any, Any, Any]:
-    """The window's exact part (num, den, mass, log-scale: Σe^s·v = num·e^{ls}, Σe^s = den·e^{ls}; den None: 1)
-    joined with the cache's scores (..., b, B, U) (−inf where not exact) under one normaliser."""
-    num, den, mass, ls = window_part
-    if den is None:
-        den = torch.ones_like(ls)
-    shape_only = hybrid.factor is None
-    top = torch.maximum(ls, cache_top)
-    top = finite(top.detach() if shape_only else top)
-    probs = torch.exp(scores - blocked_rows(top))
-    window_weight = torch.exp(ls - top)
-    num = num * window_weight.unsqueeze(-1) + unblocked(probs @ values)
-    den = den * window_weight + unblocked(probs.sum(-1, keepdim=True)).squeeze(-1)
-    if not shape_only:
-        return num, den, None
-    assert mass is not None
-    return num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1), None, mass + cache_mass
 
 
 def _decide(
