@@ -12,7 +12,11 @@ loses at most the row in progress). The file records the SHA-256 of the folder's
 folder written again) is refused rather than mixed with rows measured on the earlier ones.
 
     .venv/bin/python benchmarks/sparse_cache_lm.py DIR [--size 128] [--scores recall attention]
-        [--passkey-trials 20] [--repeat-trials 8] [--out docs/results/sparse_cache_smollm2.json]
+        [--passkey-trials 20] [--repeat-trials 8] [--out docs/results/sparse_cache_smollm2.json] [--split-floor F]
+
+``--split-floor F`` adds the row with the same mean split across heads in proportion to their retrieval scores
+(:meth:`linattn.SparseCache.split`, each head at least F), scored under softmax on the folder's sampled training
+texts (never on the held-out text).
 """
 
 from __future__ import annotations
@@ -35,17 +39,43 @@ from linattn.evaluate.lm_config import ProbeOptions
 from linattn.evaluate.lm_stages import read_text
 from linattn.evaluate.window_softmax import use_window_softmax
 from linattn.feature_maps.fitted import load_feature_maps
+from linattn.train.end_to_end import retrieval_scores
 
 
-def rows(folder: Path, size: int, scores: list[str]) -> list[tuple[str, dict[str, Any], Any]]:
-    """(name, what it is, how to switch the model to it)."""
+def setting(folder: Path) -> tuple[Any, dict[str, Any], int, int]:
+    """The folder's maps, its linearize options (without a cache: each row sets its own), window and sinks."""
     entry = read_index(folder)
-    options = dict(entry["options"])
+    options = {key: value for key, value in entry["options"].items() if key != "sparse_cache"}
     maps: Any = entry["maps"].get("name")
     if "file" in entry["maps"]:
         maps = load_feature_maps(str(folder / entry["maps"]["file"]))
     window = int(options.get("window", getattr(maps, "window", 64)))
     sinks = int(options.get("sinks", getattr(maps, "sinks", 4)))
+    return maps, options, window, sinks
+
+
+def split_sizes(folder: Path, model: Any, tokenizer: Any, window: int, sinks: int, size: int,
+                floor: int) -> tuple[list[Any], str]:
+    """One cache per layer, ``size`` pairs per head on average split by the heads' retrieval scores (under
+    softmax, never on held-out text): on the folder's sampled training texts (``stages/samples.json``, the first
+    8) when it has them, else on 8 pieces of 1,536 tokens of the shipped training text. Also says which."""
+    samples = folder / "stages" / "samples.json"
+    if samples.is_file():
+        texts = json.loads(samples.read_text(encoding="utf-8"))["texts"][:8]
+        sequences = [torch.tensor(tokenizer(text)["input_ids"]) for text in texts]
+        source = "the folder's sampled training texts (stages/samples.json, the first 8)"
+    else:
+        ids = torch.tensor(tokenizer(read_text(None, "train"))["input_ids"])
+        sequences = [piece for piece in ids.split(1536)[:8] if piece.shape[0] == 1536]
+        source = "8 pieces of 1,536 tokens of the shipped training text"
+    scores = retrieval_scores(model, sequences, window=window, sinks=sinks)
+    return SparseCache.split(scores, size, floor=floor), source
+
+
+def rows(folder: Path, size: int, scores: list[str], split: tuple[list[Any], int, str] | None = None
+         ) -> list[tuple[str, dict[str, Any], Any]]:
+    """(name, what it is, how to switch the model to it)."""
+    maps, options, window, sinks = setting(folder)
     wide = window + size
 
     def hybrid(**extra: Any) -> Any:
@@ -61,6 +91,13 @@ def rows(folder: Path, size: int, scores: list[str]) -> list[tuple[str, dict[str
     for score in scores:
         listed.append((f"hybrid window {window} + cache {size} ({score})", {"exact_pairs": window + sinks + size},
                        hybrid(sparse_cache=SparseCache(size, score=score))))
+    if split is not None:
+        caches, floor, source = split
+        largest = max(cache.largest for cache in caches)
+        listed.append((f"hybrid window {window} + cache {size} on average, split by retrieval score (floor {floor})",
+                       {"exact_pairs": window + sinks + size, "largest_per_head": largest, "scored_on": source,
+                        "sizes": [list(cache.size) for cache in caches]},
+                       hybrid(sparse_cache=caches)))
     return listed
 
 
@@ -74,6 +111,8 @@ def main() -> None:
     parser.add_argument("--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="docs/results/sparse_cache_smollm2.json")
+    parser.add_argument("--split-floor", type=int, default=None, help="also the row with the same mean split "
+                        "across heads by retrieval score, each head keeping at least this many")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder, out = Path(args.folder), Path(args.out)
@@ -92,7 +131,16 @@ def main() -> None:
                                 "passage_tokens": 128, "gap_tokens": 512,
                                 "heldout": "the shipped corpus's held-out part"})
     results = done.setdefault("rows", {})
-    for name, info, switch in rows(folder, args.size, args.scores):
+    split = None
+    if args.split_floor is not None:
+        _, _, window, sinks = setting(folder)
+        caches, source = split_sizes(folder, model, tokenizer, window, sinks, args.size, args.split_floor)
+        split = (caches, args.split_floor, source)
+    def priority(row: tuple[str, dict[str, Any], Any]) -> int:  # what an interrupted run should have measured
+        marks = ("original", "split", "softmax window", "cache")
+        return next((rank for rank, mark in enumerate(marks) if mark in row[0]), len(marks))
+
+    for name, info, switch in sorted(rows(folder, args.size, args.scores, split), key=priority):
         if name in results:
             print(f"{name}: done before, skipped", flush=True)
             continue

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -221,3 +222,43 @@ def test_a_sparse_cache_is_trained_and_measured_in_place_and_saved(tiny, tmp_pat
     assert perplexity(model, tokenizer, (tiny / "heldout.txt").read_text()).perplexity == pytest.approx(measured,
                                                                                                          rel=1e-6)
     assert main(command(tiny, out)) == 2  # the same folder without the cache: other options, refused
+
+
+@pytest.mark.slow  # ~15 s: the pipeline once, with the cache split across heads
+def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tmp_path, monkeypatch):
+    """--sparse-cache-heads retrieval: per-head sizes from the heads' retrieval scores on the sampled texts (a mean
+    of N, each ≥ the floor), in place while training, saved per layer in the folder and put back on loading; a
+    rerun reads them back rather than scoring again."""
+    from linattn import hf
+    from linattn.cli import main
+    from linattn.evaluate import linearize_job, lm_stages
+
+    seen = []
+    real = lm_stages.fit_end_to_end
+
+    def spy(model, *args, **kwargs):
+        seen.extend(getattr(module, hf.OPTIONS_ATTRIBUTE).get("sparse_cache") for module in
+                    hf.attention_modules(model))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", spy)
+    out = tmp_path / "split"
+    options = ("--sparse-cache", "4", "--sparse-cache-heads", "retrieval", "--sparse-cache-floor", "1",
+               "--end-to-end-tokens", "120")  # samples as long as a passage, the gap and the repeat at W = 8
+    assert main(command(tiny, out, *options)) == 0
+    split = json.loads((out / "stages" / "cache_sizes.json").read_text())
+    sizes = torch.tensor(split["sizes"])
+    layers, heads = sizes.shape
+    assert int(sizes.sum()) == 4 * layers * heads and int(sizes.min()) >= 1
+    scores = torch.tensor(split["scores"]).clamp(min=0).flatten()
+    assert sizes.flatten()[scores.argmax()] == sizes.max()  # the head that retrieves most keeps most
+    assert [cache.size for cache in seen] == [tuple(row) for row in split["sizes"]]
+    assert json.loads((out / "linattn.json").read_text())["options"] == {"sparse_cache": split["sizes"]}
+    assert "split across heads by their retrieval score" in (out / "README.md").read_text()
+    model, _ = load_linearized(out)
+    assert [getattr(module, hf.OPTIONS_ATTRIBUTE)["sparse_cache"].size for module in hf.attention_modules(model)] \
+        == [tuple(row) for row in split["sizes"]]
+    (out / "stages" / "measure.done").unlink()  # measured again: the sizes are read back, not scored again
+    monkeypatch.setattr(linearize_job, "retrieval_scores", None)
+    assert main(command(tiny, out, *options)) == 0
+    assert main(command(tiny, tmp_path / "other", "--sparse-cache-heads", "retrieval")) == 2  # no cache to split

@@ -55,6 +55,7 @@ from .feature_maps import create
 from .feature_maps.fitted import load_feature_maps
 from .forms import FORMS
 from .functional import linear_attention
+from .state import SparseCache
 
 IMPLEMENTATION = "linattn"
 DEFAULT_FEATURE_MAP = "elu"
@@ -298,6 +299,9 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
         if len(per_layer_caches) != len(modules):
             raise LinearAttentionError(f"sparse_cache: {len(per_layer_caches)} caches for {len(modules)} attention "
                                        "layers; pass one per layer, or one for all")
+        # a layer's sizes as JSON (a saved folder's options): a list of per-head ints is a per-head budget
+        per_layer_caches = [SparseCache(size=tuple(cache)) if isinstance(cache, list | tuple) else cache
+                            for cache in per_layer_caches]
         for cache in per_layer_caches:
             _check_attention_options({**attention_options, "sparse_cache": cache})
     else:

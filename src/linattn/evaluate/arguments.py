@@ -133,6 +133,12 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
     add("--sparse-cache", type=int, default=0, help="a sparse exact cache of N pairs per head beside the window "
         "(docs/sparse_cache.md): in place while the end-to-end stage trains and in the measured row, and saved with "
         "the folder; the softmax window row then has W + N keys (equal memory). 0: none")
+    add("--sparse-cache-heads", choices=("uniform", "retrieval"), default="uniform", help="how the cache's "
+        "pairs are spread over the heads: N for every head, or N per head on average, split in proportion to each "
+        "head's retrieval score (the attention it puts beyond the window when a passage repeats, under softmax, on "
+        "the sampled training texts; --sparse-cache-floor pairs at least). Needs --end-to-end-steps ≥ 1")
+    add("--sparse-cache-floor", type=int, default=None, help="with --sparse-cache-heads retrieval: the fewest pairs "
+        "a head keeps (default N/2)")
     add("--fit-steps", type=int, default=150, help="steps of the Hedgehog fit")
     add("--num-features", type=int, default=None, help="m of the Hedgehog maps (default: the fit's)")
     add("--fit-max-tokens", type=int, default=None, help="longest captured piece for the fit (default 1024)")

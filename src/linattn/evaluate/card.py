@@ -77,8 +77,10 @@ def card_lines(result: dict[str, Any], plotted: bool) -> list[str]:
     lengths = list(result["rows"][0]["passkey"]) if result["rows"] else []
     stages = result.get("stages", {})
     cache = int(result.get("sparse_cache") or 0)
-    kept = (f" and a sparse exact cache of {cache} older key/value pairs per head, trained and measured in place"
-            if cache else "")
+    per_head = (" on average, split across heads by their retrieval score,"
+                if result.get("sparse_cache_heads") == "retrieval" else ",")
+    kept = (f" and a sparse exact cache of {cache} older key/value pairs per head{per_head} trained and measured in "
+            "place" if cache else "")
     lines = [
         f"# {result['model']}, linearized", "",
         f"Every attention layer of `{result['model']}` is linear attention with learned Hedgehog feature maps beside "

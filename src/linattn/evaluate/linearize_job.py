@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +36,20 @@ from .._progress import progress_bar
 from ..data import check_text_file
 from ..errors import LinearAttentionError
 from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
+from ..state import SparseCache
+from ..train.end_to_end import retrieval_scores
 from .card import perplexity_by_position, write_card
 from .linearized import atomic_write, save_linearized
 from .lm_compare import score_model
-from .lm_config import LM_FIT_TOKENS, EndToEndOptions, FitOptions, LMCompareConfig, ProbeOptions
-from .lm_stages import fit_hedgehog, read_text, train_end_to_end, training_sequences
+from .lm_config import (
+    HELD_OUT_SAMPLES,
+    LM_FIT_TOKENS,
+    EndToEndOptions,
+    FitOptions,
+    LMCompareConfig,
+    ProbeOptions,
+)
+from .lm_stages import RETRIEVAL_SEQUENCES, fit_hedgehog, read_text, train_end_to_end, training_sequences
 from .models import check_model_name, load_model, looks_causal
 from .window_softmax import use_window_softmax
 
@@ -48,7 +58,10 @@ STAGES = ("fit", "end_to_end", "measure")
 DISK_MARGIN = 64 * 2**20
 # options that change what a stage makes (a rerun must pass the same); --quiet and --budget's own value do not
 _PLANNED = ("model", "text", "heldout", "window", "sinks", "fit_steps", "num_features", "fit_max_tokens", "fit_orders",
-            "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "lora", "sparse_cache", "budget")
+            "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "lora", "sparse_cache",
+            "sparse_cache_heads", "sparse_cache_floor", "budget")
+# what a plan saved before an option existed meant
+_EARLIER_DEFAULTS = {"sparse_cache": 0, "sparse_cache_heads": "uniform", "sparse_cache_floor": None}
 
 
 def prepare_out(out: str) -> Path:
@@ -142,6 +155,7 @@ class Job:
         check_text_file(args.heldout, "--heldout")
         if args.budget is not None and not args.budget > 0:
             raise LinearAttentionError(f"--budget: need minutes > 0, got {args.budget}")
+        _check_cache_heads(args)
         self.args, self.folder = args, prepare_out(args.out)
         self.stages = Stages(self.folder, args.quiet)
         saved = self._saved_plan()  # a rerun with other options fails here, before the model loads
@@ -161,7 +175,7 @@ class Job:
             return None
         saved = json.loads(path.read_text(encoding="utf-8"))
         options = self._options()
-        earlier = {"sparse_cache": 0, **saved["options"]}  # a plan from before the option existed had no cache
+        earlier = {**_EARLIER_DEFAULTS, **saved["options"]}
         if earlier != options:
             differ = sorted(name for name in options if earlier.get(name) != options[name])
             raise LinearAttentionError(
@@ -222,12 +236,14 @@ class Job:
         adapters_folder = self.stages.folder / "lora"
         if self.stages.done("end_to_end") is not None:
             self.stages.log("end_to_end", "skipped (finished before)")
+            self._split_cache(None)
             tuned = load_feature_maps(str(self.stages.folder / "end_to_end.safetensors"))
             return tuned, self._adapters(adapters_folder) if options.lora_rank else None
         self._starting("end_to_end")
         begin = time.perf_counter()
         _drop_unreadable(Path(str(options.texts)))
         plain, _ = training_sequences(self.model, self.tokenizer, self.train, options)
+        self._split_cache(plain)
         tuned, adapters, info = train_end_to_end(self.model, self.tokenizer, fitted, self.config, self.train, plain,
                                                  None)
         if adapters is not None:
@@ -243,6 +259,37 @@ class Job:
                        f"{options.tokens} tokens and their copying sequences (best held-out KL "
                        f"{info['best_held_out_kl']:.3f})"})
         return tuned, adapters
+
+    def _split_cache(self, plain: list[torch.Tensor] | None) -> None:
+        """With --sparse-cache-heads retrieval: the per-head sizes, scored once on the first training samples
+        under softmax and kept in ``stages/cache_sizes.json`` (read back on a rerun), put into the config."""
+        args = self.args
+        if args.sparse_cache_heads != "retrieval":
+            return
+        path = self.stages.folder / "cache_sizes.json"
+        if path.is_file():
+            sizes = json.loads(path.read_text(encoding="utf-8"))["sizes"]
+        else:
+            if plain is None:
+                raise LinearAttentionError(f"--out: {args.out!r} has a finished end-to-end stage but no "
+                                           "stages/cache_sizes.json; pass another --out to run it again")
+            floor = _cache_floor(args)
+            scored = plain[: max(1, min(RETRIEVAL_SEQUENCES, len(plain) - HELD_OUT_SAMPLES))]
+            w = args.window  # passages of W/2 … 3W tokens, repeated after 2W … 12W others (for W = 64 the defaults)
+            try:
+                scores = retrieval_scores(self.model, scored, window=w, sinks=args.sinks,
+                                          passage=(max(1, w // 2), 3 * w), gap=(2 * w, 12 * w))
+            except LinearAttentionError as error:
+                raise LinearAttentionError(f"--sparse-cache-heads retrieval: {error} (--end-to-end-tokens ≥ "
+                                           f"{15 * w} lets every sample serve)") from error
+            caches = SparseCache.split(scores, args.sparse_cache, floor=floor)
+            sizes = [list(cache.size) for cache in caches]  # type: ignore[arg-type]  # split gives tuples
+            atomic_write(path, json.dumps({"mean": args.sparse_cache, "floor": floor, "sizes": sizes,
+                                           "scores": scores.tolist()}))
+            self.stages.log("end_to_end", "cache split by retrieval score",
+                            largest=max(max(row) for row in sizes), floor=floor)
+        cache_sizes = tuple(tuple(int(x) for x in row) for row in sizes)
+        self.config = replace(self.config, end_to_end=replace(self.config.end_to_end, cache_sizes=cache_sizes))
 
     def _adapters(self, folder: Path) -> Any:
         from ..train.lora import load_lora
@@ -278,7 +325,7 @@ class Job:
         stages = {name: info for name in STAGES[:2] if (info := self.stages.done(name)) is not None}
         probes = self.config.probes
         result = {"model": self.name, "base": args.model, "window": args.window, "sinks": args.sinks,
-                  "sparse_cache": args.sparse_cache,
+                  "sparse_cache": args.sparse_cache, "sparse_cache_heads": args.sparse_cache_heads,
                   "heldout_source": f"`{args.heldout}`" if args.heldout else "the shipped corpus's held-out text",
                   "passage_tokens": probes.passage_tokens, "gap_tokens": probes.gap_tokens,
                   "repeat_trials": probes.repeat_trials, "passkey_trials": probes.passkey_trials,
@@ -289,6 +336,23 @@ class Job:
         write_card(result, str(self.folder))
         self.stages.finish("measure", {"seconds": time.perf_counter() - begin})
         return result
+
+
+def _cache_floor(args: argparse.Namespace) -> int:
+    return args.sparse_cache // 2 if args.sparse_cache_floor is None else int(args.sparse_cache_floor)
+
+
+def _check_cache_heads(args: argparse.Namespace) -> None:
+    if args.sparse_cache_heads == "uniform":
+        if args.sparse_cache_floor is not None:
+            raise LinearAttentionError("--sparse-cache-floor: only with --sparse-cache-heads retrieval")
+        return
+    if args.sparse_cache < 1 or args.end_to_end_steps < 1:
+        raise LinearAttentionError("--sparse-cache-heads retrieval: needs --sparse-cache N ≥ 1 (the mean per head) "
+                                   "and --end-to-end-steps ≥ 1 (the heads are scored on its sampled texts)")
+    if not 0 <= _cache_floor(args) <= args.sparse_cache:
+        raise LinearAttentionError(f"--sparse-cache-floor: need 0 ≤ floor ≤ --sparse-cache ({args.sparse_cache}), "
+                                   f"got {args.sparse_cache_floor}")
 
 
 def _update(bar: Any) -> None:

@@ -12,6 +12,7 @@ import argparse
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from .. import feature_maps
 from ..errors import LinearAttentionError
@@ -72,6 +73,9 @@ class EndToEndOptions:
     retrieval_maps: str | None  # a maps file whose retrieval heads' maps replace the fitted ones
     train_other_heads: bool  # train the heads other than the retrieval heads
     sparse_cache: int = 0  # pairs per head of a sparse exact cache in place while training (and measuring); 0: none
+    # the cache's per-head sizes, one tuple per layer, where they differ by head (--sparse-cache-heads retrieval);
+    # None: sparse_cache pairs for every head
+    cache_sizes: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.samples < HELD_OUT_SAMPLES + 1 or self.tokens < 1:
@@ -104,8 +108,10 @@ class EndToEndOptions:
             raise LinearAttentionError(f"--end-to-end-lora-lr: need > 0, got {self.lora_lr}")
 
     @property
-    def cache_options(self) -> dict[str, int]:
-        """The ``hf.linearize`` options that put the sparse cache in place (none without one)."""
+    def cache_options(self) -> dict[str, Any]:
+        """The ``hf.linearize`` options that put the sparse cache in place (none without one), as JSON values."""
+        if self.cache_sizes is not None:
+            return {"sparse_cache": [list(sizes) for sizes in self.cache_sizes]}
         return {"sparse_cache": self.sparse_cache} if self.sparse_cache else {}
 
     @property
