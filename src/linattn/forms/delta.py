@@ -86,6 +86,11 @@ def _scaled(x: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
     return x if factor is None else x * factor
 
 
+def _row_scaled(x: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
+    """x (..., C, ·) with each row scaled by factor (..., C); None: x as it is."""
+    return _scaled(x, factor.unsqueeze(-1) if factor is not None else None)
+
+
 def _add_product_(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """base += alpha·(a @ b) in place, in one batched call over any leading dimensions (shared by the three; base
     contiguous and not needed as it was). Returns base."""
@@ -193,7 +198,7 @@ class _DeltaChunks(torch.autograd.Function):
         lead = q.dim() - 1  # the batch dimensions and the chunks'
         w_v, w_k, inverse = _by_tiles(_chunk_solution, [kc, _chunked(v, size), beta.unflatten(-1, (-1, size)),
                                                         gamma, b], lead)
-        k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)  # K ⊙ Γ_C
+        k_out = _row_scaled(kc, k_decay)  # K ⊙ Γ_C
         state = initial if initial is not None else q.new_zeros(*q.shape[:-2], k.shape[-1], v.shape[-1])
         states = q.new_empty(*qc.shape[:-2], k.shape[-1], v.shape[-1])  # the state entering each chunk
         final = _state_sweep(state.reshape(-1, *state.shape[-2:]), _batch_rows(w_k, lead), _batch_rows(w_v, lead),
@@ -204,7 +209,7 @@ class _DeltaChunks(torch.autograd.Function):
         def outputs(qc: torch.Tensor, kc: torch.Tensor, written: torch.Tensor, states: torch.Tensor,
                     gamma: torch.Tensor | None, b: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
             scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)  # P
-            out = _add_product_(_scaled(qc, b.unsqueeze(-1) if b is not None else None) @ states, scores, written)
+            out = _add_product_(_row_scaled(qc, b) @ states, scores, written)
             return scores, out
 
         scores, out = _by_tiles(outputs, [qc, kc, written, states, gamma, b], lead)
@@ -278,8 +283,8 @@ def chunk_backward(
     lower, strict = _masks(size, q.device)
     if scores is None:
         scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)
-    bq = _scaled(qc, b.unsqueeze(-1) if b is not None else None)
-    k_out = _scaled(kc, k_decay.unsqueeze(-1) if k_decay is not None else None)
+    bq = _row_scaled(qc, b)
+    k_out = _row_scaled(kc, k_decay)
 
     p_do = scores.mT @ d_o
     d_leaving, d_written, d_state = sweep(bq, k_out, w_k, p_do, d_o, last, d_final)  # leaving each chunk; dU
@@ -312,12 +317,11 @@ def chunk_backward(
 
         rows = _scaled(bc, b)
         gated_scores = _scaled(d_scores, gamma)  # dP ⊙ Γ
-        # d_bq and d_kout are read again below only with a decay, when _scaled has made new tensors: in place is safe
-        dq = _add_product_(_scaled(d_bq, b.unsqueeze(-1) if b is not None else None), gated_scores, kc)
+        # d_bq and d_kout are read again below only with a decay, when _row_scaled made new tensors: in place is safe
+        dq = _add_product_(_row_scaled(d_bq, b), gated_scores, kc)
         weighted = _scaled(d_system, gamma)  # dA ⊙ Γ; A_tj = β_t·Γ_tj·k_t·k_j
         pulled = weighted @ kc  # Σ_j (dA ⊙ Γ)_tj k_j: the keys' row t of dA·K, before β_t
-        dk = _add_product_(_scaled(d_kout, k_decay.unsqueeze(-1) if k_decay is not None else None), gated_scores.mT,
-                           qc)
+        dk = _add_product_(_row_scaled(d_kout, k_decay), gated_scores.mT, qc)
         dk = _add_product_(dk, weighted.mT, kc * bc.unsqueeze(-1))
         dk.addcmul_(rows.unsqueeze(-1), d_rk).addcmul_(bc.unsqueeze(-1), pulled)
         d_v = bc.unsqueeze(-1) * d_rv
@@ -394,8 +398,9 @@ def delta_transition(
         log_decay = F.pad(log_decay, (0, pad)) if log_decay is not None else None
     gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
                                      kf.dtype)
-    w_v, w_k, _ = _chunk_solution(_chunked(kf, size), _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma, b)
-    k_out = _scaled(_chunked(kf, size), k_decay.unsqueeze(-1) if k_decay is not None else None).mT
+    kc = _chunked(kf, size)
+    w_v, w_k, _ = _chunk_solution(kc, _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma, b)
+    k_out = _row_scaled(kc, k_decay).mT
     carry, adds = k_out @ w_k, k_out @ w_v
     eye = torch.eye(kf.shape[-1], dtype=kf.dtype, device=kf.device)
     maps = torch.cat([_scaled(eye, last) - carry, adds], dim=-1)  # (..., nc, F, F + Dv): [A_c | B_c]
