@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from linattn import SparseCache, hf
+from linattn.evaluate.capture import reordered
 from linattn.evaluate.card import wilson_interval
 from linattn.evaluate.linearized import atomic_write, load_linearized, read_index
 from linattn.evaluate.lm_compare import score_model
@@ -39,7 +40,7 @@ from linattn.evaluate.lm_config import ProbeOptions
 from linattn.evaluate.lm_stages import read_text
 from linattn.evaluate.window_softmax import use_window_softmax
 from linattn.feature_maps.fitted import load_feature_maps
-from linattn.train.end_to_end import retrieval_scores
+from linattn.train.end_to_end import cache_split
 
 
 def setting(folder: Path) -> tuple[Any, dict[str, Any], int, int]:
@@ -56,20 +57,20 @@ def setting(folder: Path) -> tuple[Any, dict[str, Any], int, int]:
 
 def split_sizes(folder: Path, model: Any, tokenizer: Any, window: int, sinks: int, size: int,
                 floor: int) -> tuple[list[Any], str]:
-    """One cache per layer, ``size`` pairs per head on average split by the heads' retrieval scores (under
-    softmax, never on held-out text): on the folder's sampled training texts (``stages/samples.json``, the first
-    8) when it has them, else on 8 pieces of 1,536 tokens of the shipped training text. Also says which."""
+    """One cache per layer, ``size`` pairs per head on average split by the heads' retrieval scores
+    (:func:`linattn.train.end_to_end.cache_split`; under softmax, never on held-out text): on the folder's sampled
+    training texts (``stages/samples.json``, the first 8) when it has them, else on the shipped training text in 8
+    paragraph orders. Also says which."""
     samples = folder / "stages" / "samples.json"
     if samples.is_file():
         texts = json.loads(samples.read_text(encoding="utf-8"))["texts"][:8]
         sequences = [torch.tensor(tokenizer(text)["input_ids"]) for text in texts]
         source = "the folder's sampled training texts (stages/samples.json, the first 8)"
-    else:
-        ids = torch.tensor(tokenizer(read_text(None, "train"))["input_ids"])
-        sequences = [piece for piece in ids.split(1536)[:8] if piece.shape[0] == 1536]
-        source = "8 pieces of 1,536 tokens of the shipped training text"
-    scores = retrieval_scores(model, sequences, window=window, sinks=sinks)
-    return SparseCache.split(scores, size, floor=floor), source
+    else:  # the shipped training text is ~1.2k tokens: its paragraphs in 8 orders
+        sequences = [torch.tensor(tokenizer(text)["input_ids"]) for text in reordered(read_text(None, "train"), 8)]
+        source = "the shipped training text, its paragraphs in 8 orders"
+    caches, _ = cache_split(model, sequences, window=window, sinks=sinks, mean=size, floor=floor)
+    return caches, source
 
 
 def rows(folder: Path, size: int, scores: list[str], split: tuple[list[Any], int, str] | None = None

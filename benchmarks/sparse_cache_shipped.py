@@ -2,13 +2,20 @@
 under the probes of ``linattn linearize``'s measure stage (passage 128, gap 512, 4 passages; passkey 1k/2k/4k,
 3 trials): the row beside a folder trained with ``--sparse-cache 128``. About 3 minutes on 2 threads.
 
-    .venv/bin/python benchmarks/sparse_cache_shipped.py
+    .venv/bin/python benchmarks/sparse_cache_shipped.py [--folder DIR] [--split-floor F]
+
+``--folder``: another linearized folder instead of the shipped one. ``--split-floor F``: the same mean split across
+heads by retrieval score, each head at least F (scored under softmax on the folder's sampled training texts, or
+on the shipped training text; ``benchmarks/sparse_cache_lm.py``'s split), about 10 minutes.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,12 +26,25 @@ from linattn.evaluate.lm_stages import read_text
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--folder", default=None)
+    parser.add_argument("--split-floor", type=int, default=None)
+    args = parser.parse_args()
     torch.set_num_threads(2)
     begin = time.perf_counter()
-    folder = shipped("smollm2")
+    folder = Path(args.folder) if args.folder else shipped("smollm2")
     if folder is None:
         raise SystemExit("the shipped SmolLM2 folder is missing: reinstall linattn")
-    model, tokenizer = load_linearized(folder, sparse_cache=128)
+    cache: object = 128
+    if args.split_floor is not None:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from sparse_cache_lm import setting, split_sizes
+
+        model, tokenizer = load_linearized(folder)
+        _, _, window, sinks = setting(folder)
+        cache, source = split_sizes(folder, model, tokenizer, window, sinks, 128, args.split_floor)
+        print(f"split by retrieval score on {source}: largest {max(c.largest for c in cache)}", flush=True)
+    model, tokenizer = load_linearized(folder, sparse_cache=cache)
     probes = ProbeOptions(passage_tokens=128, gap_tokens=512, repeat_trials=4, passkey_lengths=(1024, 2048, 4096),
                           passkey_trials=3)
     row = score_model(model, tokenizer, read_text(None, "heldout"), probes)

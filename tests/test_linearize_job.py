@@ -259,6 +259,6 @@ def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tm
     assert [getattr(module, hf.OPTIONS_ATTRIBUTE)["sparse_cache"].size for module in hf.attention_modules(model)] \
         == [tuple(row) for row in split["sizes"]]
     (out / "stages" / "measure.done").unlink()  # measured again: the sizes are read back, not scored again
-    monkeypatch.setattr(linearize_job, "retrieval_scores", None)
+    monkeypatch.setattr(linearize_job, "cache_split", None)
     assert main(command(tiny, out, *options)) == 0
     assert main(command(tiny, tmp_path / "other", "--sparse-cache-heads", "retrieval")) == 2  # no cache to split

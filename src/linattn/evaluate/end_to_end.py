@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..train.end_to_end import (
     TOP_TOKENS,
+    cache_split,
     coarse_kl,
     copying_sequences,
     copying_weights,
@@ -20,6 +21,7 @@ from ..train.end_to_end import _log_probs as _log_probs
 
 __all__ = [
     "TOP_TOKENS",
+    "cache_split",
     "coarse_kl",
     "copying_sequences",
     "copying_weights",

@@ -36,8 +36,7 @@ from .._progress import progress_bar
 from ..data import check_text_file
 from ..errors import LinearAttentionError
 from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
-from ..state import SparseCache
-from ..train.end_to_end import retrieval_scores
+from ..train.end_to_end import cache_split
 from .card import perplexity_by_position, write_card
 from .linearized import atomic_write, save_linearized
 from .lm_compare import score_model
@@ -275,14 +274,12 @@ class Job:
                                            "stages/cache_sizes.json; pass another --out to run it again")
             floor = _cache_floor(args)
             scored = plain[: max(1, min(RETRIEVAL_SEQUENCES, len(plain) - HELD_OUT_SAMPLES))]
-            w = args.window  # passages of W/2 … 3W tokens, repeated after 2W … 12W others (for W = 64 the defaults)
             try:
-                scores = retrieval_scores(self.model, scored, window=w, sinks=args.sinks,
-                                          passage=(max(1, w // 2), 3 * w), gap=(2 * w, 12 * w))
+                caches, scores = cache_split(self.model, scored, window=args.window, sinks=args.sinks,
+                                             mean=args.sparse_cache, floor=floor)
             except LinearAttentionError as error:
                 raise LinearAttentionError(f"--sparse-cache-heads retrieval: {error} (--end-to-end-tokens ≥ "
-                                           f"{15 * w} lets every sample serve)") from error
-            caches = SparseCache.split(scores, args.sparse_cache, floor=floor)
+                                           f"{15 * args.window} lets every sample serve)") from error
             sizes = [list(cache.size) for cache in caches]  # type: ignore[arg-type]  # split gives tuples
             atomic_write(path, json.dumps({"mean": args.sparse_cache, "floor": floor, "sizes": sizes,
                                            "scores": scores.tolist()}))
