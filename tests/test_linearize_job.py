@@ -37,6 +37,23 @@ def command(tiny, out, *extra):
             str(out), *FAST, *extra]
 
 
+def caches_while_training(monkeypatch):
+    """The sparse_cache option of every attention layer when the end-to-end stage starts training, as a list."""
+    from linattn import hf
+    from linattn.evaluate import lm_stages
+
+    seen = []
+    real = lm_stages.fit_end_to_end
+
+    def spy(model, *args, **kwargs):
+        seen.extend(getattr(module, hf.OPTIONS_ATTRIBUTE).get("sparse_cache") for module in
+                    hf.attention_modules(model))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", spy)
+    return seen
+
+
 def events(out):
     return [(line["stage"], line["event"]) for line in map(json.loads, (out / "stages" / "log.jsonl").open())]
 
@@ -196,17 +213,9 @@ def test_a_sparse_cache_is_trained_and_measured_in_place_and_saved(tiny, tmp_pat
     the equal memory of W + N keys."""
     from linattn import hf
     from linattn.cli import main
-    from linattn.evaluate import lm_stages, perplexity
+    from linattn.evaluate import perplexity
 
-    seen = []
-    real = lm_stages.fit_end_to_end
-
-    def spy(model, *args, **kwargs):
-        seen.extend(getattr(module, hf.OPTIONS_ATTRIBUTE).get("sparse_cache") for module in
-                    hf.attention_modules(model))
-        return real(model, *args, **kwargs)
-
-    monkeypatch.setattr(lm_stages, "fit_end_to_end", spy)
+    seen = caches_while_training(monkeypatch)
     out = tmp_path / "cached"
     assert main(command(tiny, out, "--sparse-cache", "4")) == 0
     assert seen and all(cache == 4 for cache in seen)
@@ -231,17 +240,9 @@ def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tm
     rerun reads them back rather than scoring again."""
     from linattn import hf
     from linattn.cli import main
-    from linattn.evaluate import linearize_job, lm_stages
+    from linattn.evaluate import linearize_job
 
-    seen = []
-    real = lm_stages.fit_end_to_end
-
-    def spy(model, *args, **kwargs):
-        seen.extend(getattr(module, hf.OPTIONS_ATTRIBUTE).get("sparse_cache") for module in
-                    hf.attention_modules(model))
-        return real(model, *args, **kwargs)
-
-    monkeypatch.setattr(lm_stages, "fit_end_to_end", spy)
+    seen = caches_while_training(monkeypatch)
     out = tmp_path / "split"
     options = ("--sparse-cache", "4", "--sparse-cache-heads", "retrieval", "--sparse-cache-floor", "1",
                "--end-to-end-tokens", "120")  # samples as long as a passage, the gap and the repeat at W = 8

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ...features import NEG_INF
+from ...features import NEG_INF, finite
 from .. import causal_fn
 
 TILE_ELEMENTS = 1 << 18  # elements of one (rows, blocks, B, U) tile: small enough to stay in cache
@@ -64,15 +64,15 @@ class _Tile:
         self.valid = index >= 0
         self.flat = (index.clamp(min=0) + (torch.arange(r, device=q.device) * keys.shape[1]).view(r, 1, 1)).flatten()
         shape = (*index.shape, -1)
-        self.keys = keys.flatten(0, 1).index_select(0, self.flat).view(shape)
+        slots = geo.slots
+        self.slot_flat = self.flat.view(index.shape)[..., :slots]  # the block's cache (the keys scored exactly)
+        self.keys = keys.flatten(0, 1).index_select(0, self.slot_flat.flatten()).view(*index.shape[:-1], slots, -1)
         self.values = values.flatten(0, 1).index_select(0, self.flat).view(shape)
         self.features = features.flatten(0, 1).index_select(0, self.flat).view(shape)
-        pos = positions[:, g0:g1].unsqueeze(-2)  # (R, G, 1, U)
+        pos = positions[:, g0:g1, :slots].unsqueeze(-2)  # (R, G, 1, L)
         query_pos = (geo.n0 - geo.front + torch.arange(b0, b1, device=q.device)).view(1, count, geo.block, 1)
-        left = (pos >= 0) & (pos + geo.window <= query_pos)  # (R, G, B, U)
-        slots = geo.slots
-        self.exact = left[..., :slots]
-        counted = self.exact & (pos[..., :slots] + geo.window >= geo.n0)  # the shifted linear part counted it
+        self.exact = (pos >= 0) & (pos + geo.window <= query_pos)  # (R, G, B, L)
+        counted = self.exact & (pos + geo.window >= geo.n0)  # the shifted linear part counted it
         coef = -counted.to(q.dtype)
         if outside is not None:  # the held pairs: +1 where dropped from the block's cache
             held = outside[:, g0:g1].unsqueeze(-2).to(q.dtype).expand(r, count, geo.block, slots)
@@ -83,7 +83,7 @@ class _Tile:
         return self.qf @ self.features.transpose(-1, -2)  # (R, G, B, U)
 
     def scores(self, geo: Geometry) -> torch.Tensor:
-        scores = (self.q @ self.keys[..., : geo.slots, :].transpose(-1, -2)).mul_(geo.scale)
+        scores = (self.q @ self.keys.transpose(-1, -2)).mul_(geo.scale)
         return scores.masked_fill_(~self.exact, NEG_INF)
 
 
@@ -115,12 +115,10 @@ class CacheTerm(torch.autograd.Function):
             if not geo.shape_only:
                 local, arg = s.max(-1)
             window_max = ls[:, at].view(local.shape)
-            shift = torch.maximum(window_max, local)
-            shift = torch.where(shift == NEG_INF, torch.zeros_like(shift), shift)
+            shift = finite(torch.maximum(window_max, local))
             probs = s.sub_(shift.unsqueeze(-1)).exp_()  # 0 where not exact
             moved = w * tile.coef
             sums = torch.cat([moved, torch.nn.functional.pad(probs, (0, width - geo.slots))], -2) @ tile.values
-            count = g1 - g0
             lin_num[:, at] = sums[:, :, : geo.block].reshape(r, -1, dv)
             ex_num[:, at] = sums[:, :, geo.block :].reshape(r, -1, dv)
             lin_den[:, at] = moved.sum(-1).view(r, -1)
@@ -128,7 +126,7 @@ class CacheTerm(torch.autograd.Function):
             mass[:, at] = (w[..., : geo.slots] * tile.exact).sum(-1).view(r, -1)
             top[:, at] = shift.view(r, -1)
             if arg is not None:  # γ form: which score, if any, is the row's maximum
-                slot_rows = tile.flat.view(r, count, 1, width)[..., : geo.slots].expand(*arg.shape, geo.slots)
+                slot_rows = tile.slot_flat.unsqueeze(-2).expand(*arg.shape, geo.slots)
                 won = (local >= window_max) & (local > NEG_INF)
                 best[:, at] = torch.where(won, slot_rows.gather(-1, arg.unsqueeze(-1)).squeeze(-1), -1).view(r, -1)
                 window_won[:, at] = (~won & (window_max > NEG_INF)).view(r, -1)
@@ -181,7 +179,7 @@ class CacheTerm(torch.autograd.Function):
             d_v = moved.transpose(-1, -2) @ upstream[:, :, 0]
             d_v[..., : geo.slots, :] += probs.transpose(-1, -2) @ upstream[:, :, 1]
             d_qf[:, at] = (d_w @ tile.features).view(r, -1, qf.shape[-1])
-            d_q[:, at] = (d_s @ tile.keys[..., : geo.slots, :]).mul_(geo.scale).view(r, -1, q.shape[-1])
+            d_q[:, at] = (d_s @ tile.keys).mul_(geo.scale).view(r, -1, q.shape[-1])
             d_f = d_w.transpose(-1, -2) @ tile.qf
             d_k = (d_s.transpose(-1, -2) @ tile.q).mul_(geo.scale)
             target = torch.where(tile.valid.flatten(), tile.flat, d_keys.shape[0] - 1)
