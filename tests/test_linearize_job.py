@@ -54,6 +54,22 @@ def caches_while_training(monkeypatch):
     return seen
 
 
+def caches_while_fitting(monkeypatch):
+    """The sparse_cache the fit stage fits with (one list per fit)."""
+    from linattn.evaluate import lm_stages
+
+    seen = []
+    real = lm_stages.fit_model_feature_maps
+
+    def spy(capture, **kwargs):
+        cache = kwargs.get("sparse_cache")
+        seen.append(cache if isinstance(cache, list) or cache is None else [cache] * capture.num_layers)
+        return real(capture, **kwargs)
+
+    monkeypatch.setattr(lm_stages, "fit_model_feature_maps", spy)
+    return seen
+
+
 def events(out):
     return [(line["stage"], line["event"]) for line in map(json.loads, (out / "stages" / "log.jsonl").open())]
 
@@ -216,13 +232,15 @@ def test_a_sparse_cache_is_trained_and_measured_in_place_and_saved(tiny, tmp_pat
     from linattn.evaluate import perplexity
 
     seen = caches_while_training(monkeypatch)
+    fitting = caches_while_fitting(monkeypatch)
     out = tmp_path / "cached"
     assert main(command(tiny, out, "--sparse-cache", "4")) == 0
     assert seen and all(cache == 4 for cache in seen)
+    assert len(fitting) == 1 and all(cache.size == 4 and cache.score == "recall" for cache in fitting[0])
     assert json.loads((out / "linattn.json").read_text())["options"] == {"sparse_cache": 4}
     results = json.loads((out / "results.json").read_text())
     assert [row["name"] for row in results["rows"]][1] == "window 12 + 1 sinks (softmax)"  # W 8 + 4
-    assert results["stages"]["end_to_end"]["sparse_cache"] == 4
+    assert results["stages"]["end_to_end"]["sparse_cache"] == 4 and results["stages"]["fit"]["sparse_cache"]
     assert "sparse exact cache of 4" in (out / "README.md").read_text()
     model, tokenizer = load_linearized(out)
     assert all(getattr(module, hf.OPTIONS_ATTRIBUTE).get("sparse_cache") == 4 for module in
@@ -243,6 +261,7 @@ def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tm
     from linattn.evaluate import linearize_job
 
     seen = caches_while_training(monkeypatch)
+    fitting = caches_while_fitting(monkeypatch)
     out = tmp_path / "split"
     options = ("--sparse-cache", "4", "--sparse-cache-heads", "retrieval", "--sparse-cache-floor", "1",
                "--end-to-end-tokens", "120")  # samples as long as a passage, the gap and the repeat at W = 8
@@ -254,6 +273,7 @@ def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tm
     scores = torch.tensor(split["scores"]).clamp(min=0).flatten()
     assert sizes.flatten()[scores.argmax()] == sizes.max()  # the head that retrieves most keeps most
     assert [cache.size for cache in seen] == [tuple(row) for row in split["sizes"]]
+    assert [cache.size for cache in fitting[0]] == [tuple(row) for row in split["sizes"]]  # fitted with it too
     assert json.loads((out / "linattn.json").read_text())["options"] == {"sparse_cache": split["sizes"]}
     assert "split across heads by their retrieval score" in (out / "README.md").read_text()
     model, _ = load_linearized(out)
@@ -263,3 +283,24 @@ def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tm
     monkeypatch.setattr(linearize_job, "cache_split", None)
     assert main(command(tiny, out, *options)) == 0
     assert main(command(tiny, tmp_path / "other", "--sparse-cache-heads", "retrieval")) == 2  # no cache to split
+
+
+@pytest.mark.slow  # ~10 s: the fit and the measure stage, with the cache split across heads
+def test_a_split_cache_without_end_to_end_steps_is_fitted_measured_and_saved(tiny, tmp_path, monkeypatch):
+    """--sparse-cache-heads retrieval with --end-to-end-steps 0: the texts are sampled for the split alone, the fit
+    has the split in place, and the measured row and the folder have it too (also on a rerun of the measure)."""
+    from linattn.cli import main
+
+    fitting = caches_while_fitting(monkeypatch)
+    out = tmp_path / "fit-only"
+    options = ("--sparse-cache", "4", "--sparse-cache-heads", "retrieval", "--sparse-cache-floor", "1",
+               "--end-to-end-tokens", "120", "--end-to-end-steps", "0")
+    assert main(command(tiny, out, *options)) == 0
+    split = json.loads((out / "stages" / "cache_sizes.json").read_text())
+    assert len(fitting) == 1 and [cache.size for cache in fitting[0]] == [tuple(row) for row in split["sizes"]]
+    assert not (out / "stages" / "end_to_end.done").exists()
+    assert json.loads((out / "linattn.json").read_text())["options"] == {"sparse_cache": split["sizes"]}
+    (out / "stages" / "measure.done").unlink()
+    assert main(command(tiny, out, *options)) == 0
+    assert len(fitting) == 1  # the fit was not run again
+    assert json.loads((out / "linattn.json").read_text())["options"] == {"sparse_cache": split["sizes"]}

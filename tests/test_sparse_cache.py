@@ -236,3 +236,105 @@ def test_split_keeps_the_total_and_follows_the_scores() -> None:
     assert int(sizes.min()) == 2
     assert sizes[0, 2] > sizes[0, 1] > sizes[1, 0] > sizes[0, 0]
     assert [list(c.size) for c in SparseCache.split(torch.zeros(2, 3), 7)] == [[7, 7, 7]] * 2
+
+
+@pytest.mark.parametrize("cache", SCORES, ids=["recall", "attention", "per-head"])
+def test_selections_give_every_query_its_exact_keys(cache: SparseCache) -> None:
+    """The caches ``cache_selections`` reports, written as one exact/linear mask per query (the hybrid row that
+    fitting with the cache in place trains on), give the op's output: every form decides the same."""
+    from linattn.forms.window.hybrid import Hybrid
+    from linattn.forms.window.sparse import cache_selections
+
+    q, k, v = _inputs(n=75, seed=3)
+    window, sinks, n = 8, 2, q.shape[-2]
+    phi = torch.nn.functional.elu
+
+    def features(x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        return phi(x) + 1
+
+    hybrid = Hybrid(features, log_space=False, window=window, sinks=sinks, factor=None, scale=8 ** -0.5, eps=0.0,
+                    min_denom=None)
+    selections = cache_selections(hybrid, cache, q, k, v)  # (1, H, b, L)
+    block = cache.block_for(window)
+    assert selections.shape[-2] == -(-n // block)
+    t, j = torch.arange(n).unsqueeze(-1), torch.arange(n)
+    mine = selections[..., torch.arange(n) // block, :]  # (1, H, N, L): each query's cache
+    cached = ((j.view(1, 1, 1, n, 1) == mine.unsqueeze(-2)) & (mine.unsqueeze(-2) >= 0)).any(-1) & (t - j >= window)
+    visible = j <= t
+    exact = visible & ((t - j < window) | (j < sinks) | cached)
+    linear = visible & ~exact
+    weights = features(q, True) @ features(k, False).transpose(-1, -2)
+    logits = (q @ k.transpose(-1, -2)) * 8 ** -0.5
+    probs = torch.softmax(logits.masked_fill(~exact, float("-inf")), -1)
+    mass = (weights * exact).sum(-1, keepdim=True)
+    lin = weights * linear
+    ref = (lin @ v + mass * (probs @ v)) / (lin.sum(-1, keepdim=True) + mass)
+    out = linear_attention(q, k, v, causal=True, window=window, sinks=sinks, sparse_cache=cache, eps=0.0)
+    assert bool(cached.any())  # the cache holds pairs outside the window
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_fitting_with_the_cache_in_place_trains_the_rows_the_op_gives() -> None:
+    """The fit's loss with a cache is the cross-entropy of softmax against the very rows of
+    ``linear_attention(..., sparse_cache=...)`` (the attention score: its choice does not read the values, so
+    identity values give the rows)."""
+    from linattn.forms.window.hybrid import Hybrid
+    from linattn.forms.window.sparse import cache_selections
+    from linattn.train.distill import _batch, _cached_masks, _hybrid_loss, _prepare, _window_masks, fit_feature_map
+
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(3, 40, 8, generator=g) * 1.5 for _ in range(3))
+    cache = SparseCache(size=(2, 3, 5), score="attention", block=4)
+    fmap = fit_feature_map(q, k, v=v, causal=True, steps=6, eval_every=3, window=5, sinks=1, sparse_cache=cache)
+    item = _prepare(q, k, v, None, True)[0]
+    rows = torch.arange(40)
+    batch = _batch(item, rows, None, 0.0, torch.Generator())
+    batch.update(_window_masks(rows, rows, 5, 1, True))
+    hybrid = Hybrid(lambda x, is_query: fmap.features(x, is_query=is_query), log_space=False, window=5, sinks=1,
+                    factor=None, scale=8**-0.5, eps=0.0, min_denom=None)
+    with torch.no_grad():
+        selections = cache_selections(hybrid, cache, item["q"], item["k"], item["v"])
+        masks = _cached_masks(batch, rows, selections, 5, 4)
+        assert bool((masks["exact"] & ~batch["exact"]).any())  # pairs outside the window are exact
+        batch.update(masks)
+        loss = _hybrid_loss(fmap, batch, 0.0, None)  # (H, R)
+        eye = torch.eye(40).expand(3, 40, 40)
+        weights = linear_attention(item["q"], item["k"], eye, feature_map=fmap, causal=True, window=5, sinks=1,
+                                   sparse_cache=cache, eps=0.0)
+        no_cache = linear_attention(item["q"], item["k"], eye, feature_map=fmap, causal=True, window=5, sinks=1,
+                                    eps=0.0)
+    cross = -torch.special.xlogy(batch["weights"], weights).sum(-1)
+    torch.testing.assert_close(loss, cross, rtol=2e-4, atol=2e-4)  # fp32 weights, logs of small weights
+    assert (weights - no_cache).abs().max() > 1e-3
+
+
+def test_fitting_with_a_cache_that_holds_everything_has_nothing_to_fit() -> None:
+    """Every pair cached: the hybrid row is softmax itself whatever the map, so the loss never moves; with the
+    recall score and per-layer caches through the whole-model fit."""
+    from linattn.evaluate.capture import AttentionCapture
+    from linattn.train.distill import fit_feature_map, fit_model_feature_maps
+
+    g = torch.Generator().manual_seed(22)
+    q, k, v = (torch.randn(2, 32, 8, generator=g) for _ in range(3))
+    full = fit_feature_map(q, k, v=v, causal=True, steps=6, eval_every=2, window=4, sinks=1,
+                           sparse_cache=SparseCache(size=32, block=4))
+    losses = [h[2] for h in full.fit_history]
+    assert max(losses) - min(losses) < 1e-5
+    plain = fit_feature_map(q, k, v=v, causal=True, steps=6, eval_every=2, window=4, sinks=1)
+    assert plain.fit_history[0][2] > max(losses) + 1e-3  # the window alone has something to fit
+    layers, heads = 2, 2
+    cap = AttentionCapture("tiny-model", layers, heads, heads, 8, 8**-0.5, True, ["a"],
+                           [torch.cat([q, q]).unflatten(0, (layers, heads))],
+                           [torch.cat([k, k]).unflatten(0, (layers, heads))],
+                           [torch.cat([v, v]).unflatten(0, (layers, heads))])
+    split = [SparseCache(size=(1, 3), block=4), SparseCache(size=(32, 32), block=4)]
+    fitted = fit_model_feature_maps(cap, steps=4, num_features=6, window=4, sinks=1, sparse_cache=split,
+                                    progress=False)
+    assert len(fitted.maps) == layers
+    with pytest.raises(LinearAttentionError, match="3 sizes for 2 heads"):
+        fit_model_feature_maps(cap, steps=1, window=4, sinks=1, sparse_cache=[SparseCache(size=(1, 2, 3))] * 2,
+                               progress=False)
+    with pytest.raises(LinearAttentionError, match="needs window"):
+        fit_feature_map(q, k, v=v, causal=True, steps=1, sparse_cache=SparseCache(size=2))
+    with pytest.raises(LinearAttentionError, match="needs window"):
+        fit_feature_map(q, k, causal=True, steps=1, window=4, sparse_cache=SparseCache(size=2))

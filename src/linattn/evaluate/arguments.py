@@ -131,12 +131,13 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
     add("--window", type=int, default=LM_WINDOW, help="softmax window beside the linear part")
     add("--sinks", type=int, default=LM_SINKS, help="sink tokens (the first tokens, always attended)")
     add("--sparse-cache", type=int, default=0, help="a sparse exact cache of N pairs per head beside the window "
-        "(docs/sparse_cache.md): in place while the end-to-end stage trains and in the measured row, and saved with "
-        "the folder; the softmax window row then has W + N keys (equal memory). 0: none")
+        "(docs/sparse_cache.md): in place while the fit and the end-to-end stage train and in the measured row, and "
+        "saved with the folder; the softmax window row then has W + N keys (equal memory). 0: none")
     add("--sparse-cache-heads", choices=("uniform", "retrieval"), default="uniform", help="how the cache's "
         "pairs are spread over the heads: N for every head, or N per head on average, split in proportion to each "
         "head's retrieval score (the attention it puts beyond the window when a passage repeats, under softmax, on "
-        "the sampled training texts; --sparse-cache-floor pairs at least). Needs --end-to-end-steps ≥ 1")
+        "the end-to-end stage's sampled training texts, sampled even without its steps; --sparse-cache-floor pairs "
+        "at least)")
     add("--sparse-cache-floor", type=int, default=None, help="with --sparse-cache-heads retrieval: the fewest pairs "
         "a head keeps (default N/2)")
     add("--fit-steps", type=int, default=150, help="steps of the Hedgehog fit")

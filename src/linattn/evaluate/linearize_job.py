@@ -36,6 +36,7 @@ from .._progress import progress_bar
 from ..data import check_text_file
 from ..errors import LinearAttentionError
 from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
+from ..state import SparseCache
 from ..train.end_to_end import cache_split
 from .card import perplexity_by_position, write_card
 from .linearized import atomic_write, save_linearized
@@ -220,17 +221,32 @@ class Job:
             return load_feature_maps(str(self.stages.folder / "fit.safetensors"))
         self._starting("fit")
         begin = time.perf_counter()
-        fitted, tokens = fit_hedgehog(self.model, self.tokenizer, self.name, self.train, self.config, with_window=True)
+        caches = self._fit_caches()
+        fitted, tokens = fit_hedgehog(self.model, self.tokenizer, self.name, self.train, self.config, with_window=True,
+                                      sparse_cache=caches)
         self.stages.save_maps(fitted, "fit")
+        cache = " and the sparse cache" if caches is not None else ""
         self.stages.finish("fit", {"seconds": time.perf_counter() - begin, "steps": self.config.fit.steps,
-                                   "captured_tokens": tokens,
-                                   "summary": f"Hedgehog maps fitted with the window in place, "
+                                   "captured_tokens": tokens, "sparse_cache": caches is not None,
+                                   "summary": f"Hedgehog maps fitted with the window{cache} in place, "
                                               f"{self.config.fit.steps} steps on {tokens} captured tokens"})
         return fitted
+
+    def _fit_caches(self) -> SparseCache | list[SparseCache] | None:
+        """With --sparse-cache: the caches the fit has in place, one per layer (a split is decided first, on the
+        end-to-end stage's training samples, which are then sampled here rather than in that stage)."""
+        if not self.args.sparse_cache:
+            return None
+        self._ensure_split()
+        sizes = self.config.end_to_end.cache_sizes
+        if sizes is None:
+            return SparseCache(size=self.args.sparse_cache)
+        return [SparseCache(size=row) for row in sizes]
 
     def end_to_end(self, fitted: FittedFeatureMaps) -> tuple[FittedFeatureMaps, Any]:
         options = self.config.end_to_end
         if not options.steps:
+            self._ensure_split()  # the measured row has the split the fit had
             return fitted, None
         adapters_folder = self.stages.folder / "lora"
         if self.stages.done("end_to_end") is not None:
@@ -258,6 +274,17 @@ class Job:
                        f"{options.tokens} tokens and their copying sequences (best held-out KL "
                        f"{info['best_held_out_kl']:.3f})"})
         return tuned, adapters
+
+    def _ensure_split(self) -> None:
+        """With --sparse-cache-heads retrieval: the split read back, or decided on the sampled training texts."""
+        if self.args.sparse_cache_heads != "retrieval":
+            return
+        if (self.stages.folder / "cache_sizes.json").is_file():
+            self._split_cache(None)
+            return
+        _drop_unreadable(Path(str(self.config.end_to_end.texts)))
+        plain, _ = training_sequences(self.model, self.tokenizer, self.train, self.config.end_to_end)
+        self._split_cache(plain)
 
     def _split_cache(self, plain: list[torch.Tensor] | None) -> None:
         """With --sparse-cache-heads retrieval: the per-head sizes, scored once on the first training samples
@@ -344,9 +371,8 @@ def _check_cache_heads(args: argparse.Namespace) -> None:
         if args.sparse_cache_floor is not None:
             raise LinearAttentionError("--sparse-cache-floor: only with --sparse-cache-heads retrieval")
         return
-    if args.sparse_cache < 1 or args.end_to_end_steps < 1:
-        raise LinearAttentionError("--sparse-cache-heads retrieval: needs --sparse-cache N ≥ 1 (the mean per head) "
-                                   "and --end-to-end-steps ≥ 1 (the heads are scored on its sampled texts)")
+    if args.sparse_cache < 1:
+        raise LinearAttentionError("--sparse-cache-heads retrieval: needs --sparse-cache N ≥ 1 (the mean per head)")
     if not 0 <= _cache_floor(args) <= args.sparse_cache:
         raise LinearAttentionError(f"--sparse-cache-floor: need 0 ≤ floor ≤ --sparse-cache ({args.sparse_cache}), "
                                    f"got {args.sparse_cache_floor}")

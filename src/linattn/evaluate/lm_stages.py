@@ -48,10 +48,11 @@ def read_text(path: str | None, part: str) -> str:
 
 
 def fit_hedgehog(model: Any, tokenizer: Any, name: str, train: str, config: LMCompareConfig,
-                 *, with_window: bool) -> tuple[FittedFeatureMaps, int]:
+                 *, with_window: bool, sparse_cache: Any = None) -> tuple[FittedFeatureMaps, int]:
     """Hedgehog maps, one set per layer, fitted on the capture of ``train`` under the model's softmax attention;
     ``with_window``: fitted with the softmax window and sinks in place (the hybrid's maps), with LoLCATs' per-head
-    factor γ under ``--gamma``. Returns the maps and the number of captured tokens."""
+    factor γ under ``--gamma``; ``sparse_cache`` (a :class:`~linattn.SparseCache`, or one per layer): with a sparse
+    exact cache in place too. Returns the maps and the number of captured tokens."""
     fit = config.fit
     model.set_attn_implementation("sdpa")
     capture = capture_attention(model, tokenizer, train, max_tokens=fit.max_tokens, model_name=name,
@@ -63,6 +64,8 @@ def fit_hedgehog(model: Any, tokenizer: Any, name: str, train: str, config: LMCo
         options["num_features"] = fit.num_features
     if with_window:
         options.update(window=config.window, sinks=config.sinks, window_factor=fit.gamma)
+        if sparse_cache is not None:
+            options["sparse_cache"] = sparse_cache
     return fit_model_feature_maps(capture, kind="hedgehog", **options), capture.num_tokens
 
 

@@ -32,6 +32,9 @@ from ..errors import LinearAttentionError
 from ..feature_maps import LearnedProjectionMap, create
 from ..feature_maps.fitted import FORMAT_VERSION, FittedFeatureMaps, check_head_mask, load_feature_maps
 from ..feature_maps.scaling import scale_for_map
+from ..forms.window.hybrid import Hybrid
+from ..forms.window.sparse import cache_selections
+from ..state import SparseCache
 
 __all__ = [
     "FORMAT_VERSION",
@@ -152,6 +155,18 @@ def _window_masks(rows: torch.Tensor, keys: torch.Tensor, window: int, sinks: in
     return {"exact": exact, "linear": visible & ~exact}
 
 
+def _cached_masks(batch: dict[str, torch.Tensor], rows: torch.Tensor, selections: torch.Tensor, window: int,
+                  block: int) -> dict[str, torch.Tensor]:
+    """The window masks (R, K) with each row's cached pairs (its block's row of ``selections`` (H, b, L), the
+    pairs j ≤ t − W) moved from the linear part to the exact part: (H, R, K)."""
+    keys = torch.arange(batch["k"].shape[1])
+    mine = selections[:, rows // block]  # (H, R, L)
+    held = torch.zeros(*mine.shape[:2], keys.shape[0] + 1, dtype=torch.bool)
+    held.scatter_(-1, torch.where(mine < 0, keys.shape[0], mine), True)  # slot −1 → the spare column
+    cached = held[..., :-1] & (rows.unsqueeze(-1) - keys >= window) & batch["linear"]
+    return {"exact": batch["exact"] | cached, "linear": batch["linear"] & ~cached}
+
+
 def _hybrid_loss(fmap: LearnedProjectionMap, batch: dict[str, torch.Tensor], mse_weight: float,
                  log_gamma: torch.Tensor | None) -> torch.Tensor:
     """Per head and row (H, R): cross-entropy −Σ_j A_ij log Ĥ_ij against the full hybrid row Ĥ (window and sink
@@ -215,6 +230,7 @@ def fit_feature_map(
     window: int | None = None,
     sinks: int = 0,
     window_factor: bool = False,
+    sparse_cache: SparseCache | None = None,
     **map_options: Any,
 ) -> LearnedProjectionMap:
     """Fit a learned map, one set of parameters per head, to imitate softmax attention on q, k.
@@ -247,6 +263,10 @@ def fit_feature_map(
             the map spends its capacity on the keys outside the window. Every key of each sampled row is used.
             window_factor: fit the γ form too (a per-head factor, ``fmap.window_factor``); default the
             parameter-free mass-preserving form. The map remembers ``window``, ``sinks``, ``window_factor``.
+        sparse_cache: with ``window``, fit with a sparse exact cache in place (a
+            :class:`~linattn.SparseCache`; a per-head ``size`` counts the H heads of q): each row's exact keys are
+            also the pairs of its block's cache, decided as ``linear_attention(..., sparse_cache=...)`` decides them
+            on each whole sequence (so ``v`` is needed) under the map as it is at each evaluation.
 
     Returns:
         The fitted map (``num_heads=H``) in eval mode, holding for each head its parameters at the evaluation of
@@ -269,6 +289,9 @@ def fit_feature_map(
         raise LinearAttentionError(f"window, sinks: expected an int ≥ 1 and an int ≥ 0, got {window!r}, {sinks!r}")
     if window is not None:
         batch_keys = None  # the hybrid row needs every key: the linear part's mass depends on all of them
+    if sparse_cache is not None and (window is None or v is None or not causal):
+        raise LinearAttentionError("sparse_cache: fitting with the cache in place needs window=..., causal=True and "
+                                   "the values v=... (the recall score reads them)")
     sequences = _prepare(q, k, v, scale, causal)
     heads, dim = sequences[0]["q"].shape[0], sequences[0]["q"].shape[-1]
     if not isinstance(create(kind, head_dim=dim), LearnedProjectionMap):
@@ -310,11 +333,23 @@ def fit_feature_map(
 
     log_gamma = torch.zeros(1, heads, requires_grad=True) if window is not None and window_factor else None
 
-    def loss_of(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    def loss_of(batch: dict[str, torch.Tensor], rows: torch.Tensor, item: dict[str, torch.Tensor]) -> torch.Tensor:
         if window is None:
             return _loss(fmap, batch, mse_weight)
         batch.update(_window_masks(rows, torch.arange(batch["k"].shape[1]), window, sinks, causal))
+        if sparse_cache is not None:
+            batch.update(_cached_masks(batch, rows, item["cache"], window, sparse_cache.block_for(window)))
         return _hybrid_loss(fmap, batch, mse_weight, log_gamma[0] if log_gamma is not None else None)
+
+    def decide() -> None:
+        """Each sequence's caches under the map as it is now (the recall score reads the map's state)."""
+        if sparse_cache is None:
+            return
+        hybrid = Hybrid(lambda x, is_query: fmap.features(x, is_query=is_query), log_space=False, window=window or 0,
+                        sinks=sinks, factor=None, scale=1.0 / math.sqrt(dim), eps=0.0, min_denom=None)
+        with torch.no_grad():
+            for item in sequences:
+                item["cache"] = cache_selections(hybrid, sparse_cache, item["q"], item["k"], item["v"])
 
     initial = fmap.weight.detach().clone()
     # each (P, H, ...): the head is dim 1, so heads are kept independently
@@ -328,11 +363,12 @@ def fit_feature_map(
     train_loss = torch.zeros(heads)
     for step in range(steps + 1):
         if step % eval_every == 0 or step == steps:
+            decide()
             with torch.no_grad():
                 watched = torch.zeros(heads)
                 for item in sequences:
                     rows = item["held"] if held_rows else item["train"]
-                    watched += loss_of(_batch(item, rows, None, 0.0, generator), rows).sum(-1)
+                    watched += loss_of(_batch(item, rows, None, 0.0, generator), rows, item).sum(-1)
             improved = watched < best_loss
             stale = 0 if bool(improved.any()) else stale + 1
             best_loss = torch.where(improved, watched, best_loss)
@@ -360,7 +396,7 @@ def fit_feature_map(
             if batch_keys and not causal and n > batch_keys:
                 keys = torch.randperm(n, generator=generator)[:batch_keys].sort().values
             batch = _batch(item, item["train"][pick], keys, noise, generator)
-            losses = loss_of(batch, item["train"][pick]).mean(-1)  # (H,)
+            losses = loss_of(batch, item["train"][pick], item).mean(-1)  # (H,)
             total = total + losses.sum() / len(chosen)
             train_loss += losses.detach() / len(chosen)
         if anchor:
@@ -399,14 +435,19 @@ def fit_model_feature_maps(
 
     All layers are fitted in one optimisation (heads are independent, see :func:`fit_feature_map`), then split
     per layer. ``fit_options`` go to :func:`fit_feature_map` (``num_features``, ``tied``, ``steps``, ``window``,
-    ``sinks``, ``window_factor``, ...); a window fit is recorded (:meth:`FittedFeatureMaps.window_options`).
+    ``sinks``, ``window_factor``, ``sparse_cache``, ...); a window fit is recorded
+    (:meth:`FittedFeatureMaps.window_options`). ``sparse_cache``: one :class:`~linattn.SparseCache` for every layer
+    or one per layer (per-head sizes count one layer's heads).
     A progress bar over the fit's steps (all layers' heads at once) is shown on a terminal unless
     ``progress=False``: a model's fit takes minutes to tens of minutes.
     """
     qs, ks, vs = capture.all_heads()  # lists of (L·H, N, d)
     fit_options.setdefault("progress", True)
-    if fit_options.get("mse_weight"):
+    if fit_options.get("mse_weight") or fit_options.get("sparse_cache") is not None:
         fit_options["v"] = vs
+    if fit_options.get("sparse_cache") is not None:
+        fit_options["sparse_cache"] = _stacked_cache(fit_options["sparse_cache"], capture.num_layers,
+                                                     capture.num_heads)
     stacked = fit_feature_map(qs, ks, kind=kind, seed=seed, causal=capture.causal, scale=capture.scaling,
                               **fit_options)
     heads = capture.num_heads
@@ -418,3 +459,21 @@ def fit_model_feature_maps(
     if gamma is not None:
         fitted.window_factors = [gamma[i * heads : (i + 1) * heads].clone() for i in range(capture.num_layers)]
     return fitted
+
+
+def _stacked_cache(cache: SparseCache | Sequence[SparseCache], layers: int, heads: int) -> SparseCache:
+    """One cache over the stacked L·H heads from one cache for every layer or one per layer."""
+    caches = [cache] * layers if isinstance(cache, SparseCache) else list(cache)
+    if len(caches) != layers or not all(isinstance(c, SparseCache) for c in caches):
+        raise LinearAttentionError(f"sparse_cache: one SparseCache or one per layer ({layers}), got {cache!r}")
+    sizes: list[int] = []
+    for layer, item in enumerate(caches):
+        size = item.size.tolist() if isinstance(item.size, torch.Tensor) else item.size
+        row = [size] * heads if isinstance(size, int) else list(size)
+        if len(row) != heads:
+            raise LinearAttentionError(f"sparse_cache: layer {layer} gives {len(row)} sizes for {heads} heads")
+        sizes.extend(int(x) for x in row)
+    first = caches[0]
+    if any((c.score, c.block) != (first.score, first.block) or c.keep is not None for c in caches):
+        raise LinearAttentionError("sparse_cache: fitting takes caches of one score and block, not the oracle")
+    return SparseCache(size=tuple(sizes), score=first.score, block=first.block)

@@ -433,5 +433,32 @@ def _decide(
     return selections, entry[..., :-1]
 
 
+def cache_selections(hybrid: Hybrid, cache: SparseCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The cache of each query block of a sequence read from its start (no state), as every form decides it (no
+    gradient): (..., ⌈N / B⌉, L) positions ascending, −1 in unused slots; query t's cache is row t // B (B the
+    cache's block), of which it weighs exactly the pairs j ≤ t − W. Every other visible pair outside the window and
+    the sinks is in its linear part. For fitting maps with the cache in place (the hybrid row's exact keys)."""
+    window, sinks, n, device = hybrid.window, hybrid.sinks, q.shape[-2], q.device
+    block, slots, batch = cache.block_for(window), cache.largest, q.shape[:-2]
+    with torch.no_grad():
+        keep = torch.ones(k.shape[:-1], dtype=torch.bool, device=device) if keep is None else keep
+        xpos = torch.cat([torch.full((slots,), -1, device=device), torch.arange(n, device=device)])
+        xpos = xpos.expand(*batch, slots + n)
+        xkeep = torch.cat([torch.zeros(*batch, slots, dtype=torch.bool, device=device), keep], -1) & (xpos >= sinks)
+        xk = torch.cat([k.new_zeros(*batch, slots, k.shape[-1]), k], -2)
+        xv = torch.cat([v.new_zeros(*batch, slots, v.shape[-1]), v], -2)
+        kf = hybrid.key_logs(xk, xkeep)
+        state = empty_window_state(hybrid, k, v, kf.shape[-1])
+        carried = torch.full((*batch, slots), -1, dtype=torch.long, device=device)
+
+        def index_of(positions: torch.Tensor) -> torch.Tensor:
+            return torch.where(positions < 0, -1, slots + positions)
+
+        selections, _ = _decide(cache, hybrid, block, 0, n, slots, 0, xpos, xkeep, kf, xk, xv, carried,
+                                state.linear, index_of, q, 0)
+    return torch.stack(selections, -2)
+
+
 def _spare(rows: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
     return torch.where(rows < 0, entry.shape[-1] - 1, rows)
