@@ -294,7 +294,7 @@ def test_fitting_with_the_cache_in_place_trains_the_rows_the_op_gives() -> None:
                     factor=None, scale=8**-0.5, eps=0.0, min_denom=None)
     with torch.no_grad():
         selections = cache_selections(hybrid, cache, item["q"], item["k"], item["v"])
-        masks = _cached_masks(batch, rows, selections, 5, 4)
+        masks = _cached_masks(batch, rows, selections, 4)
         assert bool((masks["exact"] & ~batch["exact"]).any())  # pairs outside the window are exact
         batch.update(masks)
         loss = _hybrid_loss(fmap, batch, 0.0, None)  # (H, R)

@@ -155,15 +155,15 @@ def _window_masks(rows: torch.Tensor, keys: torch.Tensor, window: int, sinks: in
     return {"exact": exact, "linear": visible & ~exact}
 
 
-def _cached_masks(batch: dict[str, torch.Tensor], rows: torch.Tensor, selections: torch.Tensor, window: int,
+def _cached_masks(batch: dict[str, torch.Tensor], rows: torch.Tensor, selections: torch.Tensor,
                   block: int) -> dict[str, torch.Tensor]:
-    """The window masks (R, K) with each row's cached pairs (its block's row of ``selections`` (H, b, L), the
-    pairs j ≤ t − W) moved from the linear part to the exact part: (H, R, K)."""
-    keys = torch.arange(batch["k"].shape[1])
+    """The window masks (R, K) with each row's cached pairs (its block's row of ``selections`` (H, b, L); those
+    in the linear part, i.e. visible, outside the window and not sinks) moved to the exact part: (H, R, K)."""
+    keys = batch["k"].shape[1]
     mine = selections[:, rows // block]  # (H, R, L)
-    held = torch.zeros(*mine.shape[:2], keys.shape[0] + 1, dtype=torch.bool)
-    held.scatter_(-1, torch.where(mine < 0, keys.shape[0], mine), True)  # slot −1 → the spare column
-    cached = held[..., :-1] & (rows.unsqueeze(-1) - keys >= window) & batch["linear"]
+    held = torch.zeros(*mine.shape[:2], keys + 1, dtype=torch.bool)
+    held.scatter_(-1, torch.where(mine < 0, keys, mine), True)  # slot −1 → the spare column
+    cached = held[..., :-1] & batch["linear"]
     return {"exact": batch["exact"] | cached, "linear": batch["linear"] & ~cached}
 
 
@@ -338,7 +338,7 @@ def fit_feature_map(
             return _loss(fmap, batch, mse_weight)
         batch.update(_window_masks(rows, torch.arange(batch["k"].shape[1]), window, sinks, causal))
         if sparse_cache is not None:
-            batch.update(_cached_masks(batch, rows, item["cache"], window, sparse_cache.block_for(window)))
+            batch.update(_cached_masks(batch, rows, item["cache"], sparse_cache.block_for(window)))
         return _hybrid_loss(fmap, batch, mse_weight, log_gamma[0] if log_gamma is not None else None)
 
     def decide() -> None:
