@@ -1,7 +1,8 @@
 """What the sparse exact cache costs on CPU: the window op (W = 64, 4 sinks) with and without a cache of λ pairs
 per head, causal forward and forward+backward at N tokens, alternating in the same rounds; the decoding step
 (one token from a state after ``--context`` tokens) of the window op (its lean step) and with the cache (the
-definition's form from the state, and its lean step SparseDecodeStep); and training memory.
+definition's form from the state, and its lean step SparseDecodeStep, also with the same total split unevenly
+across heads); and training memory.
 
 Every variant runs once per round, in turn, so a change of machine load hits all alike; the figure is the median
 over rounds. Memory: the peak of live allocations during forward+backward as a multiple of the bytes of q, k, v
@@ -82,11 +83,18 @@ def decoding(heads: int, dim: int, size: int, context: int, rounds: int) -> None
     _, cache_state = linattn.linear_attention(q[..., head, :], k[..., head, :], v[..., head, :], causal=True,
                                               window=WINDOW, sinks=SINKS, feature_map=fmap, sparse_cache=cache,
                                               return_state=True)
-    lean, per_call = f"cache {size} step", f"cache {size} per call"
-    times: dict[str, list[float]] = {"window step": [], lean: [], per_call: []}
+    # the same total split across heads: a quarter of the mean for all but one head, the rest for that one
+    low = size // 4
+    split = SparseCache(tuple([low] * (heads - 1) + [size * heads - low * (heads - 1)]))
+    _, split_state = linattn.linear_attention(q[..., head, :], k[..., head, :], v[..., head, :], causal=True,
+                                              window=WINDOW, sinks=SINKS, feature_map=fmap, sparse_cache=split,
+                                              return_state=True)
+    lean, per_call, uneven = f"cache {size} step", f"cache {size} per call", f"split {low}…{split.largest} step"
+    times: dict[str, list[float]] = {"window step": [], lean: [], uneven: [], per_call: []}
     with torch.no_grad():
         for _ in range(rounds + 1):  # the first round warms up
             step, sparse = WindowDecodeStep(fmap, plain_state), SparseDecodeStep(fmap, cache_state, cache)
+            split_step = SparseDecodeStep(fmap, split_state, split)
             state = cache_state
             for t in range(context, context + 64):  # one boundary (block 64) among the 64 tokens of a round
                 token = slice(t, t + 1)
@@ -97,6 +105,9 @@ def decoding(heads: int, dim: int, size: int, context: int, rounds: int) -> None
                 start = time.perf_counter()
                 sparse(*x)
                 times[lean].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                split_step(*x)
+                times[uneven].append(time.perf_counter() - start)
                 start = time.perf_counter()
                 _, state = linattn.linear_attention(*x, causal=True, window=WINDOW, sinks=SINKS, feature_map=fmap,
                                                     sparse_cache=cache, initial_state=state, return_state=True)

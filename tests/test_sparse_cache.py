@@ -164,10 +164,35 @@ def test_memory_is_constant(score: str) -> None:
     q, k, v = _inputs(n=4096, seed=4)
     cache = SparseCache(size=5, block=8, score=score)
     size = lambda s: sum(x.numel() * x.element_size() for x in (  # noqa: E731
-        s.keys, s.values, s.sink_keys, s.sink_values, s.linear.kv, s.linear.k_sum, s.cache.keys, s.cache.values,
-        s.cache.positions, s.cache.queries))
+        s.keys, s.values, s.sink_keys, s.sink_values, s.linear.kv, s.linear.k_sum, s.cache.packed_keys,
+        s.cache.packed_values, s.cache.packed_positions, s.cache.sizes, s.cache.queries))
     sizes = {n: size(_run(q[..., :n, :], k[..., :n, :], v[..., :n, :], cache, "chunked")[1]) for n in (40, 200, 4096)}
     assert len(set(sizes.values())) == 1, sizes
+
+
+@pytest.mark.parametrize("form", ["chunked", "parallel"])
+def test_a_split_budget_is_held_at_its_total(form: str) -> None:
+    """Per-head sizes (1, 7) hold the bytes of a uniform 4, not of 7 for each head: the state packs each head's
+    slots at its own size; the slot view (..., 7) gives them back, −1 beyond a head's size."""
+    q, k, v = _inputs(n=70)
+
+    def held(state: linattn.WindowAttentionState) -> int:
+        assert state.cache is not None
+        return sum(x.numel() * x.element_size()
+                   for x in (state.cache.packed_positions, state.cache.packed_keys, state.cache.packed_values))
+
+    split, even, wide = (_run(q, k, v, SparseCache(size=size, block=4), form)[1] for size in ((1, 7), 4, 7))
+    assert held(split) == held(even) < held(wide)
+    assert split.cache is not None
+    positions = split.cache.positions
+    assert positions.shape == (1, 2, 7) and split.cache.slots == 7
+    assert positions[0, 0, 0] >= 0 and bool((positions[0, 0, 1:] == -1).all()) and bool((positions[0, 1] >= 0).all())
+    again = linattn.SparseCacheState.from_slots(positions, split.cache.keys, split.cache.values, split.cache.queries,
+                                                split.cache.block, split.cache.sizes)
+    assert torch.equal(again.packed_keys, split.cache.packed_keys)
+    assert torch.equal(again.packed_positions, split.cache.packed_positions)
+    with pytest.raises(LinearAttentionError, match="same sparse_cache"):  # the same largest size, another split
+        _run(q[..., :4, :], k[..., :4, :], v[..., :4, :], SparseCache(size=(7, 1), block=4), form, state=split)
 
 
 def test_errors() -> None:
@@ -226,6 +251,37 @@ def test_transformers_cache_decodes_what_the_whole_sequence_computes() -> None:
         steps.append(model(ids[:, 59:], past_key_values=cache, use_cache=True).logits)
     assert (torch.cat(steps, 1) - whole).abs().max().item() <= 1e-9
     assert len(set(sizes[5:])) == 1
+
+
+def test_generating_with_a_split_holds_its_total() -> None:
+    """A tiny Llama with one split per layer (3 pairs per head on average, the largest 6): decoded token by token
+    through the transformers cache it gives the whole sequence's logits, and the cache holds the bytes of the same
+    model with 3 pairs for every head."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from linattn import hf
+    from linattn.hf_cache import LinearAttentionCache
+
+    config = LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
+    ids = torch.randint(1, 50, (1, 40), generator=torch.Generator().manual_seed(1))
+
+    def decoded(caches: list[SparseCache]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval().double()
+        hf.linearize(model, "elu", window=8, sinks=2, sparse_cache=caches)
+        with torch.no_grad():
+            whole = model(ids).logits
+            cache = LinearAttentionCache()
+            steps = [model(ids[:, :13], past_key_values=cache, use_cache=True).logits]
+            steps += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(13, 40)]
+        return torch.cat(steps, 1), whole, cache.nbytes()
+
+    split = [SparseCache(size=(1, 5, 3, 3), block=4), SparseCache(size=(3, 3, 0, 6), block=4)]
+    steps, whole, held = decoded(split)
+    assert (steps - whole).abs().max().item() <= 1e-9
+    assert held == decoded([SparseCache(size=3, block=4)] * 2)[2] < decoded([SparseCache(size=6, block=4)] * 2)[2]
 
 
 def test_split_keeps_the_total_and_follows_the_scores() -> None:

@@ -157,6 +157,24 @@ def test_index_select_goes_on_with_the_selected_rows() -> None:
     _same_state(selected.state(), final)
 
 
+def test_the_step_holds_a_split_budget_at_its_total() -> None:
+    """Sizes (1, 4, 0, 3) per head: the step's buffers hold the bytes of a uniform 2 (the same total), fewer than a
+    uniform 4 (the largest) — after a prefill and across boundaries."""
+    q, k, v = _inputs(30)
+    fmap = create("elu")
+
+    def held(size: int | tuple[int, ...]) -> int:
+        cache = SparseCache(size=size, score="recall", block=BLOCK)
+        _, state = linear_attention(q[..., :9, :], k[..., :9, :], v[..., :9, :], feature_map=fmap, return_state=True,
+                                    **_options(cache))
+        step = SparseDecodeStep(fmap, state, cache)
+        for t in range(9, 30):
+            step(_token(q, t), _token(k, t), _token(v, t))
+        return sum(x.numel() * x.element_size() for x in vars(step).values() if isinstance(x, torch.Tensor))
+
+    assert held((1, 4, 0, 3)) == held(2) < held(4)
+
+
 def test_the_capability_table_and_lean_step_choose_it() -> None:
     q, k, v = _inputs(12)
     fmap = create("elu")

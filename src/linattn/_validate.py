@@ -506,10 +506,9 @@ def check_sparse_cache(cache: SparseCache, q: torch.Tensor, window: int, state: 
             raise LinearAttentionError(
                 "initial_state: made without sparse_cache=; continue it without one, or start a new sequence"
             )
-        if state.cache is not None and (state.cache.block != block
-                                        or state.cache.positions.shape[-1] != cache.largest):
+        held = state.cache
+        if held is not None and (held.block != block or not cache.made(held.sizes)):
             raise LinearAttentionError(
-                f"initial_state: its cache was made with block={state.cache.block} and "
-                f"{state.cache.positions.shape[-1]} slots; this call has block={block} and {cache.largest}: pass "
-                "the same sparse_cache"
+                f"initial_state: its cache was made with block={held.block} and other per-head sizes (largest "
+                f"{held.slots}); this call has block={block} and sizes {cache.size!r}: pass the same sparse_cache"
             )

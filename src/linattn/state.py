@@ -220,6 +220,20 @@ class SparseCache:
         sizes = (sizes + floor).view(scores.shape)
         return [SparseCache(size=tuple(int(x) for x in row), score=score, block=block) for row in sizes]
 
+    def sizes_for(self, batch: torch.Size | tuple[int, ...], device: torch.device | str | None = None
+                  ) -> torch.Tensor:
+        """The per-row budgets as (...) int64 for the batch dims (..., H) (per-head sizes along the last)."""
+        if isinstance(self.size, int):
+            return torch.full(tuple(batch), self.size, dtype=torch.long, device=device)
+        return torch.as_tensor(self.size, dtype=torch.long, device=device).expand(tuple(batch))
+
+    def made(self, sizes: torch.Tensor) -> bool:
+        """Whether a cache state of per-row budgets ``sizes`` (:attr:`SparseCacheState.sizes`) has these sizes."""
+        try:
+            return torch.equal(sizes.cpu(), self.sizes_for(sizes.shape))
+        except RuntimeError:  # per-head sizes that do not broadcast against the state's heads
+            return False
+
     def block_for(self, window: int) -> int:
         """The block between decisions for a window of W."""
         return self.block if self.block is not None else min(64, window)
@@ -227,33 +241,87 @@ class SparseCache:
 
 @dataclass
 class SparseCacheState:
-    """The sparse cache's part of a :class:`WindowAttentionState`.
+    """The sparse cache's part of a :class:`WindowAttentionState`, packed: each head holds exactly its own budget.
 
-    ``positions``  (..., L) int64: the cached pairs' positions, ascending, −1 for an empty slot (at the end);
-                   L = the largest per-head size. Pairs chosen at the last boundary that are still in the window
-                   are already here.
-    ``keys``       (..., L, Dk), ``values`` (..., L, Dv): their keys and values (zeros in empty slots)
-    ``queries``    (..., Lq, Dk): the queries since the last boundary (``score="attention"``; else Lq = 0)
-    ``block``      the tokens between decisions it was made with
+    ``sizes``             (...) int64: each row's budget (the batch dims (..., H); with per-head sizes they differ
+                          along H). Row r's pairs are slots 0 … sizes[r] − 1 of the row; no row holds more.
+    ``packed_positions``  (M,) int64, M = Σ sizes: every row's slots, row after row (row-major over the batch
+                          dims), in each row ascending with −1 for an empty slot (at the end). Pairs chosen at the
+                          last boundary that are still in the window are already here.
+    ``packed_keys``       (M, Dk), ``packed_values`` (M, Dv): their keys and values (zeros in empty slots)
+    ``queries``           (..., Lq, Dk): the queries since the last boundary (``score="attention"``; else Lq = 0)
+    ``block``             the tokens between decisions it was made with
+
+    A split budget (one size per head) is therefore held at its total, not at the largest head's size for every
+    head. :attr:`positions`, :attr:`keys` and :attr:`values` give the slots as (..., L[, D]) with L the largest
+    size (new tensors; −1 / zeros where a row's budget is smaller); :meth:`from_slots` packs them.
     """
 
-    positions: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
+    sizes: torch.Tensor
+    packed_positions: torch.Tensor
+    packed_keys: torch.Tensor
+    packed_values: torch.Tensor
     queries: torch.Tensor
     block: int
 
+    @staticmethod
+    def slot_mask(sizes: torch.Tensor, slots: int) -> torch.Tensor:
+        """(..., L) bool: the slots each row holds (slot < its size)."""
+        return torch.arange(slots, device=sizes.device) < sizes.unsqueeze(-1)
+
+    @classmethod
+    def from_slots(cls, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
+                   block: int, sizes: torch.Tensor) -> SparseCacheState:
+        """Packs slots (..., L[, D]) whose rows hold at most ``sizes`` (...) pairs each, at the front."""
+        mask = cls.slot_mask(sizes, positions.shape[-1])
+        return cls(sizes, positions[mask], keys[mask], values[mask], queries, block)
+
+    @property
+    def slots(self) -> int:
+        """L: the largest row budget (the width of :attr:`positions`)."""
+        return int(self.sizes.max()) if self.sizes.numel() else 0
+
+    def _unpacked(self, packed: torch.Tensor, fill: float) -> torch.Tensor:
+        mask = self.slot_mask(self.sizes, self.slots)
+        out = packed.new_full((*mask.shape, *packed.shape[1:]), fill)
+        out[mask] = packed
+        return out
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(..., L) int64: each row's slots, −1 where empty or beyond its budget (a new tensor)."""
+        return self._unpacked(self.packed_positions, -1)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """(..., L, Dk): the cached keys, zeros in empty slots (a new tensor)."""
+        return self._unpacked(self.packed_keys, 0.0)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """(..., L, Dv): the cached values, zeros in empty slots (a new tensor)."""
+        return self._unpacked(self.packed_values, 0.0)
+
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> SparseCacheState:
-        return replace(self, positions=self.positions.to(device=device), keys=self.keys.to(device=device, dtype=dtype),
-                       values=self.values.to(device=device, dtype=dtype),
+        return replace(self, sizes=self.sizes.to(device=device),
+                       packed_positions=self.packed_positions.to(device=device),
+                       packed_keys=self.packed_keys.to(device=device, dtype=dtype),
+                       packed_values=self.packed_values.to(device=device, dtype=dtype),
                        queries=self.queries.to(device=device, dtype=dtype))
 
     def detach(self) -> SparseCacheState:
-        return replace(self, keys=self.keys.detach(), values=self.values.detach(), queries=self.queries.detach())
+        return replace(self, packed_keys=self.packed_keys.detach(), packed_values=self.packed_values.detach(),
+                       queries=self.queries.detach())
 
     def index_select(self, dim: int, index: torch.Tensor) -> SparseCacheState:
-        return replace(self, **{name: getattr(self, name).index_select(dim, index)
-                                for name in ("positions", "keys", "values", "queries")})
+        """Select along a batch dimension (``dim`` counts over the leading dims, as the window state's)."""
+        if dim < 0:
+            dim += self.sizes.dim()
+        if not 0 <= dim < self.sizes.dim():
+            raise LinearAttentionError(f"dim: the cache has {self.sizes.dim()} batch dims, got {dim}")
+        return self.from_slots(self.positions.index_select(dim, index), self.keys.index_select(dim, index),
+                               self.values.index_select(dim, index), self.queries.index_select(dim, index),
+                               self.block, self.sizes.index_select(dim, index))
 
 
 @dataclass

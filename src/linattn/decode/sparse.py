@@ -1,7 +1,7 @@
 """The lean step of the window op with a sparse exact cache (``linear_attention(..., window=W, sinks=S,
 sparse_cache=...)``), one token per call: :class:`SparseDecodeStep`.
 
-It is :class:`~linattn.decode.WindowDecodeStep` with λ more exact slots per query head after the sinks and the
+It is :class:`~linattn.decode.WindowDecodeStep` with up to λ more exact slots per query head beside the sinks and the
 ring, holding the cached pairs (keys, values, features φ(k)) and their positions. Per token t:
 
 - at a boundary (t = b·B, b ≥ 1, before the token's output) the candidates — the cache and the B pairs of the ring
@@ -14,11 +14,12 @@ ring, holding the cached pairs (keys, values, features φ(k)) and their position
   (position + W ≤ t).
 
 Boundaries cost O((λ + B)·(λ + F·Dv)) per row once every B tokens; a token between them costs the window step's
-ops on S + W + λ slots and two small ops more (the leaving key's flag, the cache's exact flags; a third stores the
-query for ``"attention"``). The cache is per query head. Without grouped-query attention its keys and values sit
-in the ring's buffers after the ring's slots, so one product scores every exact key; with g > 1 query heads per
-key/value head the ring holds each key once per key/value head and the cache has its own (B·H, λ, ·) buffers: two
-products, joined before the one softmax.
+ops on S + W slots, the cache's pairs scored and summed under the same row maximum, and two small ops more (the
+leaving key's flag, the cache's exact flags; a third stores the query for ``"attention"``). The cache is per query
+head and packed as :class:`~linattn.SparseCacheState` packs it: each head holds its own size's slots (keys, values,
+features φ(k), positions) in flat buffers, row after row, so a budget split across heads costs its total, not the
+largest head's size for every head. A token scores each packed slot against its row's query and sums it into its
+row (index ops, no padding); a boundary unpacks the slots to (B·H, λ) for the decision and packs the result.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ class SparseDecodeStep(WindowDecodeStep):
                 "(FAVOR+ and kin); the step keeps every sum at scale 1"
             )
         block, slots = cache.block_for(state.window), cache.largest
-        if carried.block != block or carried.positions.shape[-1] != slots:
+        if carried.block != block or carried.slots != slots:
             raise LinearAttentionError(
-                f"cache: the state's cache was made with block={carried.block} and {carried.positions.shape[-1]} "
+                f"cache: the state's cache was made with block={carried.block} and {carried.slots} "
                 f"slots; this SparseCache has block={block} and {slots}: pass the same sparse_cache"
             )
         super().__init__(fmap, state, eps=eps, window_factor=window_factor, softmax_scale=softmax_scale,
@@ -79,8 +80,11 @@ class SparseDecodeStep(WindowDecodeStep):
         if not isinstance(cache.size, int) and len(cache.size) != heads:
             raise LinearAttentionError(f"cache: {len(cache.size)} per-head sizes for a state of {heads} heads; give "
                                        "one per query head")
+        if not cache.made(carried.sizes):
+            raise LinearAttentionError(f"cache: the state's cache was made with other per-head sizes (largest "
+                                       f"{carried.slots}); this SparseCache has {cache.size!r}: pass the same one")
         self.cache, self.block, self.slots = cache, block, slots
-        rows, group, dim = batch * heads, self.group, self.keys.shape[-1]
+        rows, dim = batch * heads, self.keys.shape[-1]
         dtype, device = self.kv.dtype, self.kv.device
         self.ring_slots = self.sinks + self.window
         self.sizes = sizes_for(cache, torch.Size([batch, heads]), device)  # (B, H)
@@ -89,50 +93,50 @@ class SparseDecodeStep(WindowDecodeStep):
         self.hybrid = Hybrid(lambda x, is_query: fmap(x), log_space=False, window=self.window, sinks=self.sinks,
                              factor=None, scale=self.scale, eps=self.eps, min_denom=None)
         with torch.no_grad():
-            filled = carried.positions >= 0  # (B, H, λ)
-            cached_keys = carried.keys.detach().to(dtype).reshape(rows, slots, dim)
-            cached_values = carried.values.detach().to(dtype).reshape(rows, slots, values)
-            cached_features = (self._map(carried.keys.detach().to(dtype), False).masked_fill(~filled.unsqueeze(-1), 0.0)
+            # the cache packed as the state holds it: row r = b·H + h has its own size's slots, row after row
+            self.row_of = torch.repeat_interleave(torch.arange(rows, device=device), self.sizes.reshape(-1))  # (M,)
+            self.even = slots > 0 and bool((self.sizes == slots).all())  # every row at λ: (B·H, λ, ·)
+            held = carried.positions.to(device)  # (B, H, λ), −1 where empty or beyond a head's size
+            filled = held >= 0
+            cached_features = (self._map(carried.keys.detach().to(device=device, dtype=dtype), False)
+                               .masked_fill(~filled.unsqueeze(-1), 0.0)
                                if slots else self.key_features.new_zeros(batch, heads, 0, features))
-            # the cache's λ slots per query head after the ring's S + W: features and exact flags always; keys and
-            # values too without GQA (one row per query head there), else in buffers of their own
-            self.key_features = torch.cat([self.key_features, cached_features.reshape(rows, slots, features)], 1)
-            self.live = torch.cat([self.live, self.live.new_zeros(rows, slots)], 1)
-            self.own_keys: torch.Tensor | None = None
-            self.own_values: torch.Tensor | None = None
-            if group == 1:
-                self.keys = torch.cat([self.keys, cached_keys], 1)
-                self.values = torch.cat([self.values, cached_values], 1)
-            else:
-                self.own_keys, self.own_values = cached_keys.clone(), cached_values.clone()
-            # positions (B·H, λ), NEVER in an empty slot: a cached pair is exact at t when its position ≤ t − W
-            self.positions = torch.where(filled, carried.positions, NEVER).reshape(rows, slots).clone()
+            mask = self._slot_mask()
+            self.cached_keys = carried.packed_keys.detach().to(device=device, dtype=dtype).clone()  # (M, d)
+            self.cached_values = carried.packed_values.detach().to(device=device, dtype=dtype).clone()  # (M, Dv)
+            self.cached_features = cached_features.reshape(rows, slots, features)[mask]  # (M, F)
+            # positions, NEVER in an empty slot: a cached pair is exact at t when its position ≤ t − W
+            packed = carried.packed_positions.to(device)
+            self.positions = torch.where(packed >= 0, packed, NEVER)  # (M,)
+            self.exact = torch.zeros_like(self.positions, dtype=torch.bool)  # (M,): an exact key now
             # per ring slot (position p in p mod W): whether the last boundary kept the pair, so it stays exact when
             # it leaves the window (set at the boundary that decides p, which comes before p leaves)
             self.stays = torch.zeros(rows, self.window, dtype=torch.bool, device=device)
             t = self.num_tokens
             ring = torch.arange(max(0, t - self.window), t, device=device)
             if ring.numel() and slots:
-                kept = (ring.view(1, -1, 1) == self.positions.unsqueeze(1)).any(-1)  # (B·H, ring)
+                kept = (ring.view(1, -1, 1) == held.reshape(rows, 1, slots)).any(-1)  # (B·H, ring)
                 self.stays[:, ring % self.window] = kept
+            torch.le(self.positions, t - self.window, out=self.exact)
             # "attention": the queries since the last boundary, position p in slot p mod B
             self.queries: torch.Tensor | None = None
             if cache.score == "attention":
                 self.queries = torch.zeros(rows, block, dim, dtype=dtype, device=device)
-                held = carried.queries.shape[-2]
-                if held:
-                    at = torch.arange(t - held, t, device=device) % block
-                    self.queries[:, at] = carried.queries.detach().to(dtype).reshape(rows, held, dim)
+                since = carried.queries.shape[-2]
+                if since:
+                    at = torch.arange(t - since, t, device=device) % block
+                    self.queries[:, at] = carried.queries.detach().to(dtype).reshape(rows, since, dim)
 
-    @property
-    def cached_keys(self) -> torch.Tensor:
-        """The cache's keys (B·H, λ, d): a view of the buffer that holds them."""
-        return self.keys[:, self.ring_slots :] if self.own_keys is None else self.own_keys
+    def _slot_mask(self) -> torch.Tensor:
+        """(B·H, λ) bool: the slots each row holds (the packing of the cache buffers)."""
+        return torch.arange(self.slots, device=self.sizes.device) < self.sizes.reshape(-1, 1)
 
-    @property
-    def cached_values(self) -> torch.Tensor:
-        """The cache's values (B·H, λ, Dv): a view of the buffer that holds them."""
-        return self.values[:, self.ring_slots :] if self.own_values is None else self.own_values
+    def _unpacked(self, x: torch.Tensor, fill: float) -> torch.Tensor:
+        """A packed buffer (M, ·) or (M,) as slots (B·H, λ, ·) or (B·H, λ), ``fill`` beyond each row's size."""
+        mask = self._slot_mask()
+        out = x.new_full((*mask.shape, *x.shape[1:]), fill)
+        out[mask] = x
+        return out
 
     @torch.no_grad()
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -157,29 +161,66 @@ class SparseDecodeStep(WindowDecodeStep):
             self.queries[:, t % self.block] = q.reshape(-1, q.shape[-1])
         self.num_tokens = t + 1
         # the cached pairs that have left the window are exact
-        torch.le(self.positions, t - window, out=self.live[:, self.ring_slots :])
-        return self._output(q, qf, ~self.live, out_dtype)
+        torch.le(self.positions, t - window, out=self.exact)
+        dead = ~self.live
+        if self.even:
+            dead = torch.cat([dead, ~self.exact.view(dead.shape[0], -1)], 1)
+        return self._output(q, qf, dead, out_dtype)
+
+    # The exact part. With every row at the same size (``even``) the packed buffers are (B·H, λ, ·) as they lie:
+    # the cache's slots join the ring's in the window step's one softmax (batched products, below). Else each packed
+    # slot is scored against its row's query and summed into its row through ``row_of`` (index ops, _exact).
 
     def _scores(self, q: torch.Tensor) -> torch.Tensor:
-        if self.own_keys is None:  # the cache in the ring's buffer
-            return super()._scores(q)
-        cached = torch.bmm(q.reshape(-1, 1, q.shape[-1]), self.own_keys.transpose(1, 2)).view(-1, self.slots)
-        return torch.cat([super()._scores(q), cached], 1)
+        ring = super()._scores(q)
+        if not self.even:
+            return ring
+        rows = ring.shape[0]
+        keys = self.cached_keys.view(rows, self.slots, -1)
+        return torch.cat([ring, torch.bmm(q.reshape(rows, 1, -1), keys.transpose(1, 2)).view(rows, -1)], 1)
 
     def _weighted_values(self, probs: torch.Tensor) -> torch.Tensor:
-        if self.own_values is None:
+        if not self.even:
             return super()._weighted_values(probs)
-        ring = self.ring_slots
-        out = torch.bmm(probs[:, :ring].view(-1, self.group, ring), self.values).view(-1, self.values.shape[-1])
-        return out.add_(torch.bmm(probs[:, ring:].unsqueeze(1), self.own_values).squeeze(1))
+        ring, rows = self.ring_slots, probs.shape[0]
+        values = self.cached_values.view(rows, self.slots, -1)
+        cached = torch.bmm(probs[:, ring:].unsqueeze(1), values).squeeze(1)
+        return super()._weighted_values(probs[:, :ring]).add_(cached)
+
+    def _feature_weights(self, qf: torch.Tensor) -> torch.Tensor:
+        ring = super()._feature_weights(qf)
+        if not self.even:
+            return ring
+        features = self.cached_features.view(ring.shape[0], self.slots, -1)
+        return torch.cat([ring, torch.bmm(qf, features.transpose(1, 2)).squeeze(1)], 1)
+
+    def _exact(self, q: torch.Tensor, qf: torch.Tensor, dead: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self.even or not self.slots:  # (even: ``dead`` covers the cache's slots too)
+            return super()._exact(q, qf, dead)
+        dtype, row_of, rows = self.kv.dtype, self.row_of, dead.shape[0]
+        ring = self._scores(q).mul_(self.scale).masked_fill_(dead, float("-inf"))  # (B·H, S + W)
+        queries = q.reshape(rows, -1).index_select(0, row_of)  # (M, d)
+        cached = (queries * self.cached_keys).sum(-1).mul_(self.scale).masked_fill_(~self.exact, float("-inf"))
+        top = ring.amax(-1).scatter_reduce_(0, row_of, cached, "amax").clamp_(min=-torch.finfo(dtype).max)
+        probs = ring.sub_(top.unsqueeze(-1)).exp_()
+        cached_probs = cached.sub_(top.index_select(0, row_of)).exp_()  # 0 where not exact
+        win_num = self._weighted_values(probs).index_add_(0, row_of, cached_probs.unsqueeze(-1) * self.cached_values)
+        win_den = probs.sum(-1).index_add_(0, row_of, cached_probs)
+        if self.gamma is not None:
+            return win_num, win_den, None
+        features = qf.view(rows, -1).index_select(0, row_of)  # (M, F)
+        cached_mass = (features * self.cached_features).sum(-1).masked_fill_(~self.exact, 0.0)
+        mass = self._feature_weights(qf).masked_fill_(dead, 0.0).sum(-1)
+        return win_num, win_den, mass.index_add_(0, row_of, cached_mass)
 
     def _decide(self, t0: int) -> None:
         """The boundary t0: score the candidates (the cache and the ring's pairs t0 − W … t0 − W + B − 1), keep the
         best ``size`` per head (``choose``), let the cached pairs not kept enter the linear sums, and mark which
-        leaving pairs stay exact."""
+        leaving pairs stay exact. The cache is unpacked to (B·H, λ) slots for the decision and packed again."""
         batch, heads, features, values = self._shape
         rows, slots, block, window, group = batch * heads, self.slots, self.block, self.window, self.group
-        ring_slots, device = self.ring_slots, self.kv.device
+        device = self.kv.device
         leaving = torch.arange(t0 - window, t0 - window + block, device=device)  # (B,) positions
         at = self.sinks + leaving % window  # their ring slots
         leaving_valid = (leaving >= self.sinks) & self.live[:, at]  # not sinks, not padding, seen
@@ -187,12 +228,13 @@ class SparseDecodeStep(WindowDecodeStep):
         def per_query_head(x: torch.Tensor) -> torch.Tensor:  # (B·Hkv, ·, ·) → (B·H, ·, ·)
             return x if group == 1 else x.repeat_interleave(group, dim=0)
 
-        old_valid = self.positions != NEVER
-        old_features = self.key_features[:, ring_slots:]
-        old_values = self.cached_values
-        positions = torch.cat([self.positions.masked_fill(~old_valid, -1), leaving.expand(rows, -1)], 1)  # (B·H, C)
+        old_positions = self._unpacked(self.positions, NEVER)  # (B·H, λ) ascending, NEVER in empty slots
+        old_valid = old_positions != NEVER
+        old_features = self._unpacked(self.cached_features, 0.0)
+        old_values = self._unpacked(self.cached_values, 0.0)
+        positions = torch.cat([old_positions.masked_fill(~old_valid, -1), leaving.expand(rows, -1)], 1)  # (B·H, C)
         valid = torch.cat([old_valid, leaving_valid], 1)
-        keys = torch.cat([self.cached_keys, per_query_head(self.keys[:, at])], 1)
+        keys = torch.cat([self._unpacked(self.cached_keys, 0.0), per_query_head(self.keys[:, at])], 1)
         vals = torch.cat([old_values, per_query_head(self.values[:, at])], 1)
         feats = torch.cat([old_features, self.key_features[:, at]], 1)
 
@@ -211,24 +253,26 @@ class SparseDecodeStep(WindowDecodeStep):
             return chosen.gather(1, at) == x
 
         # the cached pairs not kept enter the linear sums at the boundary (they have all left the window)
-        evicted = old_features * (old_valid & ~among_chosen(self.positions)).unsqueeze(-1)
+        evicted = old_features * (old_valid & ~among_chosen(old_positions)).unsqueeze(-1)
         self.kv.view(rows, features, values).baddbmm_(evicted.transpose(1, 2), old_values)
         self.k_sum.view(rows, features).add_(evicted.sum(1))
         # the new cache: each chosen pair's row among the candidates, an old slot (found among the ascending old
-        # positions) or a leaving pair (by its position); empty slots get zeros
+        # positions) or a leaving pair (by its position); empty slots get zeros. A row keeps at most its size, at
+        # the front: packing drops only empty slots
         first = t0 - window
-        index = torch.where(chosen < first, torch.searchsorted(self.positions, chosen), slots + chosen - first)
+        index = torch.where(chosen < first, torch.searchsorted(old_positions, chosen), slots + chosen - first)
         index = index.clamp_(max=slots + block - 1)
         filled = (chosen != NEVER).unsqueeze(-1)
+        mask = self._slot_mask()
 
         def picked(x: torch.Tensor) -> torch.Tensor:
-            return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1])) * filled
+            return (x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1])) * filled)[mask]
 
         self.cached_keys.copy_(picked(keys))
         self.cached_values.copy_(picked(vals))
-        self.key_features[:, ring_slots:] = picked(feats)
+        self.cached_features.copy_(picked(feats))
         self.stays[:, leaving % window] = among_chosen(leaving.expand(rows, -1).contiguous())
-        self.positions.copy_(chosen)
+        self.positions.copy_(chosen[mask])
 
     @classmethod
     def stack(cls, steps: list[WindowDecodeStep], pads: list[int]) -> WindowDecodeStep:
@@ -242,16 +286,14 @@ class SparseDecodeStep(WindowDecodeStep):
         """The state after every token stepped, its cache included (new tensors: the step may go on)."""
         out = super().state()
         batch, heads, _, _ = self._shape
-        slots, dim, t = self.slots, self.keys.shape[-1], self.num_tokens
-        positions = self.positions.masked_fill(self.positions == NEVER, -1).view(batch, heads, slots)
-        keys, cached_values = (x.clone(memory_format=torch.contiguous_format).view(batch, heads, slots, -1)
-                               for x in (self.cached_keys, self.cached_values))
+        dim, t = self.keys.shape[-1], self.num_tokens
         held = (t - 1) % self.block + 1 if t else 0  # the queries since the last boundary, the first in slot 0
         if self.queries is not None:
             queries = self.queries[:, :held].clone().view(batch, heads, held, dim)
         else:
-            queries = keys.new_zeros(batch, heads, 0, dim)
-        out.cache = SparseCacheState(positions, keys, cached_values, queries, self.block)
+            queries = self.cached_keys.new_zeros(batch, heads, 0, dim)
+        out.cache = SparseCacheState(self.sizes.clone(), self.positions.masked_fill(self.positions == NEVER, -1),
+                                     self.cached_keys.clone(), self.cached_values.clone(), queries, self.block)
         return out
 
     def index_select(self, dim: int, index: torch.Tensor) -> SparseDecodeStep:
@@ -261,12 +303,21 @@ class SparseDecodeStep(WindowDecodeStep):
         heads = self._shape[1]
         index = index.to(self.kv.device)
         rows = (index.unsqueeze(-1) * heads + torch.arange(heads, device=index.device)).reshape(-1)
-        new.positions, new.stays = self.positions.index_select(0, rows), self.stays.index_select(0, rows)
+        new.stays = self.stays.index_select(0, rows)
         if self.queries is not None:
             new.queries = self.queries.index_select(0, rows)
+        # the packed slots of the selected rows, row after row
+        sizes = self.sizes.reshape(-1)
+        starts = torch.cumsum(sizes, 0) - sizes
+        counts = sizes.index_select(0, rows)
+        offsets = torch.arange(int(counts.sum()), device=index.device) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts)
+        picked = torch.repeat_interleave(starts.index_select(0, rows), counts) + offsets
+        new.positions, new.exact = self.positions.index_select(0, picked), self.exact.index_select(0, picked)
+        new.cached_keys, new.cached_values, new.cached_features = (
+            x.index_select(0, picked) for x in (self.cached_keys, self.cached_values, self.cached_features))
         new.sizes = self.sizes.index_select(0, index)
-        if self.own_keys is not None and self.own_values is not None:
-            new.own_keys, new.own_values = self.own_keys.index_select(0, rows), self.own_values.index_select(0, rows)
+        new.row_of = torch.repeat_interleave(torch.arange(rows.numel(), device=index.device), counts)
         keep = self.cache.keep
         if keep is not None and keep.dim() >= 3 and keep.shape[-3] > 1:  # an oracle given per batch row
             new.cache = dataclasses.replace(self.cache, keep=keep.index_select(-3, index.to(keep.device)))

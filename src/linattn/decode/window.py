@@ -193,6 +193,26 @@ class WindowDecodeStep(_Step):
         dtype = self.kv.dtype
         lin_num = torch.bmm(qf, self.kv.view(-1, features, values)).squeeze(1)  # (B·H, Dv)
         lin_den = torch.bmm(qf, self.k_sum.view(-1, features, 1)).view(-1)
+        win_num, win_den, mass = self._exact(q, qf, dead)
+        if mass is not None:
+            num = lin_num.addcmul_((mass / win_den.clamp_(min=1.0)).unsqueeze(-1), win_num)
+            den = lin_den.add_(mass)
+        else:
+            assert self.gamma is not None
+            num = lin_num.addcmul_(self.gamma, win_num)
+            den = lin_den.addcmul_(self.gamma.view(-1), win_den)
+        den = den.add_(self.eps)
+        if self.eps <= 0:  # no visible key and eps = 0: output 0, not 0/0 (as finalize)
+            den = torch.where(den == 0, 1.0, den)
+        out = num.div_(den.unsqueeze(-1)).view(batch, heads, 1, values)
+        return out if out_dtype is None or out_dtype == dtype else out.to(out_dtype)
+
+    def _exact(self, q: torch.Tensor, qf: torch.Tensor, dead: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The exact part over the slots: Σ p·v (B·H, Dv), Σ p (B·H,) with p = e^{score − row max}, and (the mass
+        form; None with γ) the mass φ(q)·Σφ(k) (B·H,) of the exact keys; ``dead`` (B·H, slots) marks the slots that
+        are not exact keys now."""
+        dtype = self.kv.dtype
         scores = self._scores(q)
         scores.mul_(self.scale)
         scores.masked_fill_(dead, float("-inf"))  # (B·H, slots)
@@ -201,19 +221,13 @@ class WindowDecodeStep(_Step):
         probs = scores.sub_(top).exp_()
         win_num = self._weighted_values(probs)
         win_den = probs.sum(-1)  # ≥ 1 (the maximum's own term) when a key is live, else 0
-        if self.gamma is None:
-            weights = torch.bmm(qf, self.key_features.transpose(1, 2)).squeeze(1)  # (B·H, slots)
-            mass = weights.masked_fill_(dead, 0.0).sum(-1)
-            num = lin_num.addcmul_((mass / win_den.clamp_(min=1.0)).unsqueeze(-1), win_num)
-            den = lin_den.add_(mass)
-        else:
-            num = lin_num.addcmul_(self.gamma, win_num)
-            den = lin_den.addcmul_(self.gamma.view(-1), win_den)
-        den = den.add_(self.eps)
-        if self.eps <= 0:  # no visible key and eps = 0: output 0, not 0/0 (as finalize)
-            den = torch.where(den == 0, 1.0, den)
-        out = num.div_(den.unsqueeze(-1)).view(batch, heads, 1, values)
-        return out if out_dtype is None or out_dtype == dtype else out.to(out_dtype)
+        if self.gamma is not None:
+            return win_num, win_den, None
+        return win_num, win_den, self._feature_weights(qf).masked_fill_(dead, 0.0).sum(-1)
+
+    def _feature_weights(self, qf: torch.Tensor) -> torch.Tensor:
+        """φ(q)·φ(k) of every exact slot: qf (B·H, 1, F) → (B·H, slots), a new tensor."""
+        return torch.bmm(qf, self.key_features.transpose(1, 2)).squeeze(1)
 
     def _scores(self, q: torch.Tensor) -> torch.Tensor:
         """q·k of every exact slot, unscaled: (B·Hkv, group, d) queries against each key/value head's keys →

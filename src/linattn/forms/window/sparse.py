@@ -29,7 +29,7 @@ Ordinary feature maps only (not log-space maps such as FAVOR+): the capability t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,9 +47,7 @@ NEVER = 1 << 62  # the entry time of a pair that never enters the linear state (
 
 def sizes_for(cache: SparseCache, batch: torch.Size, device: torch.device) -> torch.Tensor:
     """The per-head sizes as (...) int64 against the batch dims (..., H)."""
-    if isinstance(cache.size, int):
-        return torch.full(tuple(batch), cache.size, dtype=torch.long, device=device)
-    return torch.as_tensor(cache.size, dtype=torch.long, device=device).expand(batch)
+    return cache.sizes_for(batch, device)
 
 
 def choose(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, sizes: torch.Tensor,
@@ -115,12 +113,38 @@ def scores_for(cache: SparseCache, hybrid: Hybrid, *, kf: torch.Tensor, v: torch
     return oracle_scores(cache, positions)
 
 
+class _Slots(NamedTuple):
+    """The carried cache as slots (..., L[, ·]), unpacked once per call (−1 / zeros in empty slots)."""
+
+    positions: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+
+
+def _carried(state: WindowAttentionState, cache: SparseCache, k: torch.Tensor, v: torch.Tensor) -> _Slots:
+    """The cache the state carries, or an empty one (a state made before any token)."""
+    if state.cache is not None:
+        held = state.cache
+        return _Slots(held.positions, held.keys, held.values, held.queries)
+    slots, batch = cache.largest, k.shape[:-2]
+    return _Slots(torch.full((*batch, slots), -1, dtype=torch.long, device=k.device),
+                  k.new_zeros(*batch, slots, k.shape[-1]), v.new_zeros(*batch, slots, v.shape[-1]),
+                  k.new_zeros(*batch, 0, k.shape[-1]))
+
+
+def _packed(cache: SparseCache, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            queries: torch.Tensor, block: int) -> SparseCacheState:
+    """The state's cache from slots (..., L[, ·]), each row at its own budget."""
+    return SparseCacheState.from_slots(positions, keys, values, queries, block,
+                                       cache.sizes_for(positions.shape[:-1], positions.device))
+
+
 def empty_cache(cache: SparseCache, k: torch.Tensor, v: torch.Tensor, window: int) -> SparseCacheState:
     slots, batch = cache.largest, k.shape[:-2]
-    return SparseCacheState(
-        torch.full((*batch, slots), -1, dtype=torch.long, device=k.device), k.new_zeros(*batch, slots, k.shape[-1]),
-        v.new_zeros(*batch, slots, v.shape[-1]), k.new_zeros(*batch, 0, k.shape[-1]), cache.block_for(window),
-    )
+    return _packed(cache, torch.full((*batch, slots), -1, dtype=torch.long, device=k.device),
+                   k.new_zeros(*batch, slots, k.shape[-1]), v.new_zeros(*batch, slots, v.shape[-1]),
+                   k.new_zeros(*batch, 0, k.shape[-1]), cache.block_for(window))
 
 
 def _members(positions: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
@@ -159,7 +183,7 @@ def sparse_parallel(
     block = cache.block_for(window)
     if state is None:
         state = empty_window_state(hybrid, k, v, hybrid.key_logs(k[..., :1, :], None).shape[-1])
-    carried = state.cache if state.cache is not None else empty_cache(cache, k, v, window)
+    carried = _carried(state, cache, k, v)
     n0, end = state.num_tokens, state.num_tokens + n
     batch, slots = q.shape[:-2], carried.positions.shape[-1]
     ring_len, sink_len = state.keys.shape[-2], state.sink_keys.shape[-2]
@@ -253,7 +277,7 @@ def _final_cache(cache: SparseCache, members: torch.Tensor, xpos: torch.Tensor, 
     keys = _gather(xk, index) * filled
     values = _gather(xv, index) * filled
     kept = _queries_since(queries, query_first, end, block) if cache.score == "attention" else queries[..., :0, :]
-    return SparseCacheState(members, keys, values, kept, block)
+    return _packed(cache, members, keys, values, kept, block)
 
 
 def sparse_recurrent(
@@ -283,7 +307,7 @@ def sparse_chunked(
     block = cache.block_for(window)
     parts = causal_window_parts(hybrid, q, k, v, keep, state, chunk_size)
     state, keep = parts.state, parts.keep
-    carried = state.cache if state.cache is not None else empty_cache(cache, k, v, window)
+    carried = _carried(state, cache, k, v)
     n0, end = state.num_tokens, state.num_tokens + n
     batch, slots = q.shape[:-2], carried.positions.shape[-1]
     ring_len = state.keys.shape[-2]
@@ -372,8 +396,8 @@ def sparse_chunked(
     final_rows = index_of(final)
     filled = (final >= 0).unsqueeze(-1)
     kept = _queries_since(queries_all, query_first, end, block) if cache.score == "attention" else q[..., :0, :]
-    nxt.cache = SparseCacheState(final, _gather(xk, final_rows) * filled, _gather(xv, final_rows) * filled, kept,
-                                 block)
+    nxt.cache = _packed(cache, final, _gather(xk, final_rows) * filled, _gather(xv, final_rows) * filled, kept,
+                        block)
     return out, nxt
 
 
