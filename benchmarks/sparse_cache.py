@@ -1,8 +1,8 @@
 """What the sparse exact cache costs on CPU: the window op (W = 64, 4 sinks) with and without a cache of λ pairs
-per head, causal forward and forward+backward at N tokens, alternating in the same rounds; the decoding step
-(one token from a state after ``--context`` tokens) of the window op (its lean step) and with the cache (the
-definition's form from the state, and its lean step SparseDecodeStep, also with the same total split unevenly
-across heads); and training memory.
+per head (and the same total split unevenly across heads), causal forward and forward+backward at N tokens,
+alternating in the same rounds; the decoding step (one token from a state after ``--context`` tokens) of the
+window op (its lean step) and with the cache (the definition's form from the state, and its lean step
+SparseDecodeStep, also with the split); and training memory.
 
 Every variant runs once per round, in turn, so a change of machine load hits all alike; the figure is the median
 over rounds. Memory: the peak of live allocations during forward+backward as a multiple of the bytes of q, k, v
@@ -37,14 +37,22 @@ def make_inputs(n: int, heads: int, dim: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(1, heads, n, dim, generator=g) for _ in range(3))
 
 
-def variants(size: int) -> dict[str, Callable[..., Any]]:
+def uneven(size: int, heads: int) -> SparseCache:
+    """The same total as ``size`` per head, split unevenly: a quarter of it for all but one head, the rest there."""
+    low = size // 4
+    return SparseCache(tuple([low] * (heads - 1) + [size * heads - low * (heads - 1)]))
+
+
+def variants(size: int, heads: int) -> dict[str, Callable[..., Any]]:
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
         return linattn.linear_attention(q, k, v, causal=True, window=WINDOW, sinks=SINKS, **options)
 
+    split = uneven(size, heads)
     return {
         "window": call,
         f"cache {size} recall": lambda q, k, v: call(q, k, v, sparse_cache=SparseCache(size)),
         f"cache {size} attention": lambda q, k, v: call(q, k, v, sparse_cache=SparseCache(size, score="attention")),
+        f"split {size // 4}…{split.largest} recall": lambda q, k, v: call(q, k, v, sparse_cache=split),
     }
 
 
@@ -58,7 +66,7 @@ def run(fn: Callable[..., Any], x: tuple[torch.Tensor, ...], training: bool) -> 
 
 def timing(n: int, heads: int, dim: int, size: int, rounds: int) -> None:
     x = make_inputs(n, heads, dim)
-    calls = variants(size)
+    calls = variants(size, heads)
     names = list(calls)
     print(f"{'pass':<8}" + "".join(f"{name + ' ms':>26}" for name in names))
     for training in (False, True):
@@ -83,14 +91,13 @@ def decoding(heads: int, dim: int, size: int, context: int, rounds: int) -> None
     _, cache_state = linattn.linear_attention(q[..., head, :], k[..., head, :], v[..., head, :], causal=True,
                                               window=WINDOW, sinks=SINKS, feature_map=fmap, sparse_cache=cache,
                                               return_state=True)
-    # the same total split across heads: a quarter of the mean for all but one head, the rest for that one
+    split = uneven(size, heads)
     low = size // 4
-    split = SparseCache(tuple([low] * (heads - 1) + [size * heads - low * (heads - 1)]))
     _, split_state = linattn.linear_attention(q[..., head, :], k[..., head, :], v[..., head, :], causal=True,
                                               window=WINDOW, sinks=SINKS, feature_map=fmap, sparse_cache=split,
                                               return_state=True)
-    lean, per_call, uneven = f"cache {size} step", f"cache {size} per call", f"split {low}…{split.largest} step"
-    times: dict[str, list[float]] = {"window step": [], lean: [], uneven: [], per_call: []}
+    lean, per_call, spread = f"cache {size} step", f"cache {size} per call", f"split {low}…{split.largest} step"
+    times: dict[str, list[float]] = {"window step": [], lean: [], spread: [], per_call: []}
     with torch.no_grad():
         for _ in range(rounds + 1):  # the first round warms up
             step, sparse = WindowDecodeStep(fmap, plain_state), SparseDecodeStep(fmap, cache_state, cache)
@@ -107,7 +114,7 @@ def decoding(heads: int, dim: int, size: int, context: int, rounds: int) -> None
                 times[lean].append(time.perf_counter() - start)
                 start = time.perf_counter()
                 split_step(*x)
-                times[uneven].append(time.perf_counter() - start)
+                times[spread].append(time.perf_counter() - start)
                 start = time.perf_counter()
                 _, state = linattn.linear_attention(*x, causal=True, window=WINDOW, sinks=SINKS, feature_map=fmap,
                                                     sparse_cache=cache, initial_state=state, return_state=True)
@@ -125,7 +132,7 @@ def memory(n: int, heads: int, dim: int, size: int) -> None:
     x = make_inputs(n, heads, dim)
     io_bytes = 4 * x[0].numel() * 4
     print(f"\ntraining peak memory at N={n}, forward+backward (× bytes of q, k, v, o = {io_bytes / 2**20:.0f} MiB)")
-    for name, fn in variants(size).items():
+    for name, fn in variants(size, heads).items():
         peak = peak_memory(lambda fn=fn: run(fn, x, True), x[0].device)
         print(f"  {name:<24}{peak / io_bytes:>6.2f}×", flush=True)
 

@@ -138,13 +138,15 @@ def test_gradients() -> None:
     assert torch.autograd.gradcheck(mass, (q, k, v))
 
 
+@pytest.mark.parametrize("sizes", [3, (1, 5)], ids=["uniform", "per-head"])
 @pytest.mark.parametrize("factor", [None, 0.5])
-def test_gradients_of_a_continuation_equal_the_definitions(factor: float | None) -> None:
+def test_gradients_of_a_continuation_equal_the_definitions(factor: float | None, sizes: int | tuple[int, ...]
+                                                           ) -> None:
     """A call from a state whose cache holds pairs that leave it (the held pairs' linear weights) and a call that
-    starts inside a block: the chunked form's gradients (recomputed by tiles) against autograd through the
-    definition, in float64."""
+    starts inside a block: the chunked form's gradients (recomputed by tiles; per-head budgets in groups of their
+    own width) against autograd through the definition, in float64."""
     q, k, v = _inputs(n=60, seed=5)
-    cache = SparseCache(size=3, block=8)
+    cache = SparseCache(size=sizes, block=8)
     _, state = _run(q[..., :27, :], k[..., :27, :], v[..., :27, :], cache, "chunked", window_factor=factor)
     assert bool((state.cache.positions >= 0).any())
     later = [x[..., 27:, :].clone().requires_grad_() for x in (q, k, v)]

@@ -155,6 +155,30 @@ def _members(positions: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
     return (hit & (members >= 0).unsqueeze(-2)).any(-1)
 
 
+def _sorted(members: torch.Tensor) -> torch.Tensor:
+    """Cache positions (..., L), ascending with −1 in the unused slots at the end, as one ascending sequence
+    (NEVER in the unused slots) for ``searchsorted``."""
+    return torch.where(members >= 0, members, NEVER).contiguous()
+
+
+def _slot_of(positions: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For positions (*lead, X) and a sorted table (*lead', L) (:func:`_sorted`; lead' a prefix of lead), each
+    position's slot in the table and whether it is there: O(X·log L), where comparing every pair is O(X·L)."""
+    extra = positions.dim() - table.dim()
+    flat = positions.reshape(*positions.shape[: table.dim() - 1], -1) if extra else positions.contiguous()
+    slot = torch.searchsorted(table, flat).clamp_(max=table.shape[-1] - 1)
+    found = (table.gather(-1, slot) == flat) & (flat >= 0)
+    return slot.view(positions.shape), found.view(positions.shape)
+
+
+def _in_cache(positions: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """:func:`_members` for members (..., L) ascending with −1 at the end (every cache's positions are), by
+    binary search; positions (..., X) with the same leading dims."""
+    if members.shape[-1] == 0:
+        return torch.zeros(positions.shape, dtype=torch.bool, device=positions.device)
+    return _slot_of(positions, _sorted(members))[1]
+
+
 def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows of x (..., X, D) at index (..., K) or (..., b, K) (indices < 0 give row 0; mask them yourself) →
     (..., K, D) or (..., b, K, D). Whole rows are copied (advanced indexing), not element by element."""
@@ -327,11 +351,12 @@ def sparse_chunked(
     slot_features = hybrid.key_logs(carried.keys, slot_valid)
     kf = torch.cat([slot_features, parts.ring_features, parts.features], -2).masked_fill(~xkeep.unsqueeze(-1), 0.0)
 
+    table = _sorted(carried.positions)
+
     def index_of(positions: torch.Tensor) -> torch.Tensor:
-        """Row in X of each position (..., K) (−1: none): a slot for cached pairs older than the buffer."""
-        table = carried.positions.view(*batch, *([1] * (positions.dim() - len(batch) - 1)), slots)
-        slot = ((positions.unsqueeze(-1) == table.unsqueeze(-2)).to(torch.int8).argmax(-1)
-                if slots else torch.zeros_like(positions))
+        """Row in X of each position (..., K) or (..., b, K) (−1: none): a slot for cached pairs older than the
+        buffer (found by binary search among the carried positions)."""
+        slot = _slot_of(positions, table)[0]
         row = torch.where(positions < ring_start, slot, slots + positions - ring_start)
         return torch.where(positions < 0, -1, row)
 
@@ -350,13 +375,10 @@ def sparse_chunked(
     held = slot_valid  # pairs the state held, already out of the window: not in the shifted linear part
     chosen = torch.stack(selections, -2)  # (..., b, L)
     rows = index_of(chosen)
-    u_pos, u_rows = chosen, rows
-    if bool(held.any()):
-        u_pos = torch.cat([chosen, carried.positions.unsqueeze(-2).expand_as(chosen)], -1)
-        u_rows = torch.cat([rows, torch.arange(slots, device=device).expand_as(chosen)], -1)
+    with_held = bool(held.any())
     outside = None
-    if u_pos.shape[-1] > slots:
-        outside = held.unsqueeze(-2) & ~_members(carried.positions.unsqueeze(-2).expand_as(chosen), chosen)
+    if with_held:
+        outside = held.unsqueeze(-2) & ~_in_cache(carried.positions.unsqueeze(-2).expand_as(chosen), chosen)
 
     def padded(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:  # (..., N[, ·]) → (R, blocks·B[, ·])
         spec = (front, pad) if x.dim() == len(batch) + 1 else (0, 0, front, pad)
@@ -370,12 +392,33 @@ def sparse_chunked(
 
     win_num, win_den, win_mass, ls = parts.exact
     shape_only = hybrid.factor is None
-    geo = Geometry(n0, front, block, window, slots, hybrid.scale, shape_only)
-    terms = CacheTerm.apply(
-        padded(q), padded(parts.qf), rows_of(xk), rows_of(xv), rows_of(kf),
-        padded(ls.detach() if shape_only else ls, NEG_INF), rows_of(u_rows), rows_of(u_pos),
-        rows_of(outside) if outside is not None else None, geo,
-    )
+    inputs = (padded(q), padded(parts.qf), rows_of(xk), rows_of(xv), rows_of(kf),
+              padded(ls.detach() if shape_only else ls, NEG_INF))
+    chosen_rows, chosen_pos = rows_of(rows), rows_of(chosen)
+    held_pos = rows_of(carried.positions.unsqueeze(-2).expand_as(chosen))
+    held_out = rows_of(outside) if outside is not None else None
+
+    def term(index: torch.Tensor | None, width: int) -> tuple[torch.Tensor, ...]:
+        """The cache term of the rows ``index`` (None: all), their slots cut to ``width`` (a row of budget s
+        holds its pairs in its first s slots, the rest −1)."""
+        def pick(x: torch.Tensor) -> torch.Tensor:
+            return x if index is None else x.index_select(0, index)
+
+        u_rows, u_pos = pick(chosen_rows[..., :width]), pick(chosen_pos[..., :width])
+        if with_held:
+            u_rows = torch.cat([u_rows, torch.arange(width, device=device).expand_as(u_rows)], -1)
+            u_pos = torch.cat([u_pos, pick(held_pos[..., :width])], -1)
+        geo = Geometry(n0, front, block, window, width, hybrid.scale, shape_only)
+        return CacheTerm.apply(*(pick(x) for x in inputs), u_rows, u_pos,
+                               pick(held_out[..., :width]) if held_out is not None else None, geo)
+
+    groups = _by_budget(cache.sizes_for(batch, device).reshape(-1), slots)
+    if len(groups) == 1:
+        terms = term(None, slots)
+    else:  # each group of rows at its own width, then back in row order
+        parts_of = [term(index, width) for index, width in groups]
+        back = torch.argsort(torch.cat([index for index, _ in groups if index is not None]))
+        terms = tuple(torch.cat(pieces).index_select(0, back) for pieces in zip(*parts_of, strict=True))
     lin_add, lin_den_add, ex_num, ex_den, cache_mass, top = (unpadded(x) for x in terms)
     lin = (parts.lin[0] + lin_add, parts.lin[1] + lin_den_add)
     if win_den is None:  # the fused window part: already its softmax average, at the log-scale ls
@@ -401,6 +444,17 @@ def sparse_chunked(
     return out, nxt
 
 
+def _by_budget(sizes: torch.Tensor, slots: int) -> list[tuple[torch.Tensor | None, int]]:
+    """The rows (R,) grouped by budget for the cache term: each row's width is the least power of two ≥ its size
+    (at most the slots), so a group's tiles are at most twice its rows' budgets wide. One group (all rows, index
+    None) when every row has the same width."""
+    widths = [min(slots, 1 << max(0, int(size) - 1).bit_length()) for size in sizes.tolist()]
+    if len(set(widths)) <= 1:
+        return [(None, slots)]
+    table = torch.tensor(widths, device=sizes.device)
+    return [((table == width).nonzero().squeeze(-1), width) for width in sorted(set(widths))]
+
+
 def _decide(
     cache: SparseCache, hybrid: Hybrid, block: int, n0: int, end: int, slots: int, ring_start: int,
     xpos: torch.Tensor, xkeep: torch.Tensor, kf: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
@@ -416,7 +470,7 @@ def _decide(
     batch = xpos.shape[:-1]
     sizes = sizes_for(cache, batch, device)
     rows_after_slots = torch.arange(xpos.shape[-1], device=device) >= slots
-    entry = torch.where(xkeep & ~_members(xpos, carried) & rows_after_slots, xpos + window, NEVER)
+    entry = torch.where(xkeep & ~_in_cache(xpos, carried) & rows_after_slots, xpos + window, NEVER)
     entry = torch.cat([entry, entry.new_full((*batch, 1), NEVER)], -1)  # a spare column for the rows −1
     kv, k_sum = linear.kv, linear.k_sum
     selections = [] if n0 % block == 0 and n0 > 0 else [carried]
