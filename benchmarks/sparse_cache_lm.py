@@ -13,10 +13,13 @@ folder written again) is refused rather than mixed with rows measured on the ear
 
     .venv/bin/python benchmarks/sparse_cache_lm.py DIR [--size 128] [--scores recall attention]
         [--passkey-trials 20] [--repeat-trials 8] [--out docs/results/sparse_cache_smollm2.json] [--split-floor F]
+        [--oracle-first P]
 
-``--split-floor F`` adds the row with the same mean split across heads in proportion to their retrieval scores
-(:meth:`linattn.SparseCache.split`, each head at least F), scored under softmax on the folder's sampled training
-texts (never on the held-out text).
+``--oracle-first P`` adds the row whose cache keeps the first P positions (``score="oracle"``, for measurement
+only): the repeat probe's passage and the passkey's statement lie there, so the row bounds what a score could
+reach with these maps. ``--split-floor F`` adds the row with the same mean split across heads in proportion to
+their retrieval scores (:meth:`linattn.SparseCache.split`, each head at least F), scored under softmax on the
+folder's sampled training texts (never on the held-out text).
 """
 
 from __future__ import annotations
@@ -73,8 +76,8 @@ def split_sizes(folder: Path, model: Any, tokenizer: Any, window: int, sinks: in
     return caches, source
 
 
-def rows(folder: Path, size: int, scores: list[str], split: tuple[list[Any], int, str] | None = None
-         ) -> list[tuple[str, dict[str, Any], Any]]:
+def rows(folder: Path, size: int, scores: list[str], split: tuple[list[Any], int, str] | None = None,
+         oracle_first: int | None = None) -> list[tuple[str, dict[str, Any], Any]]:
     """(name, what it is, how to switch the model to it)."""
     maps, options, window, sinks = setting(folder)
     wide = window + size
@@ -89,6 +92,11 @@ def rows(folder: Path, size: int, scores: list[str], split: tuple[list[Any], int
         (f"hybrid window {wide}, no cache", {"exact_pairs": wide + sinks}, hybrid(window=wide)),
         (f"hybrid window {window}, no cache", {"exact_pairs": window + sinks}, hybrid()),
     ]
+    if oracle_first is not None:  # the first positions hold the passage of a repeat probe and a passkey's key
+        keep = torch.arange(1 << 16) < oracle_first
+        listed.append((f"hybrid window {window} + cache {size} (oracle: the first {oracle_first} positions)",
+                       {"exact_pairs": window + sinks + size, "oracle_first": oracle_first},
+                       hybrid(sparse_cache=SparseCache(size, score="oracle", keep=keep))))
     for score in scores:
         listed.append((f"hybrid window {window} + cache {size} ({score})", {"exact_pairs": window + sinks + size},
                        hybrid(sparse_cache=SparseCache(size, score=score))))
@@ -114,6 +122,9 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results/sparse_cache_smollm2.json")
     parser.add_argument("--split-floor", type=int, default=None, help="also the row with the same mean split "
                         "across heads by retrieval score, each head keeping at least this many")
+    parser.add_argument("--oracle-first", type=int, default=None, help="also the row whose cache keeps the first P "
+                        "positions (score 'oracle', measurement only): the repeated passage and the passkey's "
+                        "statement are there, so it bounds what any score could reach with these maps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder, out = Path(args.folder), Path(args.out)
@@ -141,7 +152,7 @@ def main() -> None:
         marks = ("original", "split", "softmax window", "cache")
         return next((rank for rank, mark in enumerate(marks) if mark in row[0]), len(marks))
 
-    for name, info, switch in sorted(rows(folder, args.size, args.scores, split), key=priority):
+    for name, info, switch in sorted(rows(folder, args.size, args.scores, split, args.oracle_first), key=priority):
         if name in results:
             print(f"{name}: done before, skipped", flush=True)
             continue

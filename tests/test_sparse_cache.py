@@ -33,10 +33,14 @@ def _same_state(a: linattn.WindowAttentionState, b: linattn.WindowAttentionState
 
 
 SCORES = [SparseCache(size=3, score="recall", block=8), SparseCache(size=3, score="attention", block=8),
-          SparseCache(size=(2, 5), score="recall", block=4)]
+          SparseCache(size=(2, 5), score="recall", block=4),
+          # per-head budgets of other widths: the chunked form decides and weighs each group of heads at its own
+          SparseCache(size=(1, 6), score="attention", block=4),
+          SparseCache(size=(0, 3), score="oracle", block=4, keep=(torch.arange(70) % 4 == 1).expand(2, 70))]
+IDS = ["recall", "attention", "per-head", "per-head-attention", "per-head-oracle"]
 
 
-@pytest.mark.parametrize("cache", SCORES, ids=["recall", "attention", "per-head"])
+@pytest.mark.parametrize("cache", SCORES, ids=IDS)
 @pytest.mark.parametrize("factor", [None, 0.7])
 def test_chunked_equals_definition(cache: SparseCache, factor: float | None) -> None:
     q, k, v = _inputs()
@@ -49,7 +53,7 @@ def test_chunked_equals_definition(cache: SparseCache, factor: float | None) -> 
     assert (out - plain).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("cache", SCORES, ids=["recall", "attention", "per-head"])
+@pytest.mark.parametrize("cache", SCORES, ids=IDS)
 def test_pieces_and_tokens_continue_the_whole(cache: SparseCache) -> None:
     q, k, v = _inputs(n=61, seed=1)
     whole, whole_state = _run(q, k, v, cache, "chunked")
@@ -296,7 +300,7 @@ def test_split_keeps_the_total_and_follows_the_scores() -> None:
     assert [list(c.size) for c in SparseCache.split(torch.zeros(2, 3), 7)] == [[7, 7, 7]] * 2
 
 
-@pytest.mark.parametrize("cache", SCORES, ids=["recall", "attention", "per-head"])
+@pytest.mark.parametrize("cache", SCORES, ids=IDS)
 def test_selections_give_every_query_its_exact_keys(cache: SparseCache) -> None:
     """The caches ``cache_selections`` reports, written as one exact/linear mask per query (the hybrid row that
     fitting with the cache in place trains on), give the op's output: every form decides the same."""

@@ -29,6 +29,7 @@ Ordinary feature maps only (not log-space maps such as FAVOR+): the capability t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import torch
@@ -351,22 +352,52 @@ def sparse_chunked(
     slot_features = hybrid.key_logs(carried.keys, slot_valid)
     kf = torch.cat([slot_features, parts.ring_features, parts.features], -2).masked_fill(~xkeep.unsqueeze(-1), 0.0)
 
-    table = _sorted(carried.positions)
+    def rows_in(table: torch.Tensor) -> Any:
+        def index_of(positions: torch.Tensor) -> torch.Tensor:
+            """Row in X of each position (..., K) or (..., b, K) (−1: none): a slot for cached pairs older than
+            the buffer (found by binary search among the carried positions, ``table``)."""
+            slot = _slot_of(positions, table)[0]
+            row = torch.where(positions < ring_start, slot, slots + positions - ring_start)
+            return torch.where(positions < 0, -1, row)
 
-    def index_of(positions: torch.Tensor) -> torch.Tensor:
-        """Row in X of each position (..., K) or (..., b, K) (−1: none): a slot for cached pairs older than the
-        buffer (found by binary search among the carried positions)."""
-        slot = _slot_of(positions, table)[0]
-        row = torch.where(positions < ring_start, slot, slots + positions - ring_start)
-        return torch.where(positions < 0, -1, row)
+        return index_of
 
+    index_of = rows_in(_sorted(carried.positions))
     queries_all = torch.cat([carried.queries, q], -2)
     query_first = n0 - carried.queries.shape[-2]
+    groups = _by_budget(cache.sizes_for(batch, device).reshape(-1), slots)
     with torch.no_grad():
-        selections, entry = _decide(
-            cache, hybrid, block, n0, end, slots, ring_start, xpos, xkeep, kf.detach(), xk.detach(), xv.detach(),
-            carried.positions, state.linear, index_of, queries_all.detach(), query_first,
-        )
+        given = (xpos, xkeep, kf.detach(), xk.detach(), xv.detach(), carried.positions, state.linear.kv,
+                 state.linear.k_sum, queries_all.detach())
+        if len(groups) == 1:
+            selections, entry = _decide(cache, hybrid, block, n0, end, slots, ring_start, *given[:6], state.linear,
+                                        index_of, given[8], query_first)
+        else:  # each group of rows decides at its own width (its candidates: that many slots and the leaving pairs)
+            rows_total = batch.numel()
+
+            def flat(x: torch.Tensor) -> torch.Tensor:
+                return x.reshape(rows_total, *x.shape[len(batch):])
+
+            sizes = flat(cache.sizes_for(batch, device))
+            keep_rows = None if cache.keep is None else flat(
+                cache.keep.to(device).expand(*batch, cache.keep.shape[-1]))
+            decided = []
+            for index, width in groups:
+                assert index is not None
+                xp, xkp, f, xkk, xvv, held, kv, k_sum, qs = (flat(x).index_select(0, index) for x in given)
+                sub = dataclasses.replace(cache, size=sizes.index_select(0, index).cpu(),
+                                          keep=None if keep_rows is None else keep_rows.index_select(0, index))
+                decided.append(_decide(sub, hybrid, block, n0, end, slots, ring_start, xp, xkp, f, xkk, xvv, held,
+                                       LinearAttentionState(kv, k_sum, kv.new_zeros(())), rows_in(_sorted(held)),
+                                       qs, query_first, width=width))
+            back = torch.argsort(torch.cat([index for index, _ in groups if index is not None]))
+
+            def joined(parts: list[torch.Tensor], fill: int) -> torch.Tensor:
+                wide = [torch.nn.functional.pad(x, (0, slots - x.shape[-1]), value=fill) for x in parts]
+                return torch.cat(wide).index_select(0, back).view(*batch, slots)
+
+            selections = [joined([group[0][i] for group in decided], -1) for i in range(len(decided[0][0]))]
+            entry = torch.cat([group[1] for group in decided]).index_select(0, back).view(*batch, -1)
 
     # each query block against its cache: (..., b, B, 2L) with the pairs held before the call
     front = n0 % block
@@ -412,7 +443,6 @@ def sparse_chunked(
         return CacheTerm.apply(*(pick(x) for x in inputs), u_rows, u_pos,
                                pick(held_out[..., :width]) if held_out is not None else None, geo)
 
-    groups = _by_budget(cache.sizes_for(batch, device).reshape(-1), slots)
     if len(groups) == 1:
         terms = term(None, slots)
     else:  # each group of rows at its own width, then back in row order
@@ -459,9 +489,11 @@ def _decide(
     cache: SparseCache, hybrid: Hybrid, block: int, n0: int, end: int, slots: int, ring_start: int,
     xpos: torch.Tensor, xkeep: torch.Tensor, kf: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
     carried: torch.Tensor, linear: LinearAttentionState, index_of: Any, queries: torch.Tensor, query_first: int,
+    width: int | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The boundaries of this call, in order, with the state's sums kept incrementally: the cache of each query
-    block of the call ((..., L) each) and every row's entry time (..., X).
+    block of the call ((..., width) each; width: the most any row holds, default the slots) and every row's entry
+    time (..., X).
 
     Between two boundaries the sums take exactly the candidates of the first that were not kept (the dropped
     cached pairs at the boundary, the other leaving pairs as they leave), so each boundary adds those in one
@@ -473,6 +505,8 @@ def _decide(
     entry = torch.where(xkeep & ~_in_cache(xpos, carried) & rows_after_slots, xpos + window, NEVER)
     entry = torch.cat([entry, entry.new_full((*batch, 1), NEVER)], -1)  # a spare column for the rows −1
     kv, k_sum = linear.kv, linear.k_sum
+    width = slots if width is None else width
+    carried = carried[..., :width]  # a row's pairs lie in its first slots (its budget ≤ width)
     selections = [] if n0 % block == 0 and n0 > 0 else [carried]
     member_rows = index_of(carried)
     entering: tuple[torch.Tensor, torch.Tensor] | None = None  # (features masked to what enters, values)
@@ -500,7 +534,7 @@ def _decide(
                             positions=positions, valid=valid, kv=kv, k_sum=k_sum,
                             queries=queries[..., start : start + block, :],
                             query_positions=torch.arange(t0 - block, t0, device=device))
-        chosen, index, kept = choose(scores, positions, valid, sizes, slots)
+        chosen, index, kept = choose(scores, positions, valid, sizes, width)
         was = torch.arange(rows.shape[-1], device=device) < member_rows.shape[-1]
         target = _spare(rows, entry)
         new_entry = torch.where(was & valid & ~kept, t0, torch.where(kept, NEVER, entry.gather(-1, target)))
