@@ -384,19 +384,19 @@ def sparse_chunked(
             decided = []
             for index, width in groups:
                 assert index is not None
-                xp, xkp, f, xkk, xvv, held, kv, k_sum, qs = (flat(x).index_select(0, index) for x in given)
+                xp, xkp, f, xkk, xvv, members, kv, k_sum, qs = (flat(x).index_select(0, index) for x in given)
                 sub = dataclasses.replace(cache, size=sizes.index_select(0, index).cpu(),
                                           keep=None if keep_rows is None else keep_rows.index_select(0, index))
-                decided.append(_decide(sub, hybrid, block, n0, end, slots, ring_start, xp, xkp, f, xkk, xvv, held,
-                                       LinearAttentionState(kv, k_sum, kv.new_zeros(())), rows_in(_sorted(held)),
+                decided.append(_decide(sub, hybrid, block, n0, end, slots, ring_start, xp, xkp, f, xkk, xvv, members,
+                                       LinearAttentionState(kv, k_sum, kv.new_zeros(())), rows_in(_sorted(members)),
                                        qs, query_first, width=width))
             back = torch.argsort(torch.cat([index for index, _ in groups if index is not None]))
 
-            def joined(parts: list[torch.Tensor], fill: int) -> torch.Tensor:
-                wide = [torch.nn.functional.pad(x, (0, slots - x.shape[-1]), value=fill) for x in parts]
+            def joined(parts: list[torch.Tensor]) -> torch.Tensor:  # (R_g, width) each → (..., L), −1 beyond
+                wide = [torch.nn.functional.pad(x, (0, slots - x.shape[-1]), value=-1) for x in parts]
                 return torch.cat(wide).index_select(0, back).view(*batch, slots)
 
-            selections = [joined([group[0][i] for group in decided], -1) for i in range(len(decided[0][0]))]
+            selections = [joined([group[0][i] for group in decided]) for i in range(len(decided[0][0]))]
             entry = torch.cat([group[1] for group in decided]).index_select(0, back).view(*batch, -1)
 
     # each query block against its cache: (..., b, B, 2L) with the pairs held before the call
