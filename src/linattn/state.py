@@ -281,11 +281,16 @@ class SparseCacheState:
         """L: the largest row budget (the width of :attr:`positions`)."""
         return int(self.sizes.max()) if self.sizes.numel() else 0
 
-    def _unpacked(self, packed: torch.Tensor, fill: float) -> torch.Tensor:
-        mask = self.slot_mask(self.sizes, self.slots)
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, sizes: torch.Tensor, slots: int, fill: float) -> torch.Tensor:
+        """Packed slots (M[, D]) of rows with budgets ``sizes`` (...) as (..., L[, D]), ``fill`` beyond a budget."""
+        mask = cls.slot_mask(sizes, slots)
         out = packed.new_full((*mask.shape, *packed.shape[1:]), fill)
         out[mask] = packed
         return out
+
+    def _unpacked(self, packed: torch.Tensor, fill: float) -> torch.Tensor:
+        return self.unpack(packed, self.sizes, self.slots, fill)
 
     @property
     def positions(self) -> torch.Tensor:

@@ -34,7 +34,7 @@ from .._validate import sparse_cache
 from ..errors import LinearAttentionError
 from ..features import is_log_space
 from ..forms.window.hybrid import Hybrid
-from ..forms.window.sparse import NEVER, choose, scores_for, sizes_for
+from ..forms.window.sparse import NEVER, choose, scores_for
 from ..state import SparseCache, SparseCacheState, WindowAttentionState
 from .window import WindowDecodeStep
 
@@ -87,7 +87,7 @@ class SparseDecodeStep(WindowDecodeStep):
         rows, dim = batch * heads, self.keys.shape[-1]
         dtype, device = self.kv.dtype, self.kv.device
         self.ring_slots = self.sinks + self.window
-        self.sizes = sizes_for(cache, torch.Size([batch, heads]), device)  # (B, H)
+        self.sizes = cache.sizes_for((batch, heads), device)  # (B, H)
         # the hybrid's options as the scores take them (the "attention" score's softmax scale); the map through fmap,
         # not through this step (no reference cycle keeping the buffers alive after the step is dropped)
         self.hybrid = Hybrid(lambda x, is_query: fmap(x), log_space=False, window=self.window, sinks=self.sinks,
@@ -129,14 +129,11 @@ class SparseDecodeStep(WindowDecodeStep):
 
     def _slot_mask(self) -> torch.Tensor:
         """(B·H, λ) bool: the slots each row holds (the packing of the cache buffers)."""
-        return torch.arange(self.slots, device=self.sizes.device) < self.sizes.reshape(-1, 1)
+        return SparseCacheState.slot_mask(self.sizes.reshape(-1), self.slots)
 
     def _unpacked(self, x: torch.Tensor, fill: float) -> torch.Tensor:
         """A packed buffer (M, ·) or (M,) as slots (B·H, λ, ·) or (B·H, λ), ``fill`` beyond each row's size."""
-        mask = self._slot_mask()
-        out = x.new_full((*mask.shape, *x.shape[1:]), fill)
-        out[mask] = x
-        return out
+        return SparseCacheState.unpack(x, self.sizes.reshape(-1), self.slots, fill)
 
     @torch.no_grad()
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

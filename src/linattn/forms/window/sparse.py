@@ -46,11 +46,6 @@ NEVER = 1 << 62  # the entry time of a pair that never enters the linear state (
 # --- the decision at a boundary: scores and the choice, shared by every form -----------------------------------
 
 
-def sizes_for(cache: SparseCache, batch: torch.Size, device: torch.device) -> torch.Tensor:
-    """The per-head sizes as (...) int64 against the batch dims (..., H)."""
-    return cache.sizes_for(batch, device)
-
-
 def choose(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, sizes: torch.Tensor,
            slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The candidates kept: per row, the ``sizes`` valid candidates of highest score (ties: the larger position).
@@ -123,15 +118,19 @@ class _Slots(NamedTuple):
     queries: torch.Tensor
 
 
+def _empty_slots(cache: SparseCache, k: torch.Tensor, v: torch.Tensor) -> _Slots:
+    slots, batch = cache.largest, k.shape[:-2]
+    return _Slots(torch.full((*batch, slots), -1, dtype=torch.long, device=k.device),
+                  k.new_zeros(*batch, slots, k.shape[-1]), v.new_zeros(*batch, slots, v.shape[-1]),
+                  k.new_zeros(*batch, 0, k.shape[-1]))
+
+
 def _carried(state: WindowAttentionState, cache: SparseCache, k: torch.Tensor, v: torch.Tensor) -> _Slots:
     """The cache the state carries, or an empty one (a state made before any token)."""
     if state.cache is not None:
         held = state.cache
         return _Slots(held.positions, held.keys, held.values, held.queries)
-    slots, batch = cache.largest, k.shape[:-2]
-    return _Slots(torch.full((*batch, slots), -1, dtype=torch.long, device=k.device),
-                  k.new_zeros(*batch, slots, k.shape[-1]), v.new_zeros(*batch, slots, v.shape[-1]),
-                  k.new_zeros(*batch, 0, k.shape[-1]))
+    return _empty_slots(cache, k, v)
 
 
 def _packed(cache: SparseCache, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -142,10 +141,7 @@ def _packed(cache: SparseCache, positions: torch.Tensor, keys: torch.Tensor, val
 
 
 def empty_cache(cache: SparseCache, k: torch.Tensor, v: torch.Tensor, window: int) -> SparseCacheState:
-    slots, batch = cache.largest, k.shape[:-2]
-    return _packed(cache, torch.full((*batch, slots), -1, dtype=torch.long, device=k.device),
-                   k.new_zeros(*batch, slots, k.shape[-1]), v.new_zeros(*batch, slots, v.shape[-1]),
-                   k.new_zeros(*batch, 0, k.shape[-1]), cache.block_for(window))
+    return _packed(cache, *_empty_slots(cache, k, v), cache.block_for(window))
 
 
 def _members(positions: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
@@ -231,7 +227,7 @@ def sparse_parallel(
     member = _members(xpos, carried.positions) & xkeep
     enters = xkeep & (xpos >= sinks) & ~member
     entry = torch.where(enters, xpos + window, NEVER)
-    sizes = sizes_for(cache, batch, device)
+    sizes = cache.sizes_for(batch, device)
     queries_all = torch.cat([carried.queries, q], -2)
     query_first = n0 - carried.queries.shape[-2]
 
@@ -366,6 +362,8 @@ def sparse_chunked(
     queries_all = torch.cat([carried.queries, q], -2)
     query_first = n0 - carried.queries.shape[-2]
     groups = _by_budget(cache.sizes_for(batch, device).reshape(-1), slots)
+    # with several groups, their rows concatenated in group order go back to row order by this permutation
+    back = None if len(groups) == 1 else torch.argsort(torch.cat([index for index, _ in groups if index is not None]))
     with torch.no_grad():
         given = (xpos, xkeep, kf.detach(), xk.detach(), xv.detach(), carried.positions, state.linear.kv,
                  state.linear.k_sum, queries_all.detach())
@@ -390,7 +388,7 @@ def sparse_chunked(
                 decided.append(_decide(sub, hybrid, block, n0, end, slots, ring_start, xp, xkp, f, xkk, xvv, members,
                                        LinearAttentionState(kv, k_sum, kv.new_zeros(())), rows_in(_sorted(members)),
                                        qs, query_first, width=width))
-            back = torch.argsort(torch.cat([index for index, _ in groups if index is not None]))
+            assert back is not None
 
             def joined(parts: list[torch.Tensor]) -> torch.Tensor:  # (R_g, width) each → (..., L), −1 beyond
                 wide = [torch.nn.functional.pad(x, (0, slots - x.shape[-1]), value=-1) for x in parts]
@@ -446,8 +444,8 @@ def sparse_chunked(
     if len(groups) == 1:
         terms = term(None, slots)
     else:  # each group of rows at its own width, then back in row order
+        assert back is not None
         parts_of = [term(index, width) for index, width in groups]
-        back = torch.argsort(torch.cat([index for index, _ in groups if index is not None]))
         terms = tuple(torch.cat(pieces).index_select(0, back) for pieces in zip(*parts_of, strict=True))
     lin_add, lin_den_add, ex_num, ex_den, cache_mass, top = (unpadded(x) for x in terms)
     lin = (parts.lin[0] + lin_add, parts.lin[1] + lin_den_add)
@@ -475,9 +473,9 @@ def sparse_chunked(
 
 
 def _by_budget(sizes: torch.Tensor, slots: int) -> list[tuple[torch.Tensor | None, int]]:
-    """The rows (R,) grouped by budget for the cache term: each row's width is the least power of two ≥ its size
-    (at most the slots), so a group's tiles are at most twice its rows' budgets wide. One group (all rows, index
-    None) when every row has the same width."""
+    """The rows (R,) grouped by budget for the boundary decisions and the cache term: each row's width is the least
+    power of two ≥ its size (at most the slots), so a group works at most twice as wide as its rows' budgets. One
+    group (all rows, index None) when every row has the same width."""
     widths = [min(slots, 1 << max(0, int(size) - 1).bit_length()) for size in sizes.tolist()]
     if len(set(widths)) <= 1:
         return [(None, slots)]
@@ -500,7 +498,7 @@ def _decide(
     product."""
     window, device = hybrid.window, xpos.device
     batch = xpos.shape[:-1]
-    sizes = sizes_for(cache, batch, device)
+    sizes = cache.sizes_for(batch, device)
     rows_after_slots = torch.arange(xpos.shape[-1], device=device) >= slots
     entry = torch.where(xkeep & ~_in_cache(xpos, carried) & rows_after_slots, xpos + window, NEVER)
     entry = torch.cat([entry, entry.new_full((*batch, 1), NEVER)], -1)  # a spare column for the rows −1
