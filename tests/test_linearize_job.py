@@ -253,6 +253,36 @@ def test_a_sparse_cache_is_trained_and_measured_in_place_and_saved(tiny, tmp_pat
     assert main(command(tiny, out)) == 2  # the same folder without the cache: other options, refused
 
 
+@pytest.mark.slow  # ~10 s: the pipeline once, with a cache and the linear part discounted
+def test_a_linear_weight_beside_the_cache_is_trained_measured_and_saved(tiny, tmp_path, monkeypatch):
+    """--sparse-cache-linear-weight β: the end-to-end stage trains with the weighed cache in place, the folder
+    saves the cache's fields and the reloaded model scores what was measured; without a cache it is refused."""
+    from linattn import SparseCache, hf
+    from linattn.cli import main
+    from linattn.evaluate import perplexity
+
+    seen = caches_while_training(monkeypatch)
+    fitting = caches_while_fitting(monkeypatch)
+    out = tmp_path / "weighed"
+    assert main(command(tiny, out, "--sparse-cache", "4", "--sparse-cache-linear-weight", "0.25")) == 0
+    assert seen and all(cache == SparseCache(4, linear_weight=0.25) for cache in seen)
+    assert len(fitting) == 1 and all(cache.linear_weight == 0.25 for cache in fitting[0])
+    options = json.loads((out / "linattn.json").read_text())["options"]
+    assert options == {"sparse_cache": {"size": 4, "linear_weight": 0.25}}
+    results = json.loads((out / "results.json").read_text())
+    assert results["sparse_cache_linear_weight"] == 0.25
+    assert "the linear part weighed 0.25 beside it" in (out / "README.md").read_text()
+    model, tokenizer = load_linearized(out)
+    assert all(getattr(module, hf.OPTIONS_ATTRIBUTE)["sparse_cache"].linear_weight == 0.25
+               for module in hf.attention_modules(model))
+    measured = results["rows"][-1]["perplexity"]
+    assert perplexity(model, tokenizer, (tiny / "heldout.txt").read_text()).perplexity == pytest.approx(measured,
+                                                                                                         rel=1e-6)
+    assert main(command(tiny, tmp_path / "bare", "--sparse-cache-linear-weight", "0.5")) == 2  # no cache
+    assert main(command(tiny, tmp_path / "negative", "--sparse-cache", "4", "--sparse-cache-linear-weight",
+                        "-1")) == 2
+
+
 @pytest.mark.slow  # ~15 s: the pipeline once, with the cache split across heads
 def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tmp_path, monkeypatch):
     """--sparse-cache-heads retrieval: per-head sizes from the heads' retrieval scores on the sampled texts (a mean

@@ -36,8 +36,12 @@ SCORES = [SparseCache(size=3, score="recall", block=8), SparseCache(size=3, scor
           SparseCache(size=(2, 5), score="recall", block=4),
           # per-head budgets of other widths: the chunked form decides and weighs each group of heads at its own
           SparseCache(size=(1, 6), score="attention", block=4),
-          SparseCache(size=(0, 3), score="oracle", block=4, keep=(torch.arange(70) % 4 == 1).expand(2, 70))]
-IDS = ["recall", "attention", "per-head", "per-head-attention", "per-head-oracle"]
+          SparseCache(size=(0, 3), score="oracle", block=4, keep=(torch.arange(70) % 4 == 1).expand(2, 70)),
+          # the linear part discounted: one weight, then one per head (0: that head's exact keys alone)
+          SparseCache(size=3, score="recall", block=8, linear_weight=0.2),
+          SparseCache(size=(2, 5), score="attention", block=4, linear_weight=(0.0, 0.6))]
+IDS = ["recall", "attention", "per-head", "per-head-attention", "per-head-oracle", "discounted",
+       "per-head-discounted"]
 
 
 @pytest.mark.parametrize("cache", SCORES, ids=IDS)
@@ -76,6 +80,24 @@ def test_size_zero_is_the_window_op() -> None:
     plain = linear_attention(q, k, v, causal=True, window=8, sinks=2, form="parallel")
     assert (out - plain).abs().max().item() <= TOL
     assert (ref - plain).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("form", ["parallel", "chunked", "recurrent"])
+def test_no_linear_part_is_softmax_over_the_window_and_sinks(form: str) -> None:
+    """linear_weight 0 and no cache: every query's softmax over its window and the sinks, nothing else (the
+    reference built here from the scores alone); one weight per head discounts only that head."""
+    q, k, v = _inputs(n=40)
+    scores = (q @ k.transpose(-1, -2)) / 8 ** 0.5
+    t, j = torch.arange(40).unsqueeze(-1), torch.arange(40)
+    sees = (j <= t) & ((t - j < 8) | (j < 2))
+    exact = torch.softmax(scores.masked_fill(~sees, float("-inf")), -1) @ v
+    out, _ = _run(q, k, v, SparseCache(size=0, block=8, linear_weight=0.0), form, eps=0.0)
+    assert (out - exact).abs().max().item() <= TOL
+    mixed, _ = _run(q, k, v, SparseCache(size=0, block=8, linear_weight=(1.0, 0.0)), form, eps=0.0)
+    plain = linear_attention(q, k, v, causal=True, window=8, sinks=2, eps=0.0)
+    assert (mixed[:, 0] - plain[:, 0]).abs().max().item() <= TOL
+    assert (mixed[:, 1] - exact[:, 1]).abs().max().item() <= TOL
+    assert (plain[:, 1] - exact[:, 1]).abs().max().item() > 1e-3  # the linear part weighed in before
 
 
 def test_keeping_every_pair_is_softmax_attention() -> None:
@@ -217,6 +239,12 @@ def test_errors() -> None:
         SparseCache(4, score="best")
     with pytest.raises(LinearAttentionError, match="keep="):
         SparseCache(4, score="oracle")
+    for weight in (-0.5, float("nan"), True, "1"):
+        with pytest.raises(LinearAttentionError, match="linear_weight must be a finite number ≥ 0"):
+            SparseCache(4, linear_weight=weight)
+    with pytest.raises(LinearAttentionError, match="per-head linear weights .* one per query head"):
+        linear_attention(q, k, v, causal=True, window=8, sparse_cache=SparseCache(4, linear_weight=(0.5, 1, 1)))
+    assert SparseCache(4, linear_weight=[0.5, 1]).linear_weight == (0.5, 1.0)  # a list: a tuple (hashable)
     _, state = linear_attention(q, k, v, causal=True, window=8, sparse_cache=4, return_state=True)
     with pytest.raises(LinearAttentionError, match="same sparse_cache"):
         linear_attention(q, k, v, causal=True, window=8, initial_state=state)
@@ -224,7 +252,8 @@ def test_errors() -> None:
         linear_attention(q, k, v, causal=True, window=8, initial_state=state, sparse_cache=5)
 
 
-def test_transformers_cache_decodes_what_the_whole_sequence_computes() -> None:
+@pytest.mark.parametrize("weight", [1.0, (0.5, 0.0, 1.0, 0.2)], ids=["linear", "discounted"])
+def test_transformers_cache_decodes_what_the_whole_sequence_computes(weight) -> None:
     """A tiny Llama with the cache: logits token by token through the transformers cache (the lean
     SparseDecodeStep from the prefill's state; for the last token the definition's form from the step's state())
     equal one forward pass over the whole sequence (the chunked form), and the cache's bytes do not grow."""
@@ -239,7 +268,7 @@ def test_transformers_cache_decodes_what_the_whole_sequence_computes() -> None:
     config = LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
     model = LlamaForCausalLM(config).eval().double()
-    hf.linearize(model, "elu", window=8, sinks=2, sparse_cache=SparseCache(size=3, block=4))
+    hf.linearize(model, "elu", window=8, sinks=2, sparse_cache=SparseCache(size=3, block=4, linear_weight=weight))
     ids = torch.randint(1, 50, (1, 60))
     with torch.no_grad():
         whole = model(ids).logits
@@ -329,24 +358,26 @@ def test_selections_give_every_query_its_exact_keys(cache: SparseCache) -> None:
     logits = (q @ k.transpose(-1, -2)) * 8 ** -0.5
     probs = torch.softmax(logits.masked_fill(~exact, float("-inf")), -1)
     mass = (weights * exact).sum(-1, keepdim=True)
-    lin = weights * linear
+    beta = torch.as_tensor(cache.linear_weight, dtype=q.dtype).expand(q.shape[1]).view(1, -1, 1, 1)
+    lin = weights * linear * beta  # the linear part times its weight (per head)
     ref = (lin @ v + mass * (probs @ v)) / (lin.sum(-1, keepdim=True) + mass)
     out = linear_attention(q, k, v, causal=True, window=window, sinks=sinks, sparse_cache=cache, eps=0.0)
     assert bool(cached.any())  # the cache holds pairs outside the window
     assert (out - ref).abs().max().item() <= TOL
 
 
-def test_fitting_with_the_cache_in_place_trains_the_rows_the_op_gives() -> None:
+@pytest.mark.parametrize("weight", [1.0, (0.5, 0.0, 2.0)], ids=["linear", "weighed"])
+def test_fitting_with_the_cache_in_place_trains_the_rows_the_op_gives(weight) -> None:
     """The fit's loss with a cache is the cross-entropy of softmax against the very rows of
     ``linear_attention(..., sparse_cache=...)`` (the attention score: its choice does not read the values, so
-    identity values give the rows)."""
+    identity values give the rows), the linear part weighed per head as the op weighs it."""
     from linattn.forms.window.hybrid import Hybrid
     from linattn.forms.window.sparse import cache_selections
     from linattn.train.distill import _batch, _cached_masks, _hybrid_loss, _prepare, _window_masks, fit_feature_map
 
     g = torch.Generator().manual_seed(21)
     q, k, v = (torch.randn(3, 40, 8, generator=g) * 1.5 for _ in range(3))
-    cache = SparseCache(size=(2, 3, 5), score="attention", block=4)
+    cache = SparseCache(size=(2, 3, 5), score="attention", block=4, linear_weight=weight)
     fmap = fit_feature_map(q, k, v=v, causal=True, steps=6, eval_every=3, window=5, sinks=1, sparse_cache=cache)
     item = _prepare(q, k, v, None, True)[0]
     rows = torch.arange(40)
@@ -359,14 +390,18 @@ def test_fitting_with_the_cache_in_place_trains_the_rows_the_op_gives() -> None:
         masks = _cached_masks(batch, rows, selections, 4)
         assert bool((masks["exact"] & ~batch["exact"]).any())  # pairs outside the window are exact
         batch.update(masks)
-        loss = _hybrid_loss(fmap, batch, 0.0, None)  # (H, R)
+        beta = None if weight == 1.0 else torch.tensor(weight)
+        loss = _hybrid_loss(fmap, batch, 0.0, None, beta)  # (H, R)
         eye = torch.eye(40).expand(3, 40, 40)
         weights = linear_attention(item["q"], item["k"], eye, feature_map=fmap, causal=True, window=5, sinks=1,
                                    sparse_cache=cache, eps=0.0)
         no_cache = linear_attention(item["q"], item["k"], eye, feature_map=fmap, causal=True, window=5, sinks=1,
                                     eps=0.0)
-    cross = -torch.special.xlogy(batch["weights"], weights).sum(-1)
-    torch.testing.assert_close(loss, cross, rtol=2e-4, atol=2e-4)  # fp32 weights, logs of small weights
+    cross = -torch.special.xlogy(batch["weights"], weights.clamp_min(1e-30)).sum(-1)
+    if weight == 1.0:
+        torch.testing.assert_close(loss, cross, rtol=2e-4, atol=2e-4)  # fp32 weights, logs of small weights
+    else:  # the head weighed 0 has no linear keys' weights to match: its loss has them at 1e-30 (the fit's floor)
+        torch.testing.assert_close(loss[[0, 2]], cross[[0, 2]], rtol=2e-4, atol=2e-4)
     assert (weights - no_cache).abs().max() > 1e-3
 
 

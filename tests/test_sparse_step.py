@@ -62,6 +62,9 @@ CACHES = {
     "oracle": SparseCache(size=3, score="oracle", block=BLOCK, keep=ORACLE_KEEP),
     "per-head": SparseCache(size=(1, 4, 0, 2), score="recall", block=BLOCK),
     "per-head-attention": SparseCache(size=(2, 3, 1, 4), score="attention", block=BLOCK),
+    "discounted": SparseCache(size=3, score="recall", block=BLOCK, linear_weight=0.3),
+    "per-head-discounted": SparseCache(size=(1, 4, 0, 2), score="recall", block=BLOCK,
+                                       linear_weight=(0.5, 0.0, 1.0, 0.1)),
 }
 
 

@@ -499,6 +499,11 @@ def check_sparse_cache(cache: SparseCache, q: torch.Tensor, window: int, state: 
                 f"sparse_cache: {heads} per-head sizes for inputs with {q.shape[-3] if q.dim() >= 3 else 1} heads "
                 "(dim −3); give one per query head"
             )
+    if isinstance(cache.linear_weight, tuple) and (q.dim() < 3 or len(cache.linear_weight) != q.shape[-3]):
+        raise LinearAttentionError(
+            f"sparse_cache: {len(cache.linear_weight)} per-head linear weights for inputs with "
+            f"{q.shape[-3] if q.dim() >= 3 else 1} heads (dim −3); give one per query head"
+        )
     if cache.keep is not None and cache.keep.dtype != torch.bool:
         raise LinearAttentionError(f"sparse_cache: keep must be a bool tensor over positions, got {cache.keep.dtype}")
     if isinstance(state, WindowAttentionState):

@@ -265,6 +265,22 @@ def _check_attention_options(options: dict[str, Any]) -> None:
         _validate.check_update(update, get("beta"), True, normalize, get("min_denom"), None, torch.empty(0))
 
 
+def _cache_from_json(cache: Any) -> Any:
+    """A sparse cache as a saved folder's options hold it: a list of per-head sizes, or a dict of
+    :class:`~linattn.SparseCache` fields (``size`` and ``linear_weight`` lists are per head); anything else as given."""
+    if isinstance(cache, list | tuple):
+        return SparseCache(size=tuple(cache))
+    if isinstance(cache, dict):
+        fields = {"size", "score", "block", "linear_weight"}
+        if not set(cache) <= fields:
+            raise LinearAttentionError(f"sparse_cache: unknown fields {sorted(set(cache) - fields)} in {cache!r}; "
+                                       f"a cache as JSON has {', '.join(sorted(fields))}")
+        fields_given: dict[str, Any] = {key: tuple(value) if isinstance(value, list) else value
+                                        for key, value in cache.items()}
+        return SparseCache(**fields_given)
+    return cache
+
+
 def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP, **options: Any) -> nn.Module:
     """Install feature maps in every attention layer of a transformers ``model`` and switch it to ``"linattn"``.
 
@@ -295,13 +311,14 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
             f"model: no attention module (a '*Attention' module with a layer_idx) found in {type(model).__name__}"
         )
     per_layer_caches = attention_options.get("sparse_cache")
+    if isinstance(per_layer_caches, dict):  # one cache for all, as JSON (a saved folder's options)
+        attention_options["sparse_cache"] = _cache_from_json(per_layer_caches)
     if isinstance(per_layer_caches, list | tuple):  # one cache per layer (per-head budgets chosen per layer)
         if len(per_layer_caches) != len(modules):
             raise LinearAttentionError(f"sparse_cache: {len(per_layer_caches)} caches for {len(modules)} attention "
                                        "layers; pass one per layer, or one for all")
-        # a layer's sizes as JSON (a saved folder's options): a list of per-head ints is a per-head budget
-        per_layer_caches = [SparseCache(size=tuple(cache)) if isinstance(cache, list | tuple) else cache
-                            for cache in per_layer_caches]
+        # a layer's cache as JSON (a saved folder's options): a list of per-head ints is a per-head budget
+        per_layer_caches = [_cache_from_json(cache) for cache in per_layer_caches]
         for cache in per_layer_caches:
             _check_attention_options({**attention_options, "sparse_cache": cache})
     else:

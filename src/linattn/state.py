@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -165,6 +166,10 @@ class SparseCache:
                Default: min(64, W)
     ``keep``   ``"oracle"`` only: bool ``(..., P)`` over absolute positions 0 … P−1, broadcast against the batch
                and head dimensions (positions ≥ P: not kept)
+    ``linear_weight``  β ≥ 0, a float or one per head: the linear part's sums enter the output times β (1: as the
+               window op). A fitted map gives the keys beyond the window a mass that grows with their number,
+               where softmax's stays about constant, so at long contexts it drowns the pairs the cache keeps exact
+               (docs/sparse_cache.md); β < 1 discounts it. 0: no linear part (the exact keys alone)
 
     Ties in the score go to the newer pair. Memory per head: (S + W + size)·(Dk + Dv) + F·Dv, and for
     ``"attention"`` the last block's queries: constant in the sequence length.
@@ -174,8 +179,19 @@ class SparseCache:
     score: str = "recall"
     block: int | None = None
     keep: torch.Tensor | None = None
+    linear_weight: float | tuple[float, ...] = 1.0
 
     def __post_init__(self) -> None:
+        given = self.linear_weight
+        weights = given.tolist() if isinstance(given, torch.Tensor) else given
+        for weight in weights if isinstance(weights, list | tuple) else [weights]:
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) \
+                    or weight < 0:
+                raise LinearAttentionError(
+                    f"sparse_cache: linear_weight must be a finite number ≥ 0 or one per head, got {given!r}"
+                )
+        if isinstance(given, list | torch.Tensor):  # a tuple: hashable and comparable
+            object.__setattr__(self, "linear_weight", tuple(float(w) for w in weights))
         if self.score not in SCORES:
             raise LinearAttentionError(f"sparse_cache: score {self.score!r} is not one of {', '.join(SCORES)}")
         if (self.score == "oracle") != (self.keep is not None):
@@ -233,6 +249,19 @@ class SparseCache:
             return torch.equal(sizes.cpu(), self.sizes_for(sizes.shape))
         except RuntimeError:  # per-head sizes that do not broadcast against the state's heads
             return False
+
+    def weigh_linear(self, lin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The linear part's (num (..., H, N, Dv), den (..., H, N)) times ``linear_weight`` (per head along H)."""
+        if self.linear_weight == 1.0 or self.linear_weight == 1:
+            return lin
+        num, den = lin
+        if isinstance(self.linear_weight, int | float):
+            return num * self.linear_weight, den * self.linear_weight
+        beta = torch.as_tensor(self.linear_weight, dtype=den.dtype, device=den.device)
+        if den.dim() < 2 or den.shape[-2] != beta.shape[0]:
+            raise LinearAttentionError(f"sparse_cache: {beta.shape[0]} per-head linear weights for inputs with "
+                                       f"{den.shape[-2] if den.dim() >= 2 else 1} heads; give one per query head")
+        return num * beta[:, None, None], den * beta[:, None]
 
     def block_for(self, window: int) -> int:
         """The block between decisions for a window of W."""

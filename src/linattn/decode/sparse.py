@@ -83,9 +83,15 @@ class SparseDecodeStep(WindowDecodeStep):
         if not cache.made(carried.sizes):
             raise LinearAttentionError(f"cache: the state's cache was made with other per-head sizes (largest "
                                        f"{carried.slots}); this SparseCache has {cache.size!r}: pass the same one")
+        if isinstance(cache.linear_weight, tuple) and len(cache.linear_weight) != heads:
+            raise LinearAttentionError(f"cache: {len(cache.linear_weight)} per-head linear weights for a state of "
+                                       f"{heads} heads; give one per query head")
         self.cache, self.block, self.slots = cache, block, slots
         rows, dim = batch * heads, self.keys.shape[-1]
         dtype, device = self.kv.dtype, self.kv.device
+        # the linear part's weight β per row (B·H,), or None for β = 1
+        self.linear_weight = None if cache.linear_weight in (1, 1.0) else torch.as_tensor(
+            cache.linear_weight, dtype=dtype, device=device).expand(batch, heads).reshape(-1).clone()
         self.ring_slots = self.sinks + self.window
         self.sizes = cache.sizes_for((batch, heads), device)  # (B, H)
         # the hybrid's options as the scores take them (the "attention" score's softmax scale); the map through fmap,
@@ -190,6 +196,12 @@ class SparseDecodeStep(WindowDecodeStep):
             return ring
         features = self.cached_features.view(ring.shape[0], self.slots, -1)
         return torch.cat([ring, torch.bmm(qf, features.transpose(1, 2)).squeeze(1)], 1)
+
+    def _linear(self, qf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lin_num, lin_den = super()._linear(qf)
+        if self.linear_weight is None:
+            return lin_num, lin_den
+        return lin_num.mul_(self.linear_weight.unsqueeze(-1)), lin_den.mul_(self.linear_weight)
 
     def _exact(self, q: torch.Tensor, qf: torch.Tensor, dead: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -301,6 +313,8 @@ class SparseDecodeStep(WindowDecodeStep):
         index = index.to(self.kv.device)
         rows = (index.unsqueeze(-1) * heads + torch.arange(heads, device=index.device)).reshape(-1)
         new.stays = self.stays.index_select(0, rows)
+        if self.linear_weight is not None:
+            new.linear_weight = self.linear_weight.index_select(0, rows)
         if self.queries is not None:
             new.queries = self.queries.index_select(0, rows)
         # the packed slots of the selected rows, row after row

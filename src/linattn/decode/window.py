@@ -191,8 +191,7 @@ class WindowDecodeStep(_Step):
         ``out_dtype`` (default: the buffers' dtype)."""
         batch, heads, features, values = self._shape
         dtype = self.kv.dtype
-        lin_num = torch.bmm(qf, self.kv.view(-1, features, values)).squeeze(1)  # (B·H, Dv)
-        lin_den = torch.bmm(qf, self.k_sum.view(-1, features, 1)).view(-1)
+        lin_num, lin_den = self._linear(qf)
         win_num, win_den, mass = self._exact(q, qf, dead)
         if mass is not None:
             num = lin_num.addcmul_((mass / win_den.clamp_(min=1.0)).unsqueeze(-1), win_num)
@@ -206,6 +205,12 @@ class WindowDecodeStep(_Step):
             den = torch.where(den == 0, 1.0, den)
         out = num.div_(den.unsqueeze(-1)).view(batch, heads, 1, values)
         return out if out_dtype is None or out_dtype == dtype else out.to(out_dtype)
+
+    def _linear(self, qf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The linear part: φ(q)·S (B·H, Dv) and φ(q)·z (B·H,), new tensors."""
+        _, _, features, values = self._shape
+        lin_num = torch.bmm(qf, self.kv.view(-1, features, values)).squeeze(1)
+        return lin_num, torch.bmm(qf, self.k_sum.view(-1, features, 1)).view(-1)
 
     def _exact(self, q: torch.Tensor, qf: torch.Tensor, dead: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

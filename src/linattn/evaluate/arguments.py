@@ -140,6 +140,10 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
         "at least)")
     add("--sparse-cache-floor", type=int, default=None, help="with --sparse-cache-heads retrieval: the fewest pairs "
         "a head keeps (default N/2)")
+    add("--sparse-cache-linear-weight", type=float, default=1.0, help="with --sparse-cache: the linear part's sums "
+        "times this weight β ≥ 0 beside the cache, while fitting, training end to end and measuring, and saved "
+        "with the folder: the map's mass for far keys grows with the context and drowns the cached pairs "
+        "(docs/sparse_cache.md)")
     add("--fit-steps", type=int, default=150, help="steps of the Hedgehog fit")
     add("--num-features", type=int, default=None, help="m of the Hedgehog maps (default: the fit's)")
     add("--fit-max-tokens", type=int, default=None, help="longest captured piece for the fit (default 1024)")

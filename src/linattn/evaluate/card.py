@@ -79,8 +79,10 @@ def card_lines(result: dict[str, Any], plotted: bool) -> list[str]:
     cache = int(result.get("sparse_cache") or 0)
     per_head = (" on average, split across heads by their retrieval score,"
                 if result.get("sparse_cache_heads") == "retrieval" else ",")
+    weight = float(result.get("sparse_cache_linear_weight", 1.0))
+    weighed = f" (the linear part weighed {weight:g} beside it)" if cache and weight != 1 else ""
     kept = (f" and a sparse exact cache of {cache} older key/value pairs per head{per_head} trained and measured in "
-            "place" if cache else "")
+            f"place{weighed}" if cache else "")
     lines = [
         f"# {result['model']}, linearized", "",
         f"Every attention layer of `{result['model']}` is linear attention with learned Hedgehog feature maps beside "

@@ -59,9 +59,10 @@ DISK_MARGIN = 64 * 2**20
 # options that change what a stage makes (a rerun must pass the same); --quiet and --budget's own value do not
 _PLANNED = ("model", "text", "heldout", "window", "sinks", "fit_steps", "num_features", "fit_max_tokens", "fit_orders",
             "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "lora", "sparse_cache",
-            "sparse_cache_heads", "sparse_cache_floor", "budget")
+            "sparse_cache_heads", "sparse_cache_floor", "sparse_cache_linear_weight", "budget")
 # what a plan saved before an option existed meant
-_EARLIER_DEFAULTS = {"sparse_cache": 0, "sparse_cache_heads": "uniform", "sparse_cache_floor": None}
+_EARLIER_DEFAULTS = {"sparse_cache": 0, "sparse_cache_heads": "uniform", "sparse_cache_floor": None,
+                     "sparse_cache_linear_weight": 1.0}
 
 
 def prepare_out(out: str) -> Path:
@@ -136,7 +137,7 @@ def _config(args: argparse.Namespace, plan: dict[str, Any], samples_file: str) -
         steps=end_to_end_steps, samples=samples, tokens=args.end_to_end_tokens, texts=samples_file,
         copies=True, corpus_orders=0, repeat_weight=1.0, lora_rank=args.lora if end_to_end_steps else 0,
         lora_lr=0.0005, retrieval_heads=0, retrieval_maps=None, train_other_heads=False,
-        sparse_cache=args.sparse_cache)
+        sparse_cache=args.sparse_cache, cache_linear_weight=args.sparse_cache_linear_weight)
     return LMCompareConfig(model=args.model, text=args.text, heldout=args.heldout, out=args.out,
                            maps=("hedgehog+window",), window=args.window, sinks=args.sinks, max_tokens=0,
                            metrics=False, baselines=True, quiet=args.quiet, probes=probes, fit=fit,
@@ -239,9 +240,10 @@ class Job:
             return None
         self._ensure_split()
         sizes = self.config.end_to_end.cache_sizes
+        weight = self.args.sparse_cache_linear_weight
         if sizes is None:
-            return SparseCache(size=self.args.sparse_cache)
-        return [SparseCache(size=row) for row in sizes]
+            return SparseCache(size=self.args.sparse_cache, linear_weight=weight)
+        return [SparseCache(size=row, linear_weight=weight) for row in sizes]
 
     def end_to_end(self, fitted: FittedFeatureMaps) -> tuple[FittedFeatureMaps, Any]:
         options = self.config.end_to_end
@@ -350,6 +352,7 @@ class Job:
         probes = self.config.probes
         result = {"model": self.name, "base": args.model, "window": args.window, "sinks": args.sinks,
                   "sparse_cache": args.sparse_cache, "sparse_cache_heads": args.sparse_cache_heads,
+                  "sparse_cache_linear_weight": args.sparse_cache_linear_weight,
                   "heldout_source": f"`{args.heldout}`" if args.heldout else "the shipped corpus's held-out text",
                   "passage_tokens": probes.passage_tokens, "gap_tokens": probes.gap_tokens,
                   "repeat_trials": probes.repeat_trials, "passkey_trials": probes.passkey_trials,

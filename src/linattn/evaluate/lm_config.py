@@ -76,6 +76,7 @@ class EndToEndOptions:
     # the cache's per-head sizes, one tuple per layer, where they differ by head (--sparse-cache-heads retrieval);
     # None: sparse_cache pairs for every head
     cache_sizes: tuple[tuple[int, ...], ...] | None = None
+    cache_linear_weight: float = 1.0  # the linear part's weight β beside the cache (SparseCache.linear_weight)
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.samples < HELD_OUT_SAMPLES + 1 or self.tokens < 1:
@@ -85,6 +86,9 @@ class EndToEndOptions:
             raise LinearAttentionError("--retrieval-heads: need ≥ 0, and ≥ 1 with --retrieval-maps")
         if self.sparse_cache < 0:
             raise LinearAttentionError(f"--sparse-cache: need pairs per head ≥ 0, got {self.sparse_cache}")
+        if not (0 <= self.cache_linear_weight < math.inf) or (self.cache_linear_weight != 1 and not self.sparse_cache):
+            raise LinearAttentionError(f"--sparse-cache-linear-weight: need a finite weight ≥ 0, and --sparse-cache "
+                                       f"N ≥ 1 beside it, got {self.cache_linear_weight}")
         if self.corpus_orders < 0:
             raise LinearAttentionError(f"--end-to-end-corpus-orders: need ≥ 0, got {self.corpus_orders}")
         self._check_lora()
@@ -110,9 +114,13 @@ class EndToEndOptions:
     @property
     def cache_options(self) -> dict[str, Any]:
         """The ``hf.linearize`` options that put the sparse cache in place (none without one), as JSON values."""
-        if self.cache_sizes is not None:
-            return {"sparse_cache": [list(sizes) for sizes in self.cache_sizes]}
-        return {"sparse_cache": self.sparse_cache} if self.sparse_cache else {}
+        weight = {} if self.cache_linear_weight == 1 else {"linear_weight": self.cache_linear_weight}
+        if self.cache_sizes is not None:  # per layer: its per-head sizes, or the cache's fields with the weight
+            return {"sparse_cache": [{"size": list(sizes), **weight} if weight else list(sizes)
+                                     for sizes in self.cache_sizes]}
+        if not self.sparse_cache:
+            return {}
+        return {"sparse_cache": {"size": self.sparse_cache, **weight} if weight else self.sparse_cache}
 
     @property
     def after_fit(self) -> bool:

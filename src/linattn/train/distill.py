@@ -168,10 +168,11 @@ def _cached_masks(batch: dict[str, torch.Tensor], rows: torch.Tensor, selections
 
 
 def _hybrid_loss(fmap: LearnedProjectionMap, batch: dict[str, torch.Tensor], mse_weight: float,
-                 log_gamma: torch.Tensor | None) -> torch.Tensor:
+                 log_gamma: torch.Tensor | None, linear_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Per head and row (H, R): cross-entropy −Σ_j A_ij log Ĥ_ij against the full hybrid row Ĥ (window and sink
     keys exact, the others linear; see :mod:`linattn.forms.window`): mass-preserving form when ``log_gamma`` is
-    None, else the γ form with γ = exp(log_gamma) (H,)."""
+    None, else the γ form with γ = exp(log_gamma) (H,); the linear part times ``linear_weight`` (H,) when given
+    (a sparse cache's ``linear_weight``)."""
     exact, linear, target = batch["exact"], batch["linear"], batch["weights"]
     logits = (batch["q"] / math.sqrt(batch["q"].shape[-1])) @ batch["k"].transpose(-1, -2)  # (H, R, K)
     exact_logits = logits.masked_fill(~exact, float("-inf"))
@@ -181,6 +182,8 @@ def _hybrid_loss(fmap: LearnedProjectionMap, batch: dict[str, torch.Tensor], mse
     else:  # the γ form compares φ(q)·φ(k) with γ·e^{s − max}: the map's true scale matters
         qf, kf = fmap.features(batch["q"], is_query=True), fmap.features(batch["k"], is_query=False)
     scores = (qf @ kf.transpose(-1, -2) + 1e-6).clamp_min(1e-30)  # (H, R, K), as in _loss
+    if linear_weight is not None:  # (kept ≥ 1e-30: a weight of 0 leaves the linear keys' log finite)
+        scores = torch.where(linear, (scores * linear_weight.view(-1, 1, 1)).clamp_min(1e-30), scores)
     lin_scores = scores.masked_fill(~linear, 0.0)
     shape = torch.log_softmax(exact_logits, dim=-1).masked_fill(~exact, 0.0)  # log softmax over exact keys
     if log_gamma is None:
@@ -332,6 +335,9 @@ def fit_feature_map(
     held_rows = sum(len(item["held"]) for item in sequences)
 
     log_gamma = torch.zeros(1, heads, requires_grad=True) if window is not None and window_factor else None
+    beta = None  # the cache's linear weight per head, as the op weighs the linear part
+    if sparse_cache is not None and sparse_cache.linear_weight != 1:
+        beta = torch.as_tensor(sparse_cache.linear_weight, dtype=torch.float32).expand(heads)
 
     def loss_of(batch: dict[str, torch.Tensor], rows: torch.Tensor, item: dict[str, torch.Tensor]) -> torch.Tensor:
         if window is None:
@@ -339,7 +345,7 @@ def fit_feature_map(
         batch.update(_window_masks(rows, torch.arange(batch["k"].shape[1]), window, sinks, causal))
         if sparse_cache is not None:
             batch.update(_cached_masks(batch, rows, item["cache"], sparse_cache.block_for(window)))
-        return _hybrid_loss(fmap, batch, mse_weight, log_gamma[0] if log_gamma is not None else None)
+        return _hybrid_loss(fmap, batch, mse_weight, log_gamma[0] if log_gamma is not None else None, beta)
 
     def decide() -> None:
         """Each sequence's caches under the map as it is now (the recall score reads the map's state)."""
@@ -476,4 +482,11 @@ def _stacked_cache(cache: SparseCache | Sequence[SparseCache], layers: int, head
     first = caches[0]
     if any((c.score, c.block) != (first.score, first.block) or c.keep is not None for c in caches):
         raise LinearAttentionError("sparse_cache: fitting takes caches of one score and block, not the oracle")
-    return SparseCache(size=tuple(sizes), score=first.score, block=first.block)
+    weights: list[float] = []
+    for item in caches:
+        weight = item.linear_weight
+        weights.extend([float(weight)] * heads if isinstance(weight, int | float) else weight)
+    if len(weights) != len(sizes):
+        raise LinearAttentionError(f"sparse_cache: one linear weight per head ({heads}) or one per layer, got "
+                                   f"{[c.linear_weight for c in caches]!r}")
+    return SparseCache(size=tuple(sizes), score=first.score, block=first.block, linear_weight=tuple(weights))

@@ -13,7 +13,8 @@ sinks and padding. Query t weighs
 - linearly (φ(q_t)·φ(k_j)): every other pair with e_j ≤ t, and the carried linear state;
 
 and combines them as the window op does (the mass form: the exact part carries the mass φ(q)·Σ_exact φ(k); or the
-factor γ). Without a cache (size 0) this is the window op.
+factor γ), the linear part's sums times the cache's ``linear_weight`` β (1 by default). Without a cache (size 0)
+and with β = 1 this is the window op.
 
 Forms. :func:`sparse_parallel` is the definition written out: every weight of every query, the states at the
 boundaries as explicit sums; called one token at a time it is the decoding form (:func:`sparse_recurrent`).
@@ -271,7 +272,7 @@ def sparse_parallel(
     scores = ((q @ xk.transpose(-1, -2)) * hybrid.scale).masked_fill(~exact, NEG_INF)
     probs = torch.exp(scores - finite(scores.amax(-1, keepdim=True)))
     mass = weights.masked_fill(~exact, 0.0).sum(-1) if hybrid.factor is None else None
-    out = hybrid.combine((lin_num, lin_den), (probs @ xv, probs.sum(-1), mass), None, None)
+    out = hybrid.combine(cache.weigh_linear((lin_num, lin_den)), (probs @ xv, probs.sum(-1), mass), None, None)
 
     nxt = next_state(state, _linear_after(state.linear, kf, xv, xkeep, entry, n0, end), k, v, keep)
     nxt.cache = _final_cache(cache, members, xpos, xkeep, xk, xv, queries_all, query_first, end, block)
@@ -336,7 +337,7 @@ def sparse_chunked(
     if slots == 0:  # no cache: the window op
         nxt = next_state(state, parts.linear, k, v, keep)
         nxt.cache = empty_cache(cache, k, v, window)
-        return hybrid.combine(parts.lin, parts.exact, parts.c, parts.r), nxt
+        return hybrid.combine(cache.weigh_linear(parts.lin), parts.exact, parts.c, parts.r), nxt
 
     # the rows X: the cache's slots (valid where the pair has left the window), the window buffer, this call
     slot_valid = (carried.positions >= 0) & (carried.positions < ring_start)
@@ -460,7 +461,7 @@ def sparse_chunked(
                                        win_mass + cache_mass)
     else:
         exact_part = (num, den, None)
-    out = hybrid.combine(lin, exact_part, parts.c, parts.r)
+    out = hybrid.combine(cache.weigh_linear(lin), exact_part, parts.c, parts.r)
 
     nxt = next_state(state, _linear_after(state.linear, kf, xv, xkeep, entry, n0, end), k, v, keep)
     final = selections[-1] if selections else carried.positions
