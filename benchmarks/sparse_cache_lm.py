@@ -25,6 +25,7 @@ folder's sampled training texts (never on the held-out text).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -77,7 +78,7 @@ def split_sizes(folder: Path, model: Any, tokenizer: Any, window: int, sinks: in
 
 
 def rows(folder: Path, size: int, scores: list[str], split: tuple[list[Any], int, str] | None = None,
-         oracle_first: int | None = None) -> list[tuple[str, dict[str, Any], Any]]:
+         oracle_first: int | None = None, linear_weight: float | None = None) -> list[tuple[str, dict[str, Any], Any]]:
     """(name, what it is, how to switch the model to it)."""
     maps, options, window, sinks = setting(folder)
     wide = window + size
@@ -107,6 +108,24 @@ def rows(folder: Path, size: int, scores: list[str], split: tuple[list[Any], int
                        {"exact_pairs": window + sinks + size, "largest_per_head": largest, "scored_on": source,
                         "sizes": [list(cache.size) for cache in caches]},
                        hybrid(sparse_cache=caches)))
+    if linear_weight is not None:  # the same rows with the linear part discounted, and the equal-memory hybrid so
+        beta = linear_weight        # discounted (a cache of size 0 carries the weight: the window op times β)
+        weighed = [(f"hybrid window {wide}, no cache, linear weight {beta}", {"exact_pairs": wide + sinks},
+                    hybrid(window=wide, sparse_cache=SparseCache(0, linear_weight=beta)))]
+        if oracle_first is not None:
+            keep = torch.arange(1 << 16) < oracle_first
+            weighed.append((f"hybrid window {window} + cache {size} (oracle: the first {oracle_first} positions), "
+                            f"linear weight {beta}",
+                            {"exact_pairs": window + sinks + size, "oracle_first": oracle_first},
+                            hybrid(sparse_cache=SparseCache(size, score="oracle", keep=keep, linear_weight=beta))))
+        if split is not None:
+            caches, floor, source = split
+            weighed.append((f"hybrid window {window} + cache {size} on average, split by retrieval score (floor "
+                            f"{floor}), linear weight {beta}",
+                            {"exact_pairs": window + sinks + size, "scored_on": source,
+                             "sizes": [list(cache.size) for cache in caches]},
+                            hybrid(sparse_cache=[dataclasses.replace(cache, linear_weight=beta) for cache in caches])))
+        listed += [(name, {**info, "linear_weight": beta}, switch) for name, info, switch in weighed]
     return listed
 
 
@@ -125,6 +144,9 @@ def main() -> None:
     parser.add_argument("--oracle-first", type=int, default=None, help="also the row whose cache keeps the first P "
                         "positions (score 'oracle', measurement only): the repeated passage and the passkey's "
                         "statement are there, so it bounds what any score could reach with these maps")
+    parser.add_argument("--linear-weight", type=float, default=None, help="also the rows (split, oracle, the "
+                        "equal-memory hybrid) with the linear part's sums times this weight β (SparseCache's "
+                        "linear_weight)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder, out = Path(args.folder), Path(args.out)
@@ -149,10 +171,11 @@ def main() -> None:
         caches, source = split_sizes(folder, model, tokenizer, window, sinks, args.size, args.split_floor)
         split = (caches, args.split_floor, source)
     def priority(row: tuple[str, dict[str, Any], Any]) -> int:  # what an interrupted run should have measured
-        marks = ("original", "split", "softmax window", "cache")
+        marks = ("original", "split", "linear weight", "softmax window", "cache")
         return next((rank for rank, mark in enumerate(marks) if mark in row[0]), len(marks))
 
-    for name, info, switch in sorted(rows(folder, args.size, args.scores, split, args.oracle_first), key=priority):
+    listed = rows(folder, args.size, args.scores, split, args.oracle_first, args.linear_weight)
+    for name, info, switch in sorted(listed, key=priority):
         if name in results:
             print(f"{name}: done before, skipped", flush=True)
             continue
