@@ -93,39 +93,35 @@ def rows(folder: Path, size: int, scores: list[str], split: tuple[list[Any], int
         (f"hybrid window {wide}, no cache", {"exact_pairs": wide + sinks}, hybrid(window=wide)),
         (f"hybrid window {window}, no cache", {"exact_pairs": window + sinks}, hybrid()),
     ]
-    if oracle_first is not None:  # the first positions hold the passage of a repeat probe and a passkey's key
-        keep = torch.arange(1 << 16) < oracle_first
-        listed.append((f"hybrid window {window} + cache {size} (oracle: the first {oracle_first} positions)",
-                       {"exact_pairs": window + sinks + size, "oracle_first": oracle_first},
-                       hybrid(sparse_cache=SparseCache(size, score="oracle", keep=keep))))
+    keep = torch.arange(1 << 16) < (oracle_first or 0)  # the first positions: a repeat's passage, a passkey's key
+
+    def cached(beta: float | None) -> list[tuple[str, dict[str, Any], Any]]:
+        """The oracle's and the split's rows, their linear part weighed β (None: as the window op weighs it)."""
+        suffix, weight = ("", {}) if beta is None else (f", linear weight {beta}", {"linear_weight": beta})
+        found: list[tuple[str, dict[str, Any], Any]] = []
+        if oracle_first is not None:
+            found.append((f"hybrid window {window} + cache {size} (oracle: the first {oracle_first} positions){suffix}",
+                          {"exact_pairs": window + sinks + size, "oracle_first": oracle_first, **weight},
+                          hybrid(sparse_cache=SparseCache(size, score="oracle", keep=keep, **weight))))
+        if split is not None:
+            caches, floor, source = split
+            found.append((f"hybrid window {window} + cache {size} on average, split by retrieval score (floor "
+                          f"{floor}){suffix}",
+                          {"exact_pairs": window + sinks + size, "largest_per_head": max(c.largest for c in caches),
+                           "scored_on": source, "sizes": [list(cache.size) for cache in caches], **weight},
+                          hybrid(sparse_cache=[dataclasses.replace(cache, **weight) for cache in caches])))
+        return found
+
+    listed += cached(None)
     for score in scores:
         listed.append((f"hybrid window {window} + cache {size} ({score})", {"exact_pairs": window + sinks + size},
                        hybrid(sparse_cache=SparseCache(size, score=score))))
-    if split is not None:
-        caches, floor, source = split
-        largest = max(cache.largest for cache in caches)
-        listed.append((f"hybrid window {window} + cache {size} on average, split by retrieval score (floor {floor})",
-                       {"exact_pairs": window + sinks + size, "largest_per_head": largest, "scored_on": source,
-                        "sizes": [list(cache.size) for cache in caches]},
-                       hybrid(sparse_cache=caches)))
-    if linear_weight is not None:  # the same rows with the linear part discounted, and the equal-memory hybrid so
-        beta = linear_weight        # discounted (a cache of size 0 carries the weight: the window op times β)
-        weighed = [(f"hybrid window {wide}, no cache, linear weight {beta}", {"exact_pairs": wide + sinks},
-                    hybrid(window=wide, sparse_cache=SparseCache(0, linear_weight=beta)))]
-        if oracle_first is not None:
-            keep = torch.arange(1 << 16) < oracle_first
-            weighed.append((f"hybrid window {window} + cache {size} (oracle: the first {oracle_first} positions), "
-                            f"linear weight {beta}",
-                            {"exact_pairs": window + sinks + size, "oracle_first": oracle_first},
-                            hybrid(sparse_cache=SparseCache(size, score="oracle", keep=keep, linear_weight=beta))))
-        if split is not None:
-            caches, floor, source = split
-            weighed.append((f"hybrid window {window} + cache {size} on average, split by retrieval score (floor "
-                            f"{floor}), linear weight {beta}",
-                            {"exact_pairs": window + sinks + size, "scored_on": source,
-                             "sizes": [list(cache.size) for cache in caches]},
-                            hybrid(sparse_cache=[dataclasses.replace(cache, linear_weight=beta) for cache in caches])))
-        listed += [(name, {**info, "linear_weight": beta}, switch) for name, info, switch in weighed]
+    if linear_weight is not None:  # the same rows with the linear part weighed β, and the equal-memory hybrid so
+        # weighed (a cache of size 0 carries the weight: the window op times β)
+        listed.append((f"hybrid window {wide}, no cache, linear weight {linear_weight}",
+                       {"exact_pairs": wide + sinks, "linear_weight": linear_weight},
+                       hybrid(window=wide, sparse_cache=SparseCache(0, linear_weight=linear_weight))))
+        listed += cached(linear_weight)
     return listed
 
 

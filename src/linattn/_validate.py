@@ -492,18 +492,9 @@ def check_sparse_cache(cache: SparseCache, q: torch.Tensor, window: int, state: 
             f"sparse_cache: block={block} is longer than the window ({window}); the pairs leaving before the next "
             "decision must still be in the window when it is made. Pass block ≤ window"
         )
-    if not isinstance(cache.size, int):
-        heads = len(cache.size.tolist() if isinstance(cache.size, torch.Tensor) else cache.size)
-        if q.dim() < 3 or heads != q.shape[-3]:
-            raise LinearAttentionError(
-                f"sparse_cache: {heads} per-head sizes for inputs with {q.shape[-3] if q.dim() >= 3 else 1} heads "
-                "(dim −3); give one per query head"
-            )
-    if isinstance(cache.linear_weight, tuple) and (q.dim() < 3 or len(cache.linear_weight) != q.shape[-3]):
-        raise LinearAttentionError(
-            f"sparse_cache: {len(cache.linear_weight)} per-head linear weights for inputs with "
-            f"{q.shape[-3] if q.dim() >= 3 else 1} heads (dim −3); give one per query head"
-        )
+    wrong = cache.heads_mismatch(q.shape[-3] if q.dim() >= 3 else 1)
+    if wrong is not None:
+        raise LinearAttentionError(f"sparse_cache: {wrong} (the inputs' dim −3)")
     if cache.keep is not None and cache.keep.dtype != torch.bool:
         raise LinearAttentionError(f"sparse_cache: keep must be a bool tensor over positions, got {cache.keep.dtype}")
     if isinstance(state, WindowAttentionState):

@@ -250,17 +250,27 @@ class SparseCache:
         except RuntimeError:  # per-head sizes that do not broadcast against the state's heads
             return False
 
+    def heads_mismatch(self, heads: int) -> str | None:
+        """Why this cache does not fit ``heads`` query heads (per-head sizes or linear weights of another count),
+        or None."""
+        for name, given in (("sizes", self.size), ("linear weights", self.linear_weight)):
+            if not isinstance(given, int | float):
+                count = len(given.tolist() if isinstance(given, torch.Tensor) else given)
+                if count != heads:
+                    return f"{count} per-head {name} for {heads} heads; give one per query head"
+        return None
+
     def weigh_linear(self, lin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The linear part's (num (..., H, N, Dv), den (..., H, N)) times ``linear_weight`` (per head along H)."""
-        if self.linear_weight == 1.0 or self.linear_weight == 1:
+        if self.linear_weight == 1:
             return lin
         num, den = lin
         if isinstance(self.linear_weight, int | float):
             return num * self.linear_weight, den * self.linear_weight
+        wrong = self.heads_mismatch(den.shape[-2] if den.dim() >= 2 else 1)
+        if wrong is not None:
+            raise LinearAttentionError(f"sparse_cache: {wrong}")
         beta = torch.as_tensor(self.linear_weight, dtype=den.dtype, device=den.device)
-        if den.dim() < 2 or den.shape[-2] != beta.shape[0]:
-            raise LinearAttentionError(f"sparse_cache: {beta.shape[0]} per-head linear weights for inputs with "
-                                       f"{den.shape[-2] if den.dim() >= 2 else 1} heads; give one per query head")
         return num * beta[:, None, None], den * beta[:, None]
 
     def block_for(self, window: int) -> int:

@@ -77,20 +77,17 @@ class SparseDecodeStep(WindowDecodeStep):
         super().__init__(fmap, state, eps=eps, window_factor=window_factor, softmax_scale=softmax_scale,
                          kv_heads=kv_heads)
         batch, heads, features, values = self._shape
-        if not isinstance(cache.size, int) and len(cache.size) != heads:
-            raise LinearAttentionError(f"cache: {len(cache.size)} per-head sizes for a state of {heads} heads; give "
-                                       "one per query head")
+        wrong = cache.heads_mismatch(heads)
+        if wrong is not None:
+            raise LinearAttentionError(f"cache: {wrong} (the state's)")
         if not cache.made(carried.sizes):
             raise LinearAttentionError(f"cache: the state's cache was made with other per-head sizes (largest "
                                        f"{carried.slots}); this SparseCache has {cache.size!r}: pass the same one")
-        if isinstance(cache.linear_weight, tuple) and len(cache.linear_weight) != heads:
-            raise LinearAttentionError(f"cache: {len(cache.linear_weight)} per-head linear weights for a state of "
-                                       f"{heads} heads; give one per query head")
         self.cache, self.block, self.slots = cache, block, slots
         rows, dim = batch * heads, self.keys.shape[-1]
         dtype, device = self.kv.dtype, self.kv.device
         # the linear part's weight β per row (B·H,), or None for β = 1
-        self.linear_weight = None if cache.linear_weight in (1, 1.0) else torch.as_tensor(
+        self.linear_weight = None if cache.linear_weight == 1 else torch.as_tensor(
             cache.linear_weight, dtype=dtype, device=device).expand(batch, heads).reshape(-1).clone()
         self.ring_slots = self.sinks + self.window
         self.sizes = cache.sizes_for((batch, heads), device)  # (B, H)
