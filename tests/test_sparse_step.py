@@ -56,12 +56,15 @@ def _same_state(a, b) -> None:
 
 
 ORACLE_KEEP = torch.arange(64) % 3 == 1
+# per head: every third, every other, every fifth and every fourth position (each head's boundaries decide on its own)
+ORACLE_PER_HEAD = torch.stack([torch.arange(64) % m == 1 for m in (3, 2, 5, 4)])
 CACHES = {
     "recall": SparseCache(size=3, score="recall", block=BLOCK),
     "attention": SparseCache(size=3, score="attention", block=BLOCK),
     "oracle": SparseCache(size=3, score="oracle", block=BLOCK, keep=ORACLE_KEEP),
     "per-head": SparseCache(size=(1, 4, 0, 2), score="recall", block=BLOCK),
     "per-head-attention": SparseCache(size=(2, 3, 1, 4), score="attention", block=BLOCK),
+    "per-head-oracle": SparseCache(size=(1, 4, 0, 2), score="oracle", block=BLOCK, keep=ORACLE_PER_HEAD),
     "discounted": SparseCache(size=3, score="recall", block=BLOCK, linear_weight=0.3),
     "per-head-discounted": SparseCache(size=(1, 4, 0, 2), score="recall", block=BLOCK,
                                        linear_weight=(0.5, 0.0, 1.0, 0.1)),

@@ -25,7 +25,7 @@ row (index ops, no padding); a boundary unpacks the slots to (B·H, λ) for the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -34,9 +34,24 @@ from .._validate import sparse_cache
 from ..errors import LinearAttentionError
 from ..features import is_log_space
 from ..forms.window.hybrid import Hybrid
-from ..forms.window.sparse import NEVER, choose, scores_for
+from ..forms.window.sparse import NEVER, by_budget, choose, scores_for
 from ..state import SparseCache, SparseCacheState, WindowAttentionState
 from .window import WindowDecodeStep
+
+
+class _Group(NamedTuple):
+    """Rows of one budget width for the boundary decisions: the query-head rows (R_g,), the same as an index into
+    the per-query-head buffers and into the key/value buffers (None: all their rows, as they lie), each row's slots
+    in the packed buffers (R_g, width) and which of them it holds, the width, and the cache as these rows see it
+    (the oracle's positions per row)."""
+
+    rows: torch.Tensor
+    select: torch.Tensor | None
+    kv_select: torch.Tensor | None
+    where: torch.Tensor
+    held: torch.Tensor
+    width: int
+    cache: SparseCache
 
 
 class SparseDecodeStep(WindowDecodeStep):
@@ -97,7 +112,7 @@ class SparseDecodeStep(WindowDecodeStep):
                              factor=None, scale=self.scale, eps=self.eps, min_denom=None)
         with torch.no_grad():
             # the cache packed as the state holds it: row r = b·H + h has its own size's slots, row after row
-            self.row_of = torch.repeat_interleave(torch.arange(rows, device=device), self.sizes.reshape(-1))  # (M,)
+            self._index_packing()
             self.even = slots > 0 and bool((self.sizes == slots).all())  # every row at λ: (B·H, λ, ·)
             held = carried.positions.to(device)  # (B, H, λ), −1 where empty or beyond a head's size
             filled = held >= 0
@@ -129,6 +144,14 @@ class SparseDecodeStep(WindowDecodeStep):
                 if since:
                     at = torch.arange(t - since, t, device=device) % block
                     self.queries[:, at] = carried.queries.detach().to(dtype).reshape(rows, since, dim)
+
+    def _index_packing(self) -> None:
+        """The packed buffers' layout from ``sizes``: each slot's row (``row_of``, (M,)), the slots in order
+        (``slot_index``) and each row's first slot (``starts``, (B·H,)), for the sums per row."""
+        sizes = self.sizes.reshape(-1)
+        self.row_of = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes)  # (M,)
+        self.slot_index = torch.arange(self.row_of.numel(), device=sizes.device)
+        self.starts = torch.cumsum(sizes, 0) - sizes
 
     def _slot_mask(self) -> torch.Tensor:
         """(B·H, λ) bool: the slots each row holds (the packing of the cache buffers)."""
@@ -169,7 +192,7 @@ class SparseDecodeStep(WindowDecodeStep):
 
     # The exact part. With every row at the same size (``even``) the packed buffers are (B·H, λ, ·) as they lie:
     # the cache's slots join the ring's in the window step's one softmax (batched products, below). Else each packed
-    # slot is scored against its row's query and summed into its row through ``row_of`` (index ops, _exact).
+    # slot is scored against its row's query through ``row_of`` and summed per row as a bag (_exact, _row_sums).
 
     def _scores(self, q: torch.Tensor) -> torch.Tensor:
         ring = super()._scores(q)
@@ -211,74 +234,118 @@ class SparseDecodeStep(WindowDecodeStep):
         top = ring.amax(-1).scatter_reduce_(0, row_of, cached, "amax").clamp_(min=-torch.finfo(dtype).max)
         probs = ring.sub_(top.unsqueeze(-1)).exp_()
         cached_probs = cached.sub_(top.index_select(0, row_of)).exp_()  # 0 where not exact
-        win_num = self._weighted_values(probs).index_add_(0, row_of, cached_probs.unsqueeze(-1) * self.cached_values)
+        win_num = self._weighted_values(probs).add_(self._row_sums(self.cached_values, cached_probs))
         win_den = probs.sum(-1).index_add_(0, row_of, cached_probs)
         if self.gamma is not None:
             return win_num, win_den, None
-        features = qf.view(rows, -1).index_select(0, row_of)  # (M, F)
-        cached_mass = (features * self.cached_features).sum(-1).masked_fill_(~self.exact, 0.0)
+        # the exact cached pairs' mass φ(q)·Σ φ(k): their features summed per row, then one product per row
+        exact_features = self._row_sums(self.cached_features, self.exact.to(dtype))  # (B·H, F)
+        cached_mass = torch.bmm(qf, exact_features.unsqueeze(-1)).view(rows)
         mass = self._feature_weights(qf).masked_fill_(dead, 0.0).sum(-1)
-        return win_num, win_den, mass.index_add_(0, row_of, cached_mass)
+        return win_num, win_den, mass.add_(cached_mass)
+
+    def _row_sums(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Σ weights·x over each row's packed slots: x (M, ·), weights (M,) → (B·H, ·). The slots of a row lie
+        together, so this is a weighted sum of bags (``embedding_bag``), a few times faster on CPU than adding
+        each slot into its row by index."""
+        return torch.nn.functional.embedding_bag(self.slot_index, x, self.starts, mode="sum",
+                                                 per_sample_weights=weights)
+
+    def _budget_groups(self) -> list[_Group]:
+        """The rows grouped by budget as the chunked form groups them (:func:`~linattn.forms.window.sparse.by_budget`:
+        each at the least power of two that holds its size), with each group's slots in the packed buffers; a
+        boundary decides each group at its own width, so a head with a small budget does not score as many
+        candidates as the largest. Made at each boundary from ``sizes`` (a few small ops), so the step holds
+        nothing more than the packed cache and its layout."""
+        sizes = self.sizes.reshape(-1)
+        device = sizes.device
+        starts = torch.cumsum(sizes, 0) - sizes
+        keep = self.cache.keep
+        keep_rows = None
+        if keep is not None:  # the oracle's positions per row (B·H, P)
+            keep_rows = keep.to(device).expand(*self._shape[:2], keep.shape[-1]).reshape(sizes.numel(), -1)
+        groups = []
+        for index, width in by_budget(sizes, self.slots):
+            rows = torch.arange(sizes.numel(), device=device) if index is None else index
+            held = torch.arange(width, device=device) < sizes.index_select(0, rows).unsqueeze(-1)  # (R_g, width)
+            where = (starts.index_select(0, rows).unsqueeze(-1) + torch.arange(width, device=device)).masked_fill(
+                ~held, 0)
+            cache = self.cache if keep_rows is None else dataclasses.replace(
+                self.cache, size=sizes.index_select(0, rows).cpu(), keep=keep_rows.index_select(0, rows))
+            kv_select = None if index is None and self.group == 1 else rows // self.group
+            groups.append(_Group(rows, index, kv_select, where, held, width, cache))
+        return groups
 
     def _decide(self, t0: int) -> None:
         """The boundary t0: score the candidates (the cache and the ring's pairs t0 − W … t0 − W + B − 1), keep the
         best ``size`` per head (``choose``), let the cached pairs not kept enter the linear sums, and mark which
-        leaving pairs stay exact. The cache is unpacked to (B·H, λ) slots for the decision and packed again."""
-        batch, heads, features, values = self._shape
-        rows, slots, block, window, group = batch * heads, self.slots, self.block, self.window, self.group
-        device = self.kv.device
+        leaving pairs stay exact. Each group of rows (:meth:`_budget_groups`) decides on its slots, taken from the
+        packed buffers at the group's width, and writes its choice back into them."""
+        for group in self._budget_groups():
+            self._decide_rows(t0, group)
+
+    def _decide_rows(self, t0: int, group: _Group) -> None:
+        _, _, features, values = self._shape
+        rows, width, block, window = group.rows, group.width, self.block, self.window
+        count, device = rows.numel(), self.kv.device
         leaving = torch.arange(t0 - window, t0 - window + block, device=device)  # (B,) positions
         at = self.sinks + leaving % window  # their ring slots
-        leaving_valid = (leaving >= self.sinks) & self.live[:, at]  # not sinks, not padding, seen
+        def ring(x: torch.Tensor, kv_rows: bool) -> torch.Tensor:  # the leaving pairs' ring slots (R_g, B[, ·])
+            index = group.kv_select if kv_rows else group.select
+            return (x if index is None else x.index_select(0, index))[:, at]
 
-        def per_query_head(x: torch.Tensor) -> torch.Tensor:  # (B·Hkv, ·, ·) → (B·H, ·, ·)
-            return x if group == 1 else x.repeat_interleave(group, dim=0)
+        leaving_valid = (leaving >= self.sinks) & ring(self.live, False)  # not sinks, not padding, seen
+        flat = group.where.reshape(-1)
 
-        old_positions = self._unpacked(self.positions, NEVER)  # (B·H, λ) ascending, NEVER in empty slots
+        def held(x: torch.Tensor, fill: float) -> torch.Tensor:  # the group's slots (R_g, width[, ·]) of a buffer
+            out = x.index_select(0, flat).view(count, width, *x.shape[1:])
+            mask = group.held if x.dim() == 1 else group.held.unsqueeze(-1)
+            return out.masked_fill_(~mask, fill)
+
+        old_positions = held(self.positions, NEVER)  # (R_g, width) ascending, NEVER in empty slots
         old_valid = old_positions != NEVER
-        old_features = self._unpacked(self.cached_features, 0.0)
-        old_values = self._unpacked(self.cached_values, 0.0)
-        positions = torch.cat([old_positions.masked_fill(~old_valid, -1), leaving.expand(rows, -1)], 1)  # (B·H, C)
+        old_features, old_values = held(self.cached_features, 0.0), held(self.cached_values, 0.0)
+        positions = torch.cat([old_positions.masked_fill(~old_valid, -1), leaving.expand(count, -1)], 1)  # (R_g, C)
         valid = torch.cat([old_valid, leaving_valid], 1)
-        keys = torch.cat([self._unpacked(self.cached_keys, 0.0), per_query_head(self.keys[:, at])], 1)
-        vals = torch.cat([old_values, per_query_head(self.values[:, at])], 1)
-        feats = torch.cat([old_features, self.key_features[:, at]], 1)
-
-        def heads_of(x: torch.Tensor) -> torch.Tensor:  # (B·H, ...) → (B, H, ...)
-            return x.view(batch, heads, *x.shape[1:])
-
-        queries = self.queries if self.queries is not None else keys  # (read by "attention" only)
-        scores = scores_for(self.cache, self.hybrid, kf=heads_of(feats), v=heads_of(vals), keys=heads_of(keys),
-                            positions=heads_of(positions), valid=heads_of(valid), kv=self.kv, k_sum=self.k_sum,
-                            queries=heads_of(queries), query_positions=torch.arange(t0 - block, t0, device=device))
-        chosen = choose(scores, heads_of(positions), heads_of(valid), self.sizes, slots)[0].view(rows, slots)
+        keys = torch.cat([held(self.cached_keys, 0.0), ring(self.keys, True)], 1)
+        vals = torch.cat([old_values, ring(self.values, True)], 1)
+        feats = torch.cat([old_features, ring(self.key_features, False)], 1)
+        kv = self.kv.view(-1, features, values).index_select(0, rows)
+        k_sum = self.k_sum.view(-1, features).index_select(0, rows)
+        queries = self.queries.index_select(0, rows) if self.queries is not None else keys  # ("attention" only)
+        scores = scores_for(group.cache, self.hybrid, kf=feats, v=vals, keys=keys, positions=positions, valid=valid,
+                            kv=kv, k_sum=k_sum, queries=queries,
+                            query_positions=torch.arange(t0 - block, t0, device=device))
+        sizes = self.sizes.reshape(-1).index_select(0, rows)
+        chosen = choose(scores, positions, valid, sizes, width)[0]
         chosen = chosen.masked_fill(chosen < 0, NEVER)  # ascending, NEVER in empty slots (as ``positions``)
 
-        def among_chosen(x: torch.Tensor) -> torch.Tensor:  # whether each position of x (B·H, X) was chosen
-            at = torch.searchsorted(chosen, x).clamp_(max=slots - 1)
-            return chosen.gather(1, at) == x
+        def among_chosen(x: torch.Tensor) -> torch.Tensor:  # whether each position of x (R_g, X) was chosen
+            found = torch.searchsorted(chosen, x).clamp_(max=width - 1)
+            return chosen.gather(1, found) == x
 
         # the cached pairs not kept enter the linear sums at the boundary (they have all left the window)
         evicted = old_features * (old_valid & ~among_chosen(old_positions)).unsqueeze(-1)
-        self.kv.view(rows, features, values).baddbmm_(evicted.transpose(1, 2), old_values)
-        self.k_sum.view(rows, features).add_(evicted.sum(1))
+        self.kv.view(-1, features, values).index_add_(0, rows, torch.bmm(evicted.transpose(1, 2), old_values))
+        self.k_sum.view(-1, features).index_add_(0, rows, evicted.sum(1))
         # the new cache: each chosen pair's row among the candidates, an old slot (found among the ascending old
         # positions) or a leaving pair (by its position); empty slots get zeros. A row keeps at most its size, at
-        # the front: packing drops only empty slots
-        first = t0 - window
-        index = torch.where(chosen < first, torch.searchsorted(old_positions, chosen), slots + chosen - first)
-        index = index.clamp_(max=slots + block - 1)
-        filled = (chosen != NEVER).unsqueeze(-1)
-        mask = self._slot_mask()
+        # the front, so its first ``size`` slots are its packed ones
+        first, candidates = t0 - window, width + block
+        index = torch.where(chosen < first, torch.searchsorted(old_positions, chosen), width + chosen - first)
+        index = index.clamp_(max=candidates - 1) + torch.arange(count, device=device).unsqueeze(-1) * candidates
+        index, filled = index[group.held], (chosen != NEVER)[group.held]  # the packed slots, in order
+        dest = group.where[group.held]
 
-        def picked(x: torch.Tensor) -> torch.Tensor:
-            return (x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1])) * filled)[mask]
+        def picked(x: torch.Tensor) -> torch.Tensor:  # candidates (R_g, C, ·) → the packed slots' rows (M_g, ·)
+            return x.reshape(count * candidates, -1).index_select(0, index).mul_(filled.unsqueeze(-1))
 
-        self.cached_keys.copy_(picked(keys))
-        self.cached_values.copy_(picked(vals))
-        self.cached_features.copy_(picked(feats))
-        self.stays[:, leaving % window] = among_chosen(leaving.expand(rows, -1).contiguous())
-        self.positions.copy_(chosen[mask])
+        self.cached_keys.index_copy_(0, dest, picked(keys))
+        self.cached_values.index_copy_(0, dest, picked(vals))
+        self.cached_features.index_copy_(0, dest, picked(feats))
+        self.stays[rows.unsqueeze(-1), (leaving % window).unsqueeze(0)] = among_chosen(
+            leaving.expand(count, -1).contiguous())
+        self.positions.index_copy_(0, dest, chosen[group.held])
 
     @classmethod
     def stack(cls, steps: list[WindowDecodeStep], pads: list[int]) -> WindowDecodeStep:
@@ -325,7 +392,7 @@ class SparseDecodeStep(WindowDecodeStep):
         new.cached_keys, new.cached_values, new.cached_features = (
             x.index_select(0, picked) for x in (self.cached_keys, self.cached_values, self.cached_features))
         new.sizes = self.sizes.index_select(0, index)
-        new.row_of = torch.repeat_interleave(torch.arange(rows.numel(), device=index.device), counts)
+        new._index_packing()
         keep = self.cache.keep
         if keep is not None and keep.dim() >= 3 and keep.shape[-3] > 1:  # an oracle given per batch row
             new.cache = dataclasses.replace(self.cache, keep=keep.index_select(-3, index.to(keep.device)))

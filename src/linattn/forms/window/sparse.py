@@ -362,7 +362,7 @@ def sparse_chunked(
     index_of = rows_in(_sorted(carried.positions))
     queries_all = torch.cat([carried.queries, q], -2)
     query_first = n0 - carried.queries.shape[-2]
-    groups = _by_budget(cache.sizes_for(batch, device).reshape(-1), slots)
+    groups = by_budget(cache.sizes_for(batch, device).reshape(-1), slots)
     # with several groups, their rows concatenated in group order go back to row order by this permutation
     back = None if len(groups) == 1 else torch.argsort(torch.cat([index for index, _ in groups if index is not None]))
     with torch.no_grad():
@@ -473,8 +473,9 @@ def sparse_chunked(
     return out, nxt
 
 
-def _by_budget(sizes: torch.Tensor, slots: int) -> list[tuple[torch.Tensor | None, int]]:
-    """The rows (R,) grouped by budget for the boundary decisions and the cache term: each row's width is the least
+def by_budget(sizes: torch.Tensor, slots: int) -> list[tuple[torch.Tensor | None, int]]:
+    """The rows (R,) grouped by budget for the boundary decisions and the cache term (here and in the decoding
+    step, :class:`~linattn.decode.SparseDecodeStep`): each row's width is the least
     power of two ≥ its size (at most the slots), so a group works at most twice as wide as its rows' budgets. One
     group (all rows, index None) when every row has the same width."""
     widths = [min(slots, 1 << max(0, int(size) - 1).bit_length()) for size in sizes.tolist()]
