@@ -50,6 +50,9 @@ def variants(size: int, heads: int) -> dict[str, Callable[..., Any]]:
     split = uneven(size, heads)
     return {
         "window": call,
+        # the equal-memory baseline: the cache's pairs spent on more window (W + λ exact keys, no cache)
+        f"window {WINDOW + size}": lambda q, k, v: linattn.linear_attention(q, k, v, causal=True, window=WINDOW + size,
+                                                                          sinks=SINKS),
         f"cache {size} recall": lambda q, k, v: call(q, k, v, sparse_cache=SparseCache(size)),
         f"cache {size} attention": lambda q, k, v: call(q, k, v, sparse_cache=SparseCache(size, score="attention")),
         f"split {size // 4}…{split.largest} recall": lambda q, k, v: call(q, k, v, sparse_cache=split),

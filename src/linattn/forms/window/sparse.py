@@ -71,10 +71,10 @@ def recall_scores(kf: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, k_sum: to
     """LoLA's self-recall error ‖v − Sᵀφ(k) / (zᵀφ(k))‖ of candidates kf (..., C, F), v (..., C, Dv) against the
     state kv (..., F, Dv), k_sum (..., F); an empty state (zᵀφ(k) = 0) recalls 0."""
     num = kf @ kv
-    den = (kf @ k_sum.unsqueeze(-1))
+    den = kf @ k_sum.unsqueeze(-1)
     seen = den > 0
-    recalled = torch.where(seen, num / torch.where(seen, den, torch.ones_like(den)), torch.zeros_like(num))
-    return (v - recalled).norm(dim=-1)
+    recalled = num.div_(torch.where(seen, den, 1.0)).masked_fill_(~seen, 0.0)
+    return torch.linalg.vector_norm(recalled.sub_(v), dim=-1)
 
 
 def attention_scores(queries: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor,
@@ -453,8 +453,8 @@ def sparse_chunked(
     if win_den is None:  # the fused window part: already its softmax average, at the log-scale ls
         win_den = torch.ones_like(ls)
     weight = torch.exp(ls - top)  # 0 where the window has no exact key (ls = −inf)
-    num = win_num * weight.unsqueeze(-1) + ex_num
-    den = win_den * weight + ex_den
+    num = torch.addcmul(ex_num, win_num, weight.unsqueeze(-1))
+    den = torch.addcmul(ex_den, win_den, weight)
     if shape_only:
         assert win_mass is not None
         exact_part: tuple[Any, ...] = (num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1), None,
@@ -538,7 +538,7 @@ def _decide(
         was = torch.arange(rows.shape[-1], device=device) < member_rows.shape[-1]
         target = _spare(rows, entry)
         new_entry = torch.where(was & valid & ~kept, t0, torch.where(kept, NEVER, entry.gather(-1, target)))
-        entry = entry.scatter(-1, target, new_entry)
+        entry.scatter_(-1, target, new_entry)  # (entry is this call's own tensor)
         entering = (features * (valid & ~kept).unsqueeze(-1), values)
         member_rows = rows.gather(-1, index.clamp(min=0)).masked_fill(index < 0, -1)
         selections.append(chosen)
