@@ -12,12 +12,17 @@ Two measurements on a linearized SmolLM2 folder (default: the shipped one), on t
   and the mean log-probability of the key's tokens (a finer measure than hits, which a 135M model rarely scores),
   for the original model and for the hybrid with a cache of ``--size`` pairs per head that keeps the first
   ``--oracle-first`` positions (``score="oracle"``: the key held exactly, what any score could at best reach),
-  its linear part weighed ``β`` for each of ``--weights`` (:class:`linattn.SparseCache`'s ``linear_weight``).
+  its linear part weighed ``β`` for each of ``--weights`` (:class:`linattn.SparseCache`'s ``linear_weight``);
+  with ``--split-from FILE``, also the hybrid with the per-head split recorded in that results file (the ``sizes``
+  of its first row that has them, from ``benchmarks/sparse_cache_lm.py``), for each score of ``--split-scores``
+  and each weight of ``--split-weights``: what a real score keeps, beside the oracle's bound.
 
 Rows are written to ``--out`` as they finish; a rerun skips those already there.
 
     .venv/bin/python benchmarks/sparse_cache_passkey.py [--folder DIR] [--lengths 256 512 768 1024 2048]
         [--weights 1 0.1 0.01 0] [--trials 20] [--shares] [--out docs/results/sparse_cache_passkey_smollm2.json]
+        [--split-from docs/results/sparse_cache_smollm2_shipped_split.json --split-scores recall attention
+         --split-weights 0.1]
 """
 
 from __future__ import annotations
@@ -91,6 +96,14 @@ def shares(folder: Path, length: int, window: int, sinks: int) -> dict[str, floa
     return {"softmax": float(torch.cat(softmax).mean()), "map": float(torch.cat(mapped).mean())}
 
 
+def recorded_sizes(path: Path) -> list[list[int]]:
+    """The per-layer, per-head sizes of the first row of a ``sparse_cache_lm.py`` results file that records them."""
+    for row in json.loads(path.read_text(encoding="utf-8"))["rows"].values():
+        if "sizes" in row:
+            return [[int(size) for size in layer] for layer in row["sizes"]]
+    raise SystemExit(f"{path}: no row records per-head sizes")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", default=None)
@@ -102,6 +115,11 @@ def main() -> None:
     parser.add_argument("--shares", action="store_true", help="also the far shares (softmax against the map)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="docs/results/sparse_cache_passkey_smollm2.json")
+    parser.add_argument("--split-from", default=None, help="a results file recording a per-head split (its sizes)")
+    parser.add_argument("--split-scores", nargs="+", default=["recall", "attention"], choices=["recall", "attention"])
+    parser.add_argument("--split-weights", type=float, nargs="+", default=[0.1])
+    parser.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
+                        help="the original's and the oracle's rows (--no-oracle: only the split's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = Path(args.folder) if args.folder else shipped("smollm2")
@@ -129,10 +147,20 @@ def main() -> None:
             print(f"far share, filler {length}: softmax {found[str(length)]['softmax']:.3f}, "
                   f"map {found[str(length)]['map']:.3f}", flush=True)
     keep = torch.arange(1 << 16) < args.oracle_first
-    settings: list[tuple[str, Any]] = [("original (softmax)", None)]
-    settings += [(f"hybrid window {window} + cache {args.size} (oracle: the first {args.oracle_first} positions), "
-                  f"linear weight {weight:g}", SparseCache(args.size, score="oracle", keep=keep, linear_weight=weight))
-                 for weight in args.weights]
+    settings: list[tuple[str, Any]] = []
+    if args.oracle:
+        settings += [("original (softmax)", None)]
+        settings += [(f"hybrid window {window} + cache {args.size} (oracle: the first {args.oracle_first} positions), "
+                      f"linear weight {weight:g}", SparseCache(args.size, score="oracle", keep=keep,
+                                                               linear_weight=weight))
+                     for weight in args.weights]
+    if args.split_from is not None:
+        sizes = recorded_sizes(Path(args.split_from))
+        mean = sum(map(sum, sizes)) / sum(map(len, sizes))
+        settings += [(f"hybrid window {window} + cache {mean:g} on average, the recorded split ({score}), "
+                      f"linear weight {weight:g}",
+                      [SparseCache(tuple(layer), score=score, linear_weight=weight) for layer in sizes])
+                     for score in args.split_scores for weight in args.split_weights]
     text = read_text(None, "heldout")
     for name, cache in settings:
         model = tokenizer = None

@@ -435,3 +435,39 @@ def test_fitting_with_a_cache_that_holds_everything_has_nothing_to_fit() -> None
         fit_feature_map(q, k, v=v, causal=True, steps=1, sparse_cache=SparseCache(size=2))
     with pytest.raises(LinearAttentionError, match="needs window"):
         fit_feature_map(q, k, causal=True, steps=1, window=4, sparse_cache=SparseCache(size=2))
+
+
+def _decay_probe():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sparse_cache_decay_probe.py"
+    spec = importlib.util.spec_from_file_location("sparse_cache_decay_probe", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("cache", [SparseCache(size=5, score="oracle", block=4, keep=torch.arange(64) < 9),
+                                   SparseCache(size=(2, 5, 0, 3), score="recall", block=4, linear_weight=0.3)],
+                         ids=["oracle", "recall-split-weighed"])
+def test_the_decay_probe_is_the_op_at_no_decay(cache: SparseCache) -> None:
+    """benchmarks/sparse_cache_decay_probe.py measures the op with its linear part decayed: at γ = 1 its quadratic
+    hybrid is the op (float64, 1e-10: GQA, Hedgehog per head, a cache that holds pairs), and γ < 1 changes only
+    the queries with pairs in the linear part beyond the window."""
+    probe = _decay_probe()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 70, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 70, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    fmap = linattn.feature_maps.create("hedgehog", head_dim=8, num_heads=4, init="random", seed=0).double()
+    options = {"window": 6, "sinks": 2, "sparse_cache": cache}
+    expected = linear_attention(q, k, v, feature_map=fmap, causal=True, **options)
+    found = probe.decayed_hybrid(q, k, v, fmap, gamma=1.0, **options)
+    assert (found - expected).abs().max().item() <= 1e-10
+    decayed = probe.decayed_hybrid(q, k, v, fmap, gamma=0.9, **options)
+    # the first query with a pair beyond the window and the sinks in its linear part is t = S + W + 1 (its key
+    # S entered at S + W; decayed from the next token on)
+    first = options["sinks"] + options["window"] + 1
+    assert (decayed[..., :first, :] - expected[..., :first, :]).abs().max().item() <= 1e-10
+    assert (decayed[..., first:, :] - expected[..., first:, :]).abs().max().item() > 1e-3
