@@ -18,8 +18,10 @@ ops on S + W slots, the cache's pairs scored and summed under the same row maxim
 leaving key's flag, the cache's exact flags; a third stores the query for ``"attention"``). The cache is per query
 head and packed as :class:`~linattn.SparseCacheState` packs it: each head holds its own size's slots (keys, values,
 features φ(k), positions) in flat buffers, row after row, so a budget split across heads costs its total, not the
-largest head's size for every head. A token scores each packed slot against its row's query and sums it into its
-row (index ops, no padding); a boundary unpacks the slots to (B·H, λ) for the decision and packs the result.
+largest head's size for every head. With every head at the same size the buffers are (B·H, λ, ·) as they lie and
+join the ring's batched products; else a token scores each packed slot against its row's query (by index) and sums
+each row's slots as one bag (no padding). A boundary decides each group of heads of one budget width (the least
+power of two that holds its sizes) on that many slots, read from the packed buffers and written back into them.
 """
 
 from __future__ import annotations
@@ -156,10 +158,6 @@ class SparseDecodeStep(WindowDecodeStep):
     def _slot_mask(self) -> torch.Tensor:
         """(B·H, λ) bool: the slots each row holds (the packing of the cache buffers)."""
         return SparseCacheState.slot_mask(self.sizes.reshape(-1), self.slots)
-
-    def _unpacked(self, x: torch.Tensor, fill: float) -> torch.Tensor:
-        """A packed buffer (M, ·) or (M,) as slots (B·H, λ, ·) or (B·H, λ), ``fill`` beyond each row's size."""
-        return SparseCacheState.unpack(x, self.sizes.reshape(-1), self.slots, fill)
 
     @torch.no_grad()
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
