@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ from linattn.feature_maps import FeatureMap
 from linattn.features import repeat_kv_heads
 from linattn.forms.window.hybrid import Hybrid
 from linattn.forms.window.sparse import cache_selections
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sparse_cache_passkey import key_scores  # noqa: E402  (the same hits and key log-probability as its rows)
 
 
 def decayed_hybrid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmap: Any, *, window: int, sinks: int,
@@ -83,20 +87,6 @@ def decayed_hybrid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmap: Any,
     num = lin_num + share.unsqueeze(-1) * win_num
     den = lin_den + mass + eps
     return num / torch.where(den == 0, torch.ones_like(den), den).unsqueeze(-1)
-
-
-def key_scores(model: Any, probes: list[Any]) -> tuple[int, float]:
-    """Hits (the key the greedy prediction at every key token) and the mean log-probability of the key."""
-    hits, total = 0, 0.0
-    for probe in probes:
-        ids = probe.input_ids[None]
-        needed = ids.shape[1] - probe.score_from + 1
-        with torch.no_grad():
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=needed).logits[:, -needed:-1]
-        target = ids[:, probe.score_from :]
-        hits += bool((logits.argmax(-1) == target).all())
-        total += float(torch.log_softmax(logits.double(), -1).gather(-1, target.unsqueeze(-1)).sum())
-    return hits, total / len(probes)
 
 
 def main() -> None:
