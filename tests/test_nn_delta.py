@@ -238,7 +238,6 @@ BAD = [
     ({"causal": True, "beta_scale": 2.0}, "pass update='delta'"),
     ({"causal": True, "short_conv": 0}, "short_conv: expected a kernel size ≥ 1"),
     ({"causal": True, "short_conv": 2.5}, "kernel size"),
-    ({"update": "delta", "causal": True, "window": 4}, "does not combine with update='delta'"),
     ({"update": "delta", "causal": True, "normalize": True}, "no Σφ\\(k\\) to normalise"),
     ({"update": "delta", "causal": True, "min_denom": 1e-3}, "min_denom"),
     ({"update": "delta", "causal": True, "gate": "feature"}, "gate='token'"),

@@ -34,6 +34,17 @@ from .forms.window import (
     window_parallel,
     window_recurrent,
 )
+from .forms.window.chunked import causal_window_parts
+from .forms.window.composed import (
+    add_to_average,
+    composed_state,
+    delayed_stream,
+    empty_buffers,
+    softmax_average,
+    with_sums,
+    without_sums,
+)
+from .forms.window.naive import exact_parallel
 from .forms.window.sparse import sparse_chunked, sparse_parallel, sparse_recurrent
 from .state import DeltaRuleState, LinearAttentionState, SparseCache, WindowAttentionState
 
@@ -247,6 +258,74 @@ def run_delta(job: Job, form: str) -> Result:
     return delta_chunked(qf, kf, job.v, beta=beta, log_decay=job.log_decay, state=state, chunk_size=size)
 
 
+def run_composed(job: Job, form: str) -> Result:
+    """The window's exact part beside a linear part of another kind (a decay or gate, the delta rule, KDA): the
+    linear op of that kind on the stream delayed by W, the exact part alone, one combiner
+    (:mod:`linattn.forms.window.composed`). Causal, ordinary maps."""
+    if form == "recurrent" and job.q.shape[-2] > 1:  # token by token: each step sees O(W + S) exact keys
+        return _token_by_token(job)
+    state = job.state
+    assert state is None or isinstance(state, WindowAttentionState)
+    delta = job.beta is not None
+    keep = job.keep if job.keep is not None else torch.ones(job.k.shape[:-1], dtype=torch.bool, device=job.k.device)
+    keys, values, kept, betas = delayed_stream(state, job.k, job.v, keep, job.beta, job.window, job.sinks)
+    linear_state = state.linear if state is not None else None
+    if delta:
+        linear_job = replace(job, k=keys, v=values, keep=kept, beta=betas, state=linear_state, return_state=True,
+                             window=0, sinks=0)
+        linear_out, final = run_delta(linear_job, form)
+    else:  # the numerator and Σφ(k) in one pass: values [v | 1], unnormalised
+        assert linear_state is None or isinstance(linear_state, LinearAttentionState)
+        augmented = torch.cat([values, kept.unsqueeze(-1).to(values.dtype)], dim=-1)  # (..., N, Dv + 1)
+        linear_job = replace(job, k=keys, v=augmented, keep=kept, normalize=False, return_state=True, window=0,
+                             sinks=0, state=with_sums(linear_state) if linear_state is not None else None)
+        run = run_gated if job.feature_gate is not None else run_plain
+        linear_out, final = run(linear_job, form)
+        assert isinstance(final, LinearAttentionState)
+        final = without_sums(final)
+    assert isinstance(final, (LinearAttentionState, DeltaRuleState))
+    # the exact part alone: with the delta rule, its softmax sums (a factor turns off the mass)
+    factor = job.window_factor if not delta or job.window_factor is not None else torch.ones((), dtype=job.q.dtype)
+    hybrid = _hybrid(job, factor)
+    if form == "chunked":
+        assert job.chunk_size is not None
+        exact = causal_window_parts(hybrid, job.q, job.k, job.v, job.keep, state, job.chunk_size,
+                                    linear_part=False).exact
+    else:
+        exact = exact_parallel(hybrid, job.q, job.k, job.v, keep, state)
+    if delta:
+        out = add_to_average(softmax_average(exact), linear_out, job.window_factor)
+    else:
+        lin = (linear_out[..., :-1], linear_out[..., -1])
+        out = hybrid.combine(lin, exact, None, None)
+    prev = state if state is not None else empty_buffers(job.k, job.v, job.window, job.sinks, final)
+    return out, composed_state(prev, final, job.k, job.v, keep, job.beta)
+
+
+def _hybrid(job: Job, factor: torch.Tensor | None) -> Hybrid:
+    fmap, checks = job.fmap, job.checks()
+    return Hybrid(lambda x, is_query: map_features(fmap, x, is_query=is_query, **checks), log_space=job.log_space,
+                  window=job.window, sinks=job.sinks, factor=factor, scale=job.softmax_scale, eps=job.eps,
+                  min_denom=job.min_denom)
+
+
+def _at(x: torch.Tensor | None, t: int, dim: int) -> torch.Tensor | None:
+    """Token t of a per-token tensor (its token dimension ``dim``), kept as a length-1 dimension; None stays."""
+    return x.narrow(dim, t, 1) if x is not None else None
+
+
+def _token_by_token(job: Job) -> Result:
+    """:func:`run_composed` one token at a time, each continuing the state the one before left."""
+    outs, state = [], job.state
+    for t in range(job.q.shape[-2]):
+        step = replace(job, q=job.q[..., t : t + 1, :], k=job.k[..., t : t + 1, :], v=job.v[..., t : t + 1, :],
+                       keep=_at(job.keep, t, -1), state=state, log_decay=_at(job.log_decay, t, -1),
+                       feature_gate=_at(job.feature_gate, t, -2), beta=_at(job.beta, t, -1))
+        out, state = run_composed(step, "recurrent")
+        outs.append(out)
+    return torch.cat(outs, dim=-2), state
+
+
 Runner = Callable[[Job], Result]
 
 
@@ -254,6 +333,8 @@ def torch_runner(route: Route, causal: bool) -> Runner:
     """The pure-PyTorch runner of ``route``."""
     if route.kind == "window":
         return lambda job: run_window(job, route.form)
+    if route.kind == "composed":
+        return lambda job: run_composed(job, route.form)
     if route.kind == "delta":
         return lambda job: run_delta(job, route.form)
     if route.kind == "sparse":

@@ -402,9 +402,10 @@ def check_window_options(window: object, sinks: object, factor: object, softmax_
 
 def check_window_state(
     state: object, batch: torch.Size, dims: tuple[int, int], dtype: torch.dtype, device: torch.device,
-    window: int, sinks: int,
+    window: int, sinks: int, *, delta: bool = False,
 ) -> WindowAttentionState:
-    """A state passed back to the hybrid: its type, window/sinks, buffer sizes, shapes, dtype and device."""
+    """A state passed back to the hybrid: its type, window/sinks, buffer sizes, shapes, dtype and device; with
+    ``delta`` (the delta rule's linear part) its memory and the buffered write strengths."""
     if not isinstance(state, WindowAttentionState):
         raise LinearAttentionError(
             f"initial_state: with window= expected a WindowAttentionState (from return_state=True with the same "
@@ -433,7 +434,23 @@ def check_window_state(
                 f"initial_state: {name} is {tensor.dtype} on {tensor.device}, expected {wanted} on {device}; "
                 "convert with state.to(device, dtype)"
             )
-    check_state(state.linear, batch, dims[1], dtype, device)
+    if delta != isinstance(state.linear, DeltaRuleState):
+        held, asked = ("an additive state", "update='delta'") if delta else ("the delta rule's memory", "update='add'")
+        raise LinearAttentionError(
+            f"initial_state: its linear part is {held}, but this call has {asked}; pass the same update= (and "
+            "gates) as the call that returned it"
+        )
+    if delta:
+        check_delta_state(state.linear, batch, dims[1], dtype, device)
+        betas = state.betas
+        if betas is None or tuple(betas.shape) != (*batch, buffered) or betas.dtype != dtype:
+            seen = None if betas is None else (tuple(betas.shape), betas.dtype)
+            raise LinearAttentionError(
+                f"initial_state: betas (the buffered keys' write strengths) are {seen}, expected shape "
+                f"{(*batch, buffered)} in {dtype}; pass the state returned with update='delta'"
+            )
+    else:
+        check_state(state.linear, batch, dims[1], dtype, device)
     return state
 
 
@@ -483,9 +500,15 @@ def sparse_cache(option: object, window: int | None, update: str, state: object)
     return SparseCache(size=option)
 
 
-def check_sparse_cache(cache: SparseCache, q: torch.Tensor, window: int, state: object) -> None:
-    """The cache against the call: its block fits in the window, per-head sizes match the heads, a carried state
-    was made with the same block and slots."""
+def check_sparse_cache(cache: SparseCache, q: torch.Tensor, window: int, state: object, *,
+                       composed: bool = False) -> None:
+    """The cache against the call: its linear part is additive and ungated, its block fits in the window, per-head
+    sizes match the heads, a carried state was made with the same block and slots."""
+    if composed:
+        raise LinearAttentionError(
+            "sparse_cache: the cache sits beside an additive, ungated linear state in this version; with decay= or "
+            "log_gate= drop sparse_cache= (window + sinks beside the gated state), or drop the gate"
+        )
     block = cache.block_for(window)
     if block > window:
         raise LinearAttentionError(

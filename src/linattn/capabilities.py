@@ -34,7 +34,8 @@ class Call:
     """What a path needs to know of a ``linear_attention`` call to say whether it covers it."""
 
     kind: str  # "plain", "gated" (per-feature gates), "window" (the window + sinks op), "sparse" (the window op
-    # with a sparse exact cache) or "delta" (the delta rule)
+    # with a sparse exact cache), "delta" (the delta rule) or "composed" (the window beside a decayed or gated
+    # linear part, or the delta rule)
     causal: bool
     form: str  # as asked: "auto" or a name of FORMS
     num_queries: int
@@ -45,6 +46,7 @@ class Call:
     log_space: bool = False
     # options a backend may not know (decays, gates, packing), with their values: each one given is a reason
     options: tuple[tuple[str, Any], ...] = ()
+    update: str = "add"  # the state's update rule: "add" or "delta"
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,18 @@ def _sparse(call: Call) -> list[str]:
     return found
 
 
+def _composed(call: Call) -> list[str]:
+    found = [] if call.causal else [
+        "window: beside a decay, a gate or the delta rule the linear part is a causal recurrence; pass causal=True"
+    ]
+    if call.update == "add" and not call.normalize:
+        found.append("window: an additive linear part shares softmax's normaliser; use normalize=True")
+    if call.log_space:
+        found.append("window: log-space feature maps (FAVOR+ and kin) beside a decay, a gate or the delta rule are "
+                     "not covered in this version; use an ordinary map (elu, relu, hedgehog, fitted maps)")
+    return found
+
+
 def _window_global(_: Call) -> list[str]:
     return ["form='global' has no window; use form='chunked' (or 'auto') with window="]
 
@@ -132,6 +146,12 @@ ROUTES: tuple[Route, ...] = (
     Route("sparse", "global", None, _window(_window_global)),
     Route("sparse", "chunked", 64, _window(_sparse)),
     Route("sparse", "recurrent", None, _window(_sparse)),
+    # the window's exact part beside a linear part of another kind (forms/window/composed.py): the linear kind's
+    # forms on the stream delayed by W (chunk: the linear kind's default, 64 for each)
+    Route("composed", "parallel", None, _composed),
+    Route("composed", "global", None, lambda call: _window_global(call) + _composed(call)),
+    Route("composed", "chunked", 64, _composed),
+    Route("composed", "recurrent", None, _composed),
     # the delta rule: chunk 64 measured best of 32/64/128 at N = 16384 (docs/delta.md); "parallel" is the same
     # UT transform over the whole sequence as one chunk (quadratic in N)
     Route("delta", "parallel", None, _delta(None)),
@@ -155,7 +175,7 @@ def chunk_size(route: Route, call: Call) -> int | None:
 def auto_form(call: Call) -> str:
     """The form "auto" picks (measured defaults): chunked for causal calls; non-causal calls global up to 4096 keys
     unless a chunk size is asked for; the window's one-token continuation of a state token by token."""
-    if call.kind in ("window", "delta"):
+    if call.kind in ("window", "delta", "composed"):
         return "recurrent" if call.causal and call.num_queries == 1 and call.carries_state else "chunked"
     if call.kind == "sparse":  # a short continuation: the definition's cost is O(N·(S + W + size)) there too
         return "parallel" if call.causal and call.num_queries <= SPARSE_PARALLEL_UP_TO else "chunked"

@@ -135,12 +135,7 @@ def linear_attention(
     if normalize is None:
         normalize = update != "delta"
     _validate.check_flags(causal=causal, normalize=normalize, return_state=return_state, check_finite=check_finite)
-    if update == "delta" and window is not None:
-        raise LinearAttentionError(
-            "window: the window hybrid keeps an additive linear state; it does not combine with update='delta' in "
-            "this version. Drop window= (the delta rule alone) or update= (the hybrid alone)"
-        )
-    check_window_combination(window, decay=decay, log_gate=log_gate, cu_seqlens=cu_seqlens, backend=backend)
+    check_window_combination(window, cu_seqlens=cu_seqlens, backend=backend)
     cache = _validate.sparse_cache(sparse_cache, window, update, initial_state)
     if isinstance(initial_state, WindowAttentionState) and window is None:
         raise LinearAttentionError(
@@ -174,15 +169,19 @@ def linear_attention(
     if update == "add":  # the delta rule normalises each feature vector, so any per-token scale cancels
         _check_map_normaliser(fmap, log_space, normalize, min_denom)
 
-    kind = "window" if window is not None else "gated" if feature_gate is not None else "plain"
+    kind = "gated" if feature_gate is not None else "plain"
+    if update == "delta":
+        kind = "delta"
+    if window is not None:  # the exact part beside a linear part of another kind: composed
+        kind = "window" if kind == "plain" and log_decay is None else "composed"
     if cache is not None:
+        _validate.check_sparse_cache(cache, q, window or 0, initial_state, composed=kind == "composed")
         kind = "sparse"
-        _validate.check_sparse_cache(cache, q, window or 0, initial_state)
     call = Call(
-        kind="delta" if update == "delta" else kind,
+        kind=kind,
         causal=causal, form=form, num_queries=q.shape[-2], num_keys=k.shape[-2], chunk_size=chunk_size,
         carries_state=initial_state is not None, normalize=normalize, log_space=log_space,
-        options=(("decay", decay), ("log_gate", log_gate), ("cu_seqlens", cu_seqlens)),
+        options=(("decay", decay), ("log_gate", log_gate), ("cu_seqlens", cu_seqlens)), update=update,
     )
     route = choose_route(call)
     out_dtype = q.dtype
@@ -247,6 +246,10 @@ def _checked_state(
     if initial_state is None:
         return None
     batch = q.shape[:-2]
+    if window is not None:
+        dims = (k.shape[-1], v.shape[-1])
+        return _validate.check_window_state(initial_state, batch, dims, compute, q.device, window, sinks,
+                                            delta=update == "delta")
     if update == "delta":
         return _validate.check_delta_state(initial_state, batch, v.shape[-1], compute, q.device)
     if isinstance(initial_state, DeltaRuleState):
@@ -254,9 +257,6 @@ def _checked_state(
             "initial_state: a DeltaRuleState continues the delta rule; pass update='delta' (and the same beta/decay "
             "options) as the call that returned it"
         )
-    if window is not None:
-        dims = (k.shape[-1], v.shape[-1])
-        return _validate.check_window_state(initial_state, batch, dims, compute, q.device, window, sinks)
     state = _validate.check_state(initial_state, batch, v.shape[-1], compute, q.device)
     if log_space:
         return state

@@ -173,7 +173,7 @@ class LinearAttention(nn.Module):
             OutputGate(embed_dim, num_heads, head_dim, norm=not output_norm, **factory) if output_gate else None
         )
         if window is not None:
-            check_window_combination(window, decay=decay, gate=gate)
+            check_window_combination(window)
             _validate.check_window_options(window, sinks, None, None)
             self.options.update(window=window, sinks=sinks)
             if sparse_cache is not None:

@@ -110,11 +110,6 @@ def check_layer_update(update: object, beta_scale: object, short_conv: object, c
             "update='delta': the delta memory has no Σφ(k) to normalise by; leave normalize (False for this "
             "update) and min_denom unset"
         )
-    if window is not None:
-        raise LinearAttentionError(
-            "window: the sliding-window hybrid keeps an additive state; it does not combine with update='delta' "
-            "in this version. Drop window= (the delta rule alone) or update= (the hybrid alone)"
-        )
     if gate == "feature":
         raise LinearAttentionError(
             "gate='feature': per-feature gates do not combine with update='delta'; use gate='token' (Gated DeltaNet)"

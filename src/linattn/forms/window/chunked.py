@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ...features import NEG_INF, key_scales
-from ...state import LinearAttentionState, WindowAttentionState
+from ...state import DeltaRuleState, LinearAttentionState, WindowAttentionState
 from .. import causal_fn
 from . import fused
 from .band import Band, ShiftRows, Sinks, rows_like
@@ -68,7 +68,8 @@ def empty_window_state(
 
 
 def next_state(
-    prev: WindowAttentionState, linear: LinearAttentionState, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor
+    prev: WindowAttentionState, linear: LinearAttentionState | DeltaRuleState, k: torch.Tensor, v: torch.Tensor,
+    keep: torch.Tensor,
 ) -> WindowAttentionState:
     """The buffers after this call's keys: the last min(W, seen) keys, and the first min(S, seen)."""
     n = k.shape[-2]
@@ -109,9 +110,9 @@ class Parts:
     qf: torch.Tensor
     c: torch.Tensor | None
     r: torch.Tensor | None
-    lin: tuple[torch.Tensor, torch.Tensor]
+    lin: tuple[torch.Tensor, torch.Tensor] | None  # None: the exact part alone was asked for
     exact: tuple[Any, ...]
-    linear: LinearAttentionState  # the linear sums after every key that left the window in this call
+    linear: LinearAttentionState | None  # the linear sums after every key that left the window in this call
     state: WindowAttentionState  # the state the call started from (an empty one for None)
     keep: torch.Tensor  # (..., N), all True without padding
     features: torch.Tensor  # this call's key features (ordinary maps; log φ for log-space maps)
@@ -125,15 +126,17 @@ def causal_window_chunked(
     """The causal hybrid: linear part through the chunked Function, exact part banded. keep (..., N) bool, or None
     (no padding)."""
     parts = causal_window_parts(hybrid, q, k, v, keep, state, chunk_size)
+    assert parts.lin is not None and parts.linear is not None
     out = hybrid.combine(parts.lin, parts.exact, parts.c, parts.r)
     return out, next_state(parts.state, parts.linear, k, v, parts.keep)
 
 
 def causal_window_parts(
     hybrid: Hybrid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
-    state: WindowAttentionState | None, chunk_size: int,
+    state: WindowAttentionState | None, chunk_size: int, linear_part: bool = True,
 ) -> Parts:
-    """The pieces of :func:`causal_window_chunked`, not yet combined."""
+    """The pieces of :func:`causal_window_chunked`, not yet combined; ``linear_part=False``: the exact part alone
+    (``lin`` and ``linear`` None), for a linear part of another kind (:mod:`.composed`)."""
     window, sinks, n = hybrid.window, hybrid.sinks, q.shape[-2]
     padded = masks_any(keep, state)
     if keep is None:  # the state's buffers and the sink mask still take one
@@ -166,8 +169,12 @@ def causal_window_parts(
     blank = max(0, min(n, sinks + window - n0)) if sinks else 0  # rows n0 − W + i < S hold sinks: not linear
     head = torch.cat([rows_like(logs, zeros, fill), ring_logs[..., :taken, :]], dim=-2)
     head_v = torch.cat([rows_like(v, zeros, 0.0), state.values[..., :taken, :]], dim=-2)
-    lin_num, lin_den, linear = shifted_linear(hybrid, qf, (head, logs), (head_v, v), blank, r, state.linear,
-                                              chunk_size)
+    lin: tuple[torch.Tensor, torch.Tensor] | None = None
+    linear = None
+    if linear_part:
+        lin_num, lin_den, linear = shifted_linear(hybrid, qf, (head, logs), (head_v, v), blank, r, state.linear,
+                                                  chunk_size)
+        lin = (lin_num, lin_den)
 
     # exact part: query i sees keys n0 + i − W' + 1 … n0 + i (W' = W capped at what exists) as a band
     before = min(window - 1, ring_len)
@@ -223,7 +230,7 @@ def causal_window_parts(
                 band_scales = torch.cat([ring_at, r], dim=-1)
         band = Band(band_keys, band_values, band_keep, front, band_features, band_scales, width - 1, n)
         exact = hybrid.exact_part(q, qf, r, band, sink)
-    return Parts(qf, c, r, (lin_num, lin_den), exact, linear, state, keep, logs, ring_logs)
+    return Parts(qf, c, r, lin, exact, linear, state, keep, logs, ring_logs)
 
 
 def noncausal_window_chunked(

@@ -18,13 +18,13 @@ from .chunked import empty_window_state, next_state
 from .hybrid import Hybrid
 
 
-def window_parallel(
-    hybrid: Hybrid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-    state: WindowAttentionState | None, causal: bool,
-) -> tuple[torch.Tensor, WindowAttentionState | None]:
-    """The hybrid with explicit weights; keep (..., N) bool. Non-causal: Nq = Nk, no state."""
-    window, sinks, n = hybrid.window, hybrid.sinks, q.shape[-2]
-    device = q.device
+def _joined(
+    state: WindowAttentionState | None, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The keys a call sees beside the linear state: the carried sinks not also in the window buffer, the buffer,
+    then this call's keys — (keys (..., X, Dk), values (..., X, Dv), keep (..., X), positions (X,), num_tokens before
+    the call)."""
+    n, device = k.shape[-2], k.device
     n0 = state.num_tokens if state is not None else 0
     old_k, old_v, old_keep, old_pos = [], [], [], []
     if state is not None:
@@ -37,6 +37,46 @@ def window_parallel(
     xk, xv = torch.cat([*old_k, k], dim=-2), torch.cat([*old_v, v], dim=-2)  # (..., X, D)
     xkeep = torch.cat([*old_keep, keep], dim=-1)  # (..., X)
     positions = torch.cat([*old_pos, n0 + torch.arange(n, device=device)])  # (X,)
+    return xk, xv, xkeep, positions, n0
+
+
+def _exact_mask(
+    hybrid: Hybrid, positions: torch.Tensor, n0: int, n: int, xkeep: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact, near) (..., N, X): the pairs scored exactly (window and sinks, kept keys) and the band alone."""
+    distance = (n0 + torch.arange(n, device=positions.device)).unsqueeze(-1) - positions  # (N, X): t − j
+    near = distance.abs() < hybrid.window if not causal else (distance >= 0) & (distance < hybrid.window)
+    exact = (near | ((positions < hybrid.sinks) & (distance >= 0 if causal else True))) & xkeep.unsqueeze(-2)
+    return exact, near
+
+
+def exact_parallel(
+    hybrid: Hybrid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+    state: WindowAttentionState | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The causal exact part alone, with explicit weights (ordinary maps): Σ e^{s_tj − m_t} v_j and Σ e^{s_tj − m_t}
+    over the window and sinks, the mass M_t = Σ φ(q_t)·φ(k_j) over them (mass form, ``hybrid.factor`` None) and the
+    row maximum m_t — as :meth:`.hybrid.Hybrid.exact_part` returns them. What a linear part of any kind meets."""
+    xk, xv, xkeep, positions, n0 = _joined(state, k, v, keep)
+    exact, _ = _exact_mask(hybrid, positions, n0, q.shape[-2], xkeep, True)
+    scores = ((q @ xk.transpose(-1, -2)) * hybrid.scale).masked_fill(~exact, NEG_INF)  # (..., N, X)
+    row_max = scores.amax(-1, keepdim=True)
+    probs = torch.exp(scores - finite(row_max))
+    mass = None
+    if hybrid.factor is None:
+        qf, _ = hybrid.query_features(q)
+        weights = qf @ hybrid.key_logs(xk, xkeep).transpose(-1, -2)  # ordinary maps: the features themselves
+        mass = weights.masked_fill(~exact, 0.0).sum(-1)
+    return probs @ xv, probs.sum(-1), mass, row_max.squeeze(-1)
+
+
+def window_parallel(
+    hybrid: Hybrid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+    state: WindowAttentionState | None, causal: bool,
+) -> tuple[torch.Tensor, WindowAttentionState | None]:
+    """The hybrid with explicit weights; keep (..., N) bool. Non-causal: Nq = Nk, no state."""
+    sinks, n = hybrid.sinks, q.shape[-2]
+    xk, xv, xkeep, positions, n0 = _joined(state, k, v, keep)
     old = xk.shape[-2] - n
     qf, c = hybrid.query_features(q)
     logs = hybrid.key_logs(xk, xkeep)  # (..., X, F)
@@ -55,12 +95,10 @@ def window_parallel(
             key_scales = top.unsqueeze(-1).expand(*top.shape, xk.shape[-2])
     features = hybrid.stored(logs, key_scales)
 
-    distance = (n0 + torch.arange(n, device=device)).unsqueeze(-1) - positions  # (N, X): t − j
-    near = distance.abs() < window if not causal else (distance >= 0) & (distance < window)
-    exact = (near | ((positions < sinks) & (distance >= 0 if causal else True))) & xkeep.unsqueeze(-2)
+    exact, near = _exact_mask(hybrid, positions, n0, n, xkeep, causal)
     linear = ~near & (positions >= sinks) & xkeep.unsqueeze(-2)
     if causal:
-        linear = linear & (distance >= 0)
+        linear = linear & (positions <= n0 + torch.arange(n, device=q.device).unsqueeze(-1))
 
     weights = qf @ features.transpose(-1, -2)  # (..., N, X)
     if r is not None and key_scales is not None:  # key j stored at its scale, read at r_t (0 where not seen)

@@ -328,6 +328,7 @@ def sparse_chunked(
     window, sinks, n, device = hybrid.window, hybrid.sinks, q.shape[-2], q.device
     block = cache.block_for(window)
     parts = causal_window_parts(hybrid, q, k, v, keep, state, chunk_size)
+    assert parts.lin is not None and parts.linear is not None
     state, keep = parts.state, parts.keep
     carried = _carried(state, cache, k, v)
     n0, end = state.num_tokens, state.num_tokens + n
