@@ -49,7 +49,11 @@ from torch import nn
 
 from linattn.nn import LinearAttention
 
-ROWS = ("softmax", "elu", "hedgehog", "retnet", "delta", "gated-delta")
+ROWS = ("softmax", "elu", "hedgehog", "retnet", "delta", "gated-delta", "window", "window-elu", "window-delta",
+        "window-gated-delta")
+# the window rows: exact softmax over the last WINDOW keys (shorter than the distance from a pair to its query),
+# alone ("window") and beside a linear part (the window op composed with it, docs/window.md)
+WINDOW = 8
 IGNORE = -100  # the label of every position that is not a query
 QK_SCALE = 10.0  # the softmax temperature at initialisation: cosine 1 against 0 weighs e^10 ≈ 2·10^4 times more
 
@@ -105,9 +109,9 @@ def make_mqar(num_seqs: int, seq_len: int, num_pairs: int, vocab: int, generator
 class Softmax(nn.Module):
     """The reference mixer: causal softmax attention (SDPA), no positional encoding (the convolution orders)."""
 
-    def __init__(self, d_model: int, num_heads: int) -> None:
+    def __init__(self, d_model: int, num_heads: int, window: int | None = None) -> None:
         super().__init__()
-        self.num_heads = num_heads
+        self.num_heads, self.window = num_heads, window
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.out = nn.Linear(d_model, d_model)
         # QK-norm: unit q and k times a learned temperature per head
@@ -116,30 +120,42 @@ class Softmax(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4)  # each (B, H, N, D)
         q, k = F.normalize(q, dim=-1) * self.log_scale.exp(), F.normalize(k, dim=-1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+        if self.window is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+        else:  # the last `window` keys only: t − W < j ≤ t
+            distance = torch.arange(x.shape[1]).unsqueeze(-1) - torch.arange(x.shape[1])
+            band = (distance >= 0) & (distance < self.window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=1.0)
         return self.out(out.transpose(1, 2).flatten(-2))
 
 
 def make_mixer(row: str, d_model: int, num_heads: int) -> nn.Module:
     if row == "softmax":
         return Softmax(d_model, num_heads)
-    if row in ("elu", "hedgehog"):
+    if row == "hedgehog":
         return LinearAttention(d_model, num_heads, causal=True, feature_map=row)
     if row == "retnet":
         return LinearAttention(d_model, num_heads, causal=True, feature_map="elu", decay="retnet")
-    if row in ("delta", "gated-delta"):  # the block's convolution in place of the layer's short_conv
+    if row == "window":
+        return Softmax(d_model, num_heads, window=WINDOW)
+    window = WINDOW if row.startswith("window-") else None
+    linear = row.removeprefix("window-")
+    if linear == "elu":
+        return LinearAttention(d_model, num_heads, causal=True, feature_map="elu", window=window)
+    if linear in ("delta", "gated-delta"):  # the block's convolution in place of the layer's short_conv
         return LinearAttention(d_model, num_heads, causal=True, feature_map="identity", update="delta",
-                               gate="token" if row == "gated-delta" else None)
+                               gate="token" if linear == "gated-delta" else None, window=window)
     raise ValueError(f"unknown row {row!r}; expected one of {ROWS}")
 
 
 def state_size(setting: Setting) -> int:
     """Numbers of the recurrent state per layer: H·F·Dv, or the softmax K/V cache at the sequence length."""
     head_dim = setting.d_model // setting.num_heads
-    if setting.row == "softmax":
-        return 2 * setting.seq_len * setting.d_model
+    if setting.row in ("softmax", "window"):
+        return 2 * (WINDOW if setting.row == "window" else setting.seq_len) * setting.d_model
     features = 2 * head_dim if setting.row == "hedgehog" else head_dim  # Hedgehog: [softmax(z), softmax(−z)]
-    return setting.num_heads * features * head_dim
+    window = 2 * WINDOW * setting.d_model if setting.row.startswith("window-") else 0  # the window's K and V
+    return setting.num_heads * features * head_dim + window
 
 
 class Block(nn.Module):

@@ -231,3 +231,52 @@ def test_non_causal_is_refused():
     q, k, v, gen = inputs(n=9)
     with pytest.raises(LinearAttentionError, match="causal"):
         linattn.linear_attention(q, k, v, window=4, update="delta")
+
+
+@pytest.mark.parametrize("factor", [None, 0.7], ids=["no-factor", "factor"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("prompt", [2, 9], ids=["prompt-inside-the-sinks-and-window", "prompt-9"])
+def test_the_decoding_step_equals_the_chunked_form(kind, prompt, factor):
+    from linattn.decode import ComposedDecodeStep, lean_step
+
+    q, k, v, gen = inputs(h=4, n=20, heads_kv=2)
+    options = linear_options(kind, q, gen)
+    keep = torch.rand(2, 20, generator=gen) > 0.2
+    common = {"window": 5, "sinks": 3, "window_factor": factor}
+    whole = linattn.linear_attention(q, k, v, causal=True, key_padding_mask=keep, **common, **options)
+    head = {n: (x[..., :prompt] if n == "beta" or (n == "log_gate" and x.dim() == 3) else
+                x[..., :prompt, :] if n == "log_gate" else x) for n, x in options.items()}
+    _, state = linattn.linear_attention(q[..., :prompt, :], k[..., :prompt, :], v[..., :prompt, :], causal=True,
+                                        key_padding_mask=keep[:, :prompt], return_state=True, **common, **head)
+    fixed = {n: x for n, x in options.items() if not torch.is_tensor(x)}
+    if "log_gate" in options:
+        fixed["log_gate"] = "with each token"
+    step = lean_step(linattn.feature_maps.create("elu", head_dim=6), state, {**common, **fixed}, kv_heads=2)
+    assert isinstance(step, ComposedDecodeStep)
+    outs = []
+    for t in range(prompt, 20):
+        beta = options["beta"][..., t] if "beta" in options else None
+        gate = options.get("log_gate")
+        gate = None if gate is None else gate[..., t] if gate.dim() == 3 else gate[..., t, :]
+        outs.append(step(q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :], keep[:, t : t + 1],
+                         beta=beta, log_decay=gate))
+    torch.testing.assert_close(torch.cat(outs, dim=-2), whole[..., prompt:, :], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("options", [{"update": "delta", "gate": "token"}, {"gate": "feature", "decay": "retnet"},
+                                     {"gate": "token"}], ids=["gated-delta", "feature-gate+retnet", "token-gate"])
+def test_the_layer_decodes_with_the_composed_step(options):
+    from linattn.decode import ComposedDecodeStep
+    from linattn.nn import LinearAttention
+
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, causal=True, window=4, sinks=1, **options).double()
+    x = torch.randn(2, 13, 16, dtype=torch.float64)
+    whole = layer(x)
+    out, state = layer(x[:, :6], return_state=True)
+    decoder = layer.decoder(state)
+    assert isinstance(decoder.step, ComposedDecodeStep)
+    outs = [out] + [decoder(x[:, t : t + 1]) for t in range(6, 13)]
+    torch.testing.assert_close(torch.cat(outs, dim=1), whole, rtol=0, atol=1e-10)
+    _, final = layer(x, return_state=True)
+    torch.testing.assert_close(decoder.state().linear.kv, final.linear.kv, rtol=0, atol=1e-10)

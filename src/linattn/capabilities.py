@@ -262,6 +262,9 @@ WINDOW_STEP_OPTIONS = STEP_OPTIONS | frozenset({"window", "sinks", "window_facto
 SPARSE_STEP_OPTIONS = WINDOW_STEP_OPTIONS | frozenset({"sparse_cache"})
 # the delta step: a fixed β and decay rate come as options, per-token ones with each call
 DELTA_STEP_OPTIONS = STEP_OPTIONS | frozenset({"update", "normalize", "beta", "decay"})
+# the window beside a decayed, gated or delta-rule linear part: the window step's and the delta step's options
+# (``log_gate``: given with each token; the option only says that there is one)
+COMPOSED_STEP_OPTIONS = WINDOW_STEP_OPTIONS | DELTA_STEP_OPTIONS | frozenset({"log_gate"})
 
 
 def _step_common(fmap: nn.Module, kv: torch.Tensor, options: dict[str, Any], allowed: frozenset[str]) -> list[str]:
@@ -285,6 +288,8 @@ def step_reasons(step: str, fmap: nn.Module, state: Any, options: dict[str, Any]
     ``state``; [] when it does."""
     if step == "delta":
         return _delta_step_reasons(state, options)
+    if step == "composed":
+        return _composed_step_reasons(fmap, state, options)
     if step == "sparse":
         return _sparse_step_reasons(fmap, state, options)
     if step == "plain":
@@ -321,6 +326,32 @@ def _sparse_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) -
     return found
 
 
+def _composed_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) -> list[str]:
+    if type(state) is not WindowAttentionState or state.cache is not None:
+        return [f"state {type(state).__name__}: the composed step continues a WindowAttentionState without a "
+                "sparse cache"]
+    delta = isinstance(state.linear, DeltaRuleState)
+    found = [] if state.linear.kv.dim() == 4 else ["state: the composed step needs batch shape (B, H)"]
+    if state.linear.kv.dtype not in (torch.float32, torch.float64):
+        found.append(f"state in {state.linear.kv.dtype}: the steps keep fp32 or fp64 sums")
+    unknown = sorted(set(options) - COMPOSED_STEP_OPTIONS)
+    if unknown:
+        found.append(f"options {', '.join(unknown)}: not reproduced by the step")
+    if delta != (options.get("update") == "delta"):
+        found.append("update: the state's linear part and the options' update rule differ")
+    if not delta and (not options.get("normalize", True) or is_signed(fmap)):
+        found.append("an additive linear part: the step computes normalised attention with a positive map")
+    if is_log_space(fmap):
+        found.append("a log-space feature map: the composed step keeps every sum at scale 1")
+    beta = options.get("beta")
+    if beta is not None and not (isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 <= beta <= 2):
+        found.append("beta: the step takes one float in [0, 2] as an option (per-token β with each call)")
+    decay = options.get("decay")
+    if isinstance(decay, torch.Tensor) and decay.dim() > 1:
+        found.append("decay: the step takes a float or one rate per head (H,)")
+    return found
+
+
 def _delta_step_reasons(state: Any, options: dict[str, Any]) -> list[str]:
     if type(state) is not DeltaRuleState:
         return [f"state {type(state).__name__}: the delta step continues a DeltaRuleState"]
@@ -342,9 +373,9 @@ def _delta_step_reasons(state: Any, options: dict[str, Any]) -> list[str]:
 
 
 def choose_step(fmap: nn.Module, state: Any, options: dict[str, Any]) -> str | None:
-    """"plain", "window", "sparse" or "delta": the lean step that continues ``state``, or None
+    """"plain", "window", "sparse", "delta" or "composed": the lean step that continues ``state``, or None
     (``linear_attention`` runs instead)."""
-    for step in ("plain", "window", "sparse", "delta"):
+    for step in ("plain", "window", "sparse", "delta", "composed"):
         if not step_reasons(step, fmap, state, options):
             return step
     return None

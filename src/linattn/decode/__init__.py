@@ -36,18 +36,29 @@ step's ops on S + W + λ slots and two small ones more (:mod:`linattn.decode.spa
 :class:`DeltaDecodeStep` continues a :class:`~linattn.DeltaRuleState` (``update="delta"``, DeltaNet and Gated
 DeltaNet): S ← a·S, u = β(v − Sᵀk̂), S += k̂uᵀ, o = Sᵀq̂ on the preallocated memory, a fixed β and decay from the
 options or per-token ones with each call (:mod:`linattn.decode.delta`).
+
+:class:`ComposedDecodeStep` continues the window beside a decayed, gated or delta-rule linear part: the leaving
+key is written with the token's decay (the delta rule through a :class:`DeltaDecodeStep`), the new key takes its
+ring slot, and the window's combiner gives the output (:mod:`linattn.decode.composed`).
 """
 
 from __future__ import annotations
 
-from ..capabilities import DELTA_STEP_OPTIONS, SPARSE_STEP_OPTIONS, STEP_OPTIONS, WINDOW_STEP_OPTIONS
+from ..capabilities import (
+    COMPOSED_STEP_OPTIONS,
+    DELTA_STEP_OPTIONS,
+    SPARSE_STEP_OPTIONS,
+    STEP_OPTIONS,
+    WINDOW_STEP_OPTIONS,
+)
+from .composed import ComposedDecodeStep
 from .delta import DeltaDecodeStep
 from .plain import DecodeStep, supports
 from .sparse import SparseDecodeStep, sparse_step
 from .window import WindowDecodeStep, lean_step, supports_window, window_step
 
 __all__ = [
-    "DELTA_STEP_OPTIONS", "SPARSE_STEP_OPTIONS", "STEP_OPTIONS", "WINDOW_STEP_OPTIONS", "DecodeStep",
-    "DeltaDecodeStep", "SparseDecodeStep", "WindowDecodeStep", "lean_step", "sparse_step", "supports",
-    "supports_window", "window_step",
+    "COMPOSED_STEP_OPTIONS", "DELTA_STEP_OPTIONS", "SPARSE_STEP_OPTIONS", "STEP_OPTIONS", "WINDOW_STEP_OPTIONS",
+    "ComposedDecodeStep", "DecodeStep", "DeltaDecodeStep", "SparseDecodeStep", "WindowDecodeStep", "lean_step",
+    "sparse_step", "supports", "supports_window", "window_step",
 ]

@@ -13,6 +13,7 @@ from ..errors import LinearAttentionError
 from ..feature_maps import FeatureMap
 from ..state import LinearAttentionState, WindowAttentionState
 from ._step import _repeat_heads, _Step
+from .composed import ComposedDecodeStep
 from .delta import DeltaDecodeStep
 from .plain import DecodeStep
 
@@ -24,7 +25,7 @@ def supports_window(fmap: nn.Module, state: Any, options: dict[str, Any]) -> boo
 
 def lean_step(
     fmap: nn.Module, state: Any, options: dict[str, Any], kv_heads: int
-) -> DecodeStep | WindowDecodeStep | DeltaDecodeStep | None:
+) -> DecodeStep | WindowDecodeStep | DeltaDecodeStep | ComposedDecodeStep | None:
     """The lean step that continues ``state`` as ``linear_attention(..., **options)`` would, or None where no step
     reproduces the call (:func:`linattn.capabilities.step_reasons`); ``kv_heads`` as :class:`WindowDecodeStep`."""
     step = choose_step(fmap, state, options)
@@ -38,6 +39,8 @@ def lean_step(
         return sparse_step(fmap, state, options, kv_heads)
     if step == "delta":
         return DeltaDecodeStep(fmap, state, beta=options.get("beta"), decay=options.get("decay"))
+    if step == "composed":
+        return ComposedDecodeStep(fmap, state, options)
     return None
 
 

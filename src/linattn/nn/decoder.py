@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..decode import DecodeStep, DeltaDecodeStep, WindowDecodeStep, lean_step
+from ..decode import ComposedDecodeStep, DecodeStep, DeltaDecodeStep, WindowDecodeStep, lean_step
 from ..errors import LinearAttentionError
 from ..state import DeltaRuleState, LinearAttentionState, ShortConvState, WindowAttentionState
 
@@ -37,8 +37,11 @@ class LayerDecoder:
         options = {key: value for key, value in layer.options.items()
                    if value is not None and not (key == "normalize" and value is True)}
         # the delta step takes the decays and gates per token; the additive steps have none
-        plain = layer.update == "delta" or (layer.decay_rates is None and layer.gate_kind is None)
-        self.step: DecodeStep | WindowDecodeStep | DeltaDecodeStep | None = None
+        gated = layer.decay_rates is not None or layer.gate_kind is not None
+        if gated and "window" in options:  # the composed step takes them per token: no step that ignores them
+            options["log_gate"] = "with each token"
+        plain = layer.update == "delta" or not gated or "window" in options
+        self.step: DecodeStep | WindowDecodeStep | DeltaDecodeStep | ComposedDecodeStep | None = None
         if plain:
             self.step = lean_step(layer.feature_map, attention, options, layer.num_kv_heads)
         self._state = attention if self.step is None else None
@@ -77,6 +80,8 @@ class LayerDecoder:
             if isinstance(self.step, DeltaDecodeStep):
                 beta, log_decay = layer._beta(x), layer._log_decay(x)  # (B, H, 1)
                 out = self.step(q, k, v, beta=beta, log_decay=log_decay)
+            elif isinstance(self.step, ComposedDecodeStep):  # per-token decays, or per-feature gates (B, H, 1, F)
+                out = self.step(q, k, v, beta=layer._beta(x), log_decay=_token_gate(layer, x))
             else:
                 out = self.step(q, k, v)
             out = layer._output(out, x)
@@ -96,3 +101,15 @@ class LayerDecoder:
             elif isinstance(state, DeltaRuleState):
                 state = DeltaRuleState(state.kv.clone(), state.num_tokens)
         return state if self._conv is None else ShortConvState(state, self._conv.clone())
+
+
+def _token_gate(layer: LinearAttention, x: torch.Tensor) -> torch.Tensor | None:
+    """The token's log-decays as ``linear_attention`` adds them: per token (B, H, 1), or per feature (B, H, 1, F)
+    with the fixed rates added."""
+    if layer.gate_kind != "feature":
+        return layer._log_decay(x)
+    gate = layer._log_gate(x)
+    assert gate is not None
+    rates = layer._rates(x.device)
+    gate = gate.to(torch.float64)
+    return gate if rates is None else gate + torch.log(rates)[:, None, None]

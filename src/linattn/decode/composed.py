@@ -1,0 +1,183 @@
+"""The lean step of the window beside a linear part of another kind (a decay or gate, the delta rule): one token
+against preallocated buffers, in place.
+
+Per token t (docs/window.md, "Composed linear parts"): the linear state takes token t's decay a_t and the write of
+the key leaving the window (position t − W, unless a sink or padding) — for the delta rule through
+:class:`~linattn.decode.DeltaDecodeStep`, which applies the decay, writes and reads in one call — then the new key
+takes the leaving key's ring slot, and the output is the window's combiner: the shared normaliser for an additive
+linear part (mass or γ form), γ·A + S_tᵀφ̂(q_t) for the delta rule, A the softmax average over the live exact keys
+(the ring and the sinks that have left it). Memory and time per token do not grow with the tokens seen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import LinearAttentionError
+from ..features import map_features
+from ..state import DeltaRuleState, LinearAttentionState, WindowAttentionState
+from ._step import _repeat_heads
+from .delta import DeltaDecodeStep
+
+
+class ComposedDecodeStep:
+    """The window op with a decayed, gated or delta-rule linear part, one token at a time, from the
+    :class:`~linattn.WindowAttentionState` such a call returned (batch shape (B, H)); the options as given to
+    ``linear_attention`` (``eps``, ``window_factor``, ``softmax_scale``, a fixed ``beta`` and ``decay``).
+    Per-token write strengths and log-decays (per token (B, H), or per feature (B, H, F)) come with each call."""
+
+    def __init__(self, fmap: nn.Module, state: WindowAttentionState, options: dict[str, Any]) -> None:
+        linear = state.linear
+        if linear.kv.dim() != 4:
+            raise LinearAttentionError(
+                f"state: a decode step needs a state of batch shape (B, H), got kv of shape {tuple(linear.kv.shape)}"
+            )
+        self.fmap, self.options = fmap, dict(options)
+        self.eps = float(options.get("eps", 1e-6))
+        batch, heads, features, values = linear.kv.shape
+        dtype, device = linear.kv.dtype, linear.kv.device
+        dim = state.keys.shape[-1]
+        self.scale = dim**-0.5 if options.get("softmax_scale") is None else float(options["softmax_scale"])
+        self.window, self.sinks, self.num_tokens = state.window, state.sinks, state.num_tokens
+        factor = options.get("window_factor")
+        self.gamma = None if factor is None else torch.broadcast_to(
+            torch.as_tensor(factor, dtype=dtype, device=device), (batch, heads)).reshape(batch, heads, 1).clone()
+        self.delta: DeltaDecodeStep | None = None
+        self.log_rate: torch.Tensor | None = None
+        if isinstance(linear, DeltaRuleState):
+            self.delta = DeltaDecodeStep(fmap, linear, beta=options.get("beta"), decay=options.get("decay"))
+        else:
+            self.kv = linear.kv.detach().clone(memory_format=torch.contiguous_format)
+            self.k_sum = linear.k_sum.detach().clone()
+            if options.get("decay") is not None:
+                rate = torch.as_tensor(options["decay"], dtype=torch.float64, device=device)
+                self.log_rate = torch.log(rate).expand(heads).reshape(1, heads, 1).clone()
+        slots = self.sinks + self.window  # sink slots first, then the ring: position p in slot S + p mod W
+        self.keys = torch.zeros(batch, heads, slots, dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch, heads, slots, values, dtype=dtype, device=device)
+        self.kept = torch.zeros(batch, heads, slots, dtype=torch.bool, device=device)  # a real (unmasked) key
+        self.live = torch.zeros(slots, dtype=torch.bool, device=device)  # an exact key now
+        self.betas = torch.zeros(batch, heads, slots, dtype=dtype, device=device)
+        first = self.num_tokens - state.keys.shape[-2]  # the oldest buffered position
+        for offset in range(state.keys.shape[-2]):
+            slot = self.sinks + (first + offset) % self.window
+            self._put(slot, state.keys[..., offset, :], state.values[..., offset, :], state.keep[..., offset],
+                      state.betas[..., offset] if state.betas is not None else None)
+        for position in range(state.sink_keys.shape[-2]):
+            self._put(position, state.sink_keys[..., position, :], state.sink_values[..., position, :],
+                      state.sink_keep[..., position], None, live=position < first)
+
+    def _put(self, slot: int, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor, beta: torch.Tensor | None,
+             live: bool = True) -> None:
+        self.keys[..., slot, :], self.values[..., slot, :], self.kept[..., slot] = key, value, keep
+        if beta is not None:
+            self.betas[..., slot] = beta
+        self.live[slot] = live
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.keys.shape[0])
+
+    @torch.no_grad()
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None, *,
+                 beta: torch.Tensor | None = None, log_decay: torch.Tensor | None = None) -> torch.Tensor:
+        """q (B, H, 1, d), k (B, Hkv, 1, d), v (B, Hkv, 1, Dv), keep (B, 1) or None → out (B, H, 1, Dv).
+
+        ``beta`` (B, H): this token's write strength (the delta rule; it writes when the token leaves the window);
+        ``log_decay`` (B, H) or (B, H, F) ≤ 0: this token's log-decay, on top of a fixed rate."""
+        batch, heads = self.keys.shape[:2]
+        out_dtype, dtype = q.dtype, self.keys.dtype
+        q, k, v = q.to(dtype), _repeat_heads(k.to(dtype), heads), _repeat_heads(v.to(dtype), heads)
+        position = self.num_tokens
+        leaving = position - self.window
+        ring = self.sinks + position % self.window
+        lin = self._linear(q, leaving, ring, log_decay)
+        if 0 <= leaving < self.sinks:  # a sink leaves the window: from now on a separate exact key
+            self.live[leaving] = True
+        token_keep = torch.ones(batch, heads, dtype=torch.bool, device=q.device) if keep is None else (
+            keep.reshape(batch, 1).expand(batch, heads))
+        strength = None
+        if self.delta is not None:
+            strength = (beta.reshape(batch, heads).to(dtype) if beta is not None
+                        else torch.full((batch, heads), self.delta.beta, dtype=dtype, device=q.device))
+        self._put(ring, k[..., 0, :], v[..., 0, :], token_keep, strength)
+        if position < self.sinks:  # the token is also a sink: its slot keeps it once the ring moves on
+            self._put(position, k[..., 0, :], v[..., 0, :], token_keep, None, live=False)
+        self.num_tokens += 1
+        allowed = self.kept & self.live  # (B, H, slots): the exact keys
+        scores = (q @ self.keys.transpose(-1, -2)).squeeze(-2) * self.scale  # (B, H, slots)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        top = scores.amax(-1, keepdim=True)
+        weights = torch.exp(scores - torch.where(torch.isinf(top), torch.zeros_like(top), top))
+        soft_num = (weights.unsqueeze(-2) @ self.values).squeeze(-2)  # (B, H, Dv)
+        soft_den = weights.sum(-1, keepdim=True)
+        if self.delta is not None:
+            average = soft_num / torch.where(soft_den == 0, torch.ones_like(soft_den), soft_den)
+            out = (average if self.gamma is None else self.gamma * average) + lin[0]
+        else:
+            out = self._shared(q, allowed, lin, soft_num, soft_den)
+        return out.unsqueeze(-2).to(out_dtype)
+
+    def _linear(self, q: torch.Tensor, leaving: int, slot: int, log_decay: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token t's decay, the leaving key's write, the read by q: (num (B, H, Dv), den (B, H) or None)."""
+        batch, heads = self.keys.shape[:2]
+        writes = leaving >= self.sinks
+        keep = self.kept[..., slot] if writes else torch.zeros_like(self.kept[..., slot])
+        key, value = self.keys[..., slot : slot + 1, :], self.values[..., slot : slot + 1, :]
+        if self.delta is not None:
+            # a masked or absent key writes nothing (β = 0); the decay still applies
+            out = self.delta(q, key, value, beta=self.betas[..., slot] * keep, log_decay=log_decay)
+            return out.squeeze(-2), None
+        total = self.log_rate
+        if log_decay is not None:
+            gate = log_decay.reshape(batch, heads, -1).to(torch.float64)
+            total = gate if total is None else total + gate
+        if total is not None:
+            factor = torch.exp(total).to(self.kv.dtype)  # (B, H, 1) or (B, H, F)
+            self.kv.mul_(factor.unsqueeze(-1))
+            self.k_sum.mul_(factor)
+        if writes:
+            kf = map_features(self.fmap, key, is_query=False).squeeze(-2) * keep.unsqueeze(-1).to(self.kv.dtype)
+            self.kv.add_(kf.unsqueeze(-1) * value)
+            self.k_sum.add_(kf)
+        qf = map_features(self.fmap, q, is_query=True).squeeze(-2)  # (B, H, F)
+        return (qf.unsqueeze(-2) @ self.kv).squeeze(-2), (qf * self.k_sum).sum(-1)
+
+    def _shared(self, q: torch.Tensor, allowed: torch.Tensor, lin: tuple[torch.Tensor, torch.Tensor | None],
+                soft_num: torch.Tensor, soft_den: torch.Tensor) -> torch.Tensor:
+        """The additive part's shared normaliser: mass form, or γ form."""
+        num, den = lin
+        assert den is not None
+        if self.gamma is None:
+            qf = map_features(self.fmap, q, is_query=True)  # (B, H, 1, F)
+            keys = map_features(self.fmap, self.keys, is_query=False)  # (B, H, slots, F)
+            mass = (qf @ keys.transpose(-1, -2)).squeeze(-2).masked_fill(~allowed, 0.0).sum(-1)
+            average = soft_num / torch.where(soft_den == 0, torch.ones_like(soft_den), soft_den)
+            total = den + mass + self.eps
+            return (num + mass.unsqueeze(-1) * average) / torch.where(total == 0, 1.0, total).unsqueeze(-1)
+        total = den + self.gamma.squeeze(-1) * soft_den.squeeze(-1) + self.eps
+        return (num + self.gamma * soft_num) / torch.where(total == 0, 1.0, total).unsqueeze(-1)
+
+    def state(self) -> WindowAttentionState:
+        """The state after every token stepped (new tensors)."""
+        length, sunk = min(self.window, self.num_tokens), min(self.sinks, self.num_tokens)
+        positions = torch.arange(self.num_tokens - length, self.num_tokens)
+        ring = (self.sinks + positions % self.window).to(self.keys.device)
+        linear: LinearAttentionState | DeltaRuleState
+        if self.delta is not None:
+            memory = self.delta.state()
+            linear = DeltaRuleState(memory.kv.clone(), max(0, self.num_tokens - self.window))
+        else:
+            shift = torch.zeros_like(self.kv[..., 0, 0])
+            linear = LinearAttentionState(self.kv.clone(), self.k_sum.clone(), shift,
+                                          max(0, self.num_tokens - self.window))
+        betas = self.betas.index_select(-1, ring).clone() if self.delta is not None else None
+        return WindowAttentionState(
+            linear, self.keys.index_select(-2, ring), self.values.index_select(-2, ring),
+            self.kept.index_select(-1, ring), self.keys[..., :sunk, :].clone(), self.values[..., :sunk, :].clone(),
+            self.kept[..., :sunk].clone(), self.window, self.sinks, self.num_tokens, betas=betas,
+        )
