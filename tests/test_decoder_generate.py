@@ -78,6 +78,8 @@ PADDED = {
     "favor+window+sinks": ("favor+", {"num_features": 16, "seed": 2, "window": 3, "sinks": 3}),
     # the delta rule: padded keys write nothing (the lean delta step with a mask)
     "elu+delta": ("elu", {"update": "delta", "beta": 0.8, "decay": 0.97}),
+    # the window and sinks beside the gated delta rule: each row's sinks are its own first tokens
+    "elu+window+sinks+delta": ("elu", {"update": "delta", "beta": 0.8, "decay": 0.97, "window": 4, "sinks": 2}),
 }
 
 
@@ -223,3 +225,21 @@ def test_fitted_window_options_reach_every_layer(given, tmp_path):
     options = [module.linattn_options for module in hf.attention_modules(model)]
     assert [o["window"] for o in options] == [8, 8] and [o["sinks"] for o in options] == [2, 2]
     assert all(torch.equal(o["window_factor"], g) for o, g in zip(options, gammas, strict=True))
+
+
+@pytest.mark.parametrize("options", [{"update": "delta", "beta": 0.8, "decay": 0.97}, {"decay": 0.95}],
+                         ids=["gated-delta", "decayed-additive"])
+def test_window_beside_a_decayed_or_delta_state_generates_as_full_recompute(options):
+    """linearize with window + sinks beside the delta rule or a decayed additive state: generate steps on the
+    composed lean step and gives the tokens and logits of recomputing every prefix."""
+    model = hf.linearize(tiny_llama(), "elu", window=6, sinks=2, **options)
+    ids = torch.randint(1, 60, (1, 70), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cached = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, output_logits=True,
+                                return_dict_in_generate=True)
+        recomputed = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, use_cache=False,
+                                    output_logits=True, return_dict_in_generate=True)
+    assert all(type(layer.stepper).__name__ == "ComposedDecodeStep" for layer in cached.past_key_values.layers)
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    for ours, full in zip(cached.logits, recomputed.logits, strict=True):
+        torch.testing.assert_close(ours, full, rtol=1e-4, atol=1e-4)

@@ -231,7 +231,7 @@ def test_fla_naive_references_agree():
     (dict(causal=False), "needs an order"),
     (dict(normalize=True), "no denominator"),
     (dict(min_denom=1e-3), "no denominator"),
-    (dict(window=8), "window"),
+    (dict(window=8, sparse_cache=2), "sparse_cache"),
     (dict(beta=3.0), r"\[0, 2\]"),
     (dict(beta=torch.rand(2, 3, 7)), "does not broadcast"),
     (dict(log_gate=-torch.rand(2, 3, 45, 8)), "per-feature"),

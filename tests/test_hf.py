@@ -215,7 +215,7 @@ def test_linearize_rejects_mismatched_maps():
         ({"eps": -1.0}, r"eps: expected a number ≥ 0"),
         ({"chunk_size": 0}, r"chunk_size: expected a positive int"),
         ({"form": "fast"}, r"form: unknown form 'fast'"),
-        ({"window": 8, "decay": 0.9}, r"does not combine with decay"),
+        ({"window": 8, "backend": "triton"}, r"does not combine with backend"),
         ({"backend": "cuda"}, r"backend: unknown backend 'cuda'"),
         ({"normalize": "yes"}, r"normalize: expected True or False"),
     ],

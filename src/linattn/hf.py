@@ -254,8 +254,7 @@ def _check_attention_options(options: dict[str, Any]) -> None:
     _validate.check_flags(**{name: options[name] for name in ("normalize", "check_finite") if name in options})
     _validate.check_options(get("chunk_size"), get("eps", 1e-6), get("min_denom"), get("form", "auto"), FORMS)
     _validate.check_window_options(get("window"), get("sinks", 0), get("window_factor"), get("softmax_scale"))
-    check_window_combination(get("window"), decay=get("decay"), log_gate=get("log_gate"),
-                             backend=get("backend"))
+    check_window_combination(get("window"), backend=get("backend"))
     _validate.sparse_cache(get("sparse_cache"), get("window"), get("update", "add"), None)
     if get("backend", "auto") not in BACKENDS:
         raise LinearAttentionError(f"backend: unknown backend {get('backend')!r}; choose one of {', '.join(BACKENDS)}")
