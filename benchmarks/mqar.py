@@ -22,6 +22,11 @@ sigmoid(W_β x)) and ``gated-delta`` (the same with ``gate="token"``, a per-toke
 convolution serves every row alike). State size per layer: H·F·Dv for the linear rows, the K and V cache at the
 sequence length (2·N·E) for softmax.
 
+The window rows put exact softmax over the last ``WINDOW`` = 8 keys — shorter than the distance from a pair to its
+query — alone (``window``: the QK-normed softmax row with a band mask) or beside a linear part, the window op
+composed with it (``window-elu``, ``window-delta``, ``window-gated-delta``: the layer with ``window=8``); their
+state adds the window's keys and values (2·W·E).
+
 The defaults — N = 64, 8 pairs, a vocabulary of 256, d_model 64 with 1 or 4 heads, 800 steps of 32 sequences —
 are smaller than Zoology's (N up to 512, vocabulary 8192) so that a model trains on two CPU threads in minutes;
 every size is an option. Results go to a JSON file, one entry per (row, setting), written after each model: an
