@@ -34,14 +34,14 @@ import torch
 
 import linattn.hf
 from linattn import SparseCache
-from linattn.evaluate.card import wilson_interval
-from linattn.evaluate.linearized import atomic_write, load_linearized, shipped
 from linattn.evaluate.lm_stages import read_text
 from linattn.evaluate.probes import passkeys
 from linattn.feature_maps import FeatureMap
 from linattn.features import repeat_kv_heads
 from linattn.forms.window.hybrid import Hybrid
 from linattn.forms.window.sparse import cache_selections
+from linattn.linearized.card import wilson_interval
+from linattn.linearized.folder import atomic_write, load_linearized, shipped
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sparse_cache_passkey import key_scores  # noqa: E402  (the same hits and key log-probability as its rows)

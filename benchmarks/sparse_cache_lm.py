@@ -37,13 +37,13 @@ import torch
 
 from linattn import SparseCache, hf
 from linattn.evaluate.capture import reordered
-from linattn.evaluate.card import wilson_interval
-from linattn.evaluate.linearized import atomic_write, load_linearized, read_index
 from linattn.evaluate.lm_compare import score_model
 from linattn.evaluate.lm_config import ProbeOptions
 from linattn.evaluate.lm_stages import read_text
 from linattn.evaluate.window_softmax import use_window_softmax
 from linattn.feature_maps.fitted import load_feature_maps
+from linattn.linearized.card import wilson_interval
+from linattn.linearized.folder import atomic_write, load_linearized, read_index
 from linattn.train.end_to_end import cache_split
 
 

@@ -37,11 +37,11 @@ from typing import Any
 import torch
 
 from linattn import SparseCache
-from linattn.evaluate.card import wilson_interval
-from linattn.evaluate.linearized import atomic_write, load_linearized, read_index, shipped
 from linattn.evaluate.lm_stages import read_text
 from linattn.evaluate.probes import passkeys
 from linattn.feature_maps.fitted import load_feature_maps
+from linattn.linearized.card import wilson_interval
+from linattn.linearized.folder import atomic_write, load_linearized, read_index, shipped
 
 
 def key_scores(model: Any, probes: list[Any]) -> tuple[int, float]:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from linattn.evaluate.linearized import load_linearized, shipped
 from linattn.evaluate.lm_compare import score_model
 from linattn.evaluate.lm_config import ProbeOptions
 from linattn.evaluate.lm_stages import read_text
+from linattn.linearized import load_linearized, shipped
 
 
 def main() -> None:
