@@ -41,10 +41,11 @@ options or per-token ones with each call (:mod:`linattn.decode.delta`).
 from __future__ import annotations
 
 from ..capabilities import DELTA_STEP_OPTIONS, SPARSE_STEP_OPTIONS, STEP_OPTIONS, WINDOW_STEP_OPTIONS
+from .choose import lean_step
 from .delta import DeltaDecodeStep
 from .plain import DecodeStep, supports
 from .sparse import SparseDecodeStep, sparse_step
-from .window import WindowDecodeStep, lean_step, supports_window, window_step
+from .window import WindowDecodeStep, supports_window, window_step
 
 __all__ = [
     "DELTA_STEP_OPTIONS", "SPARSE_STEP_OPTIONS", "STEP_OPTIONS", "WINDOW_STEP_OPTIONS", "DecodeStep",
