@@ -57,6 +57,9 @@ OLD_PATHS = {
         "save_linearized", "shipped",
     ],
     "linattn.evaluate.linearize_job": ["Job", "Stages", "check_disk", "cli", "prepare_out"],
+    "linattn.evaluate.arguments": [
+        "add_compare_arguments", "add_generate_arguments", "add_linearize_arguments", "add_lm_arguments",
+    ],
     "linattn.evaluate.linearize_budget": ["calibrate", "plan_steps", "training_sequences_of"],
     "linattn.evaluate.card": ["card_lines", "perplexity_by_position", "wilson_interval", "write_card"],
     "linattn.evaluate.generate": ["Generation", "cache_bytes", "cli", "generate_measured", "plot"],

@@ -98,3 +98,14 @@ def add_lm_arguments(parser: argparse.ArgumentParser) -> None:
     add("--end-to-end-lora-lr", type=float, default=0.0005, help="causal LMs: the adapters' Adam learning rate")
     add("--gamma", action="store_true",
         help="causal LMs: fit hedgehog+window with LoLCATs' per-head factor γ instead of the mass-preserving window")
+
+
+def __getattr__(name: str) -> Any:
+    """The options of ``linattn generate`` and ``linattn linearize`` moved with the product
+    (:mod:`linattn.linearized.arguments`); their old names here still resolve, imported on first use (that module
+    reads this one's window and sinks defaults, so it cannot be imported while this one loads)."""
+    if name in ("add_generate_arguments", "add_linearize_arguments"):
+        from ..linearized import arguments
+
+        return getattr(arguments, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
