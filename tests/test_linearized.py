@@ -12,7 +12,7 @@ pytest.importorskip("safetensors")
 
 from linattn import LinearAttentionError, hf  # noqa: E402
 from linattn.evaluate.capture import capture_attention  # noqa: E402
-from linattn.evaluate.linearized import INDEX, fingerprint, load_linearized, save_linearized  # noqa: E402
+from linattn.linearized.folder import INDEX, fingerprint, load_linearized, save_linearized  # noqa: E402
 from linattn.train.distill import fit_model_feature_maps  # noqa: E402
 from test_decoder_compare import char_tokenizer  # noqa: E402
 
@@ -148,7 +148,7 @@ def test_generate_streams_from_a_folder_beside_the_original(fitted_dir, tmp_path
 
 def test_the_linear_cache_stays_flat_while_the_softmax_cache_grows(fitted_dir):
     from linattn.evaluate import load_model
-    from linattn.evaluate.generate import generate_measured
+    from linattn.linearized.generate import generate_measured
 
     folder, model, tokenizer = fitted_dir
     linear = generate_measured(model, tokenizer, "Rivers", 20, "linear", stream=False)

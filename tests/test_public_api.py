@@ -51,8 +51,33 @@ OLD_PATHS = {
     "linattn.evaluate.lm_compare": [
         "add_lm_arguments", "cli", "looks_causal", "run_lm_compare", "use_window_softmax", "window_sink_attention",
     ],
+    # the product's modules before it moved to linattn.linearized
+    "linattn.evaluate.linearized": [
+        "INDEX", "SHIPPED", "atomic_write", "fingerprint", "is_linearized", "load_linearized", "read_index",
+        "save_linearized", "shipped",
+    ],
+    "linattn.evaluate.linearize_job": ["Job", "Stages", "check_disk", "cli", "prepare_out"],
+    "linattn.evaluate.arguments": [
+        "add_compare_arguments", "add_generate_arguments", "add_linearize_arguments", "add_lm_arguments",
+    ],
+    "linattn.evaluate.linearize_budget": ["calibrate", "plan_steps", "training_sequences_of"],
+    "linattn.evaluate.card": ["card_lines", "perplexity_by_position", "wilson_interval", "write_card"],
+    "linattn.evaluate.generate": ["Generation", "cache_bytes", "cli", "generate_measured", "plot"],
+    "linattn.linearized": [
+        "fingerprint", "is_linearized", "load_linearized", "read_index", "save_linearized", "shipped",
+    ],
 }
 NEEDS_TRANSFORMERS = ("linattn.hf_cache",)
+
+
+def test_the_old_product_paths_are_the_same_objects() -> None:
+    from linattn.evaluate import card, linearize_job, linearized
+    from linattn.linearized import card as new_card
+    from linattn.linearized import folder, job
+
+    assert linearized.load_linearized is folder.load_linearized
+    assert linearize_job.cli is job.cli
+    assert card.wilson_interval is new_card.wilson_interval
 
 
 @pytest.mark.parametrize("module", sorted(OLD_PATHS))

@@ -14,15 +14,11 @@ import torch
 from . import __version__, feature_maps
 from .data import check_text_file
 from .errors import LinearAttentionError
-from .evaluate.arguments import (
-    add_compare_arguments,
-    add_generate_arguments,
-    add_linearize_arguments,
-    add_lm_arguments,
-)
+from .evaluate.arguments import add_compare_arguments, add_lm_arguments
 from .evaluate.models import check_model_name, looks_causal
 from .forms import FORMS
 from .functional import linear_attention
+from .linearized.arguments import add_generate_arguments, add_linearize_arguments
 
 
 def _info(_: argparse.Namespace) -> int:
@@ -121,7 +117,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .evaluate import generate
+    from .linearized import generate
 
     return generate.cli(args)
 
@@ -134,9 +130,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _linearize(args: argparse.Namespace) -> int:
-    from .evaluate import linearize_job
+    from .linearized import job
 
-    return linearize_job.cli(args)
+    return job.cli(args)
 
 
 def _add_linearize(sub: argparse._SubParsersAction) -> None:

@@ -51,11 +51,12 @@ from ..capabilities import (
     STEP_OPTIONS,
     WINDOW_STEP_OPTIONS,
 )
+from .choose import lean_step
 from .composed import ComposedDecodeStep
 from .delta import DeltaDecodeStep
 from .plain import DecodeStep, supports
 from .sparse import SparseDecodeStep, sparse_step
-from .window import WindowDecodeStep, lean_step, supports_window, window_step
+from .window import WindowDecodeStep, supports_window, window_step
 
 __all__ = [
     "COMPOSED_STEP_OPTIONS", "DELTA_STEP_OPTIONS", "SPARSE_STEP_OPTIONS", "STEP_OPTIONS", "WINDOW_STEP_OPTIONS",

@@ -7,7 +7,7 @@ ring, holding the cached pairs (keys, values, features φ(k)) and their position
 - at a boundary (t = b·B, b ≥ 1, before the token's output) the candidates — the cache and the B pairs of the ring
   that leave the window before the next boundary — are scored against the linear sums as the previous query read
   them (``"recall"``), the B stored queries (``"attention"``) or the oracle's positions, and chosen, by the
-  functions of :mod:`linattn.forms.window.sparse` that define the op; the cached pairs not chosen enter the linear
+  functions that define the op (:mod:`linattn.forms.window.boundary`); the cached pairs not chosen enter the linear
   sums there, and each leaving ring pair is marked to stay or not;
 - key t − W leaves the window: into the linear sums unless the last boundary kept it (per head);
 - the output is the window step's over every exact slot, a cached pair exact once it has left the window
@@ -35,8 +35,8 @@ from torch import nn
 from .._validate import sparse_cache
 from ..errors import LinearAttentionError
 from ..features import is_log_space
+from ..forms.window.boundary import NEVER, by_budget, choose, scores_for
 from ..forms.window.hybrid import Hybrid
-from ..forms.window.sparse import NEVER, by_budget, choose, scores_for
 from ..state import SparseCache, SparseCacheState, WindowAttentionState
 from .window import WindowDecodeStep
 
@@ -250,11 +250,11 @@ class SparseDecodeStep(WindowDecodeStep):
                                                  per_sample_weights=weights)
 
     def _budget_groups(self) -> list[_Group]:
-        """The rows grouped by budget as the chunked form groups them (:func:`~linattn.forms.window.sparse.by_budget`:
-        each at the least power of two that holds its size), with each group's slots in the packed buffers; a
-        boundary decides each group at its own width, so a head with a small budget does not score as many
-        candidates as the largest. Made at each boundary from ``sizes`` (a few small ops), so the step holds
-        nothing more than the packed cache and its layout."""
+        """The rows grouped by budget as the chunked form groups them
+        (:func:`~linattn.forms.window.boundary.by_budget`: each at the least power of two that holds its size),
+        with each group's slots in the packed buffers; a boundary decides each group at its own width, so a head
+        with a small budget does not score as many candidates as the largest. Made at each boundary from ``sizes``
+        (a few small ops), so the step holds nothing more than the packed cache and its layout."""
         sizes = self.sizes.reshape(-1)
         device = sizes.device
         starts = torch.cumsum(sizes, 0) - sizes

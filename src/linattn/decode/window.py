@@ -1,4 +1,5 @@
-"""The lean step of the causal window op, and the choice of step for a state (see :mod:`linattn.decode`)."""
+"""The lean step of the causal window op (see :mod:`linattn.decode`); the choice of step for a state is
+:func:`linattn.decode.choose.lean_step`."""
 
 from __future__ import annotations
 
@@ -8,40 +9,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..capabilities import choose_step, step_reasons
+from ..capabilities import step_reasons
 from ..errors import LinearAttentionError
 from ..feature_maps import FeatureMap
 from ..state import LinearAttentionState, WindowAttentionState
 from ._step import _repeat_heads, _Step
-from .composed import ComposedDecodeStep
-from .delta import DeltaDecodeStep
-from .plain import DecodeStep
 
 
 def supports_window(fmap: nn.Module, state: Any, options: dict[str, Any]) -> bool:
     """Whether :class:`WindowDecodeStep` computes what ``linear_attention(..., **options)`` would from ``state``."""
     return not step_reasons("window", fmap, state, options)
-
-
-def lean_step(
-    fmap: nn.Module, state: Any, options: dict[str, Any], kv_heads: int
-) -> DecodeStep | WindowDecodeStep | DeltaDecodeStep | ComposedDecodeStep | None:
-    """The lean step that continues ``state`` as ``linear_attention(..., **options)`` would, or None where no step
-    reproduces the call (:func:`linattn.capabilities.step_reasons`); ``kv_heads`` as :class:`WindowDecodeStep`."""
-    step = choose_step(fmap, state, options)
-    if step == "plain":
-        return DecodeStep(fmap, state, eps=options.get("eps", 1e-6))
-    if step == "window":
-        return window_step(fmap, state, options, kv_heads)
-    if step == "sparse":
-        from .sparse import sparse_step  # (sparse.py builds on this module)
-
-        return sparse_step(fmap, state, options, kv_heads)
-    if step == "delta":
-        return DeltaDecodeStep(fmap, state, beta=options.get("beta"), decay=options.get("decay"))
-    if step == "composed":
-        return ComposedDecodeStep(fmap, state, options)
-    return None
 
 
 def window_step(

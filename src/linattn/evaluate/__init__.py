@@ -9,7 +9,9 @@
   :mod:`linattn.evaluate.lm_compare` the same on causal LMs (perplexity and long-range probes per row). Neither is
   imported here: they load the training code (:mod:`linattn.train`).
 
-transformers is imported only when a model is loaded or captured.
+transformers is imported only when a model is loaded or captured. The product built on these tools (``linattn
+linearize``, the linearized folder, its card, ``linattn generate``) is :mod:`linattn.linearized`; its old paths
+here (``linattn.evaluate.linearized``, ``linearize_job``, ``linearize_budget``, ``card``, ``generate``) re-export it.
 """
 
 from __future__ import annotations

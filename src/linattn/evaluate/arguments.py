@@ -100,62 +100,12 @@ def add_lm_arguments(parser: argparse.ArgumentParser) -> None:
         help="causal LMs: fit hedgehog+window with LoLCATs' per-head factor γ instead of the mass-preserving window")
 
 
-def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``linattn generate`` (:mod:`linattn.evaluate.generate`)."""
-    parser.add_argument("model", help="a folder written by `linattn linearize`, or a causal LM (smollm2, a folder, "
-                        "a GGUF file, a model in the local Hugging Face cache)")
-    parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--linear", action="store_true", help="linearize a plain model first: with the maps "
-                        "shipped for it (smollm2), else elu+1 beside a softmax window")
-    parser.add_argument("--untrained", action="store_true", help="with --linear: elu+1 beside the window even where "
-                        "fitted maps ship")
-    parser.add_argument("--window", type=int, default=LM_WINDOW, help="with --linear and elu+1: the softmax window")
-    parser.add_argument("--sinks", type=int, default=LM_SINKS, help="with --linear and elu+1: the sink tokens")
-    parser.add_argument("--sparse-cache", type=int, default=None, help="add a sparse exact cache of this many pairs "
-                        "per head beside the window (docs/sparse_cache.md)")
-    parser.add_argument("--compare-softmax", action="store_true", help="also generate with the original model")
-    parser.add_argument("--plot", default=None, help="a PNG file: ms/token and cache bytes against position")
+def __getattr__(name: str) -> Any:
+    """The options of ``linattn generate`` and ``linattn linearize`` moved with the product
+    (:mod:`linattn.linearized.arguments`); their old names here still resolve, imported on first use (that module
+    reads this one's window and sinks defaults, so it cannot be imported while this one loads)."""
+    if name in ("add_generate_arguments", "add_linearize_arguments"):
+        from ..linearized import arguments
 
-
-def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``linattn linearize`` (:mod:`linattn.evaluate.linearize_job`)."""
-    add = parser.add_argument
-    add("model", help="a causal LM: smollm2, a folder, a GGUF file, a model in the local Hugging Face cache")
-    add("text", nargs="?", default=None, help="training text file (default: the shipped corpus)")
-    add("--out", required=True, help="the folder to write (stages, maps, results, card); a rerun continues it")
-    add("--budget", type=float, default=None, help="minutes: time a few steps of each stage, then choose the step "
-        "counts that fit (replaces --fit-steps and --end-to-end-steps) and as many samples as those steps use (up "
-        "to --end-to-end-samples)")
-    add("--heldout", default=None, help="held-out text file for the measuring stage (default: the shipped corpus)")
-    add("--window", type=int, default=LM_WINDOW, help="softmax window beside the linear part")
-    add("--sinks", type=int, default=LM_SINKS, help="sink tokens (the first tokens, always attended)")
-    add("--sparse-cache", type=int, default=0, help="a sparse exact cache of N pairs per head beside the window "
-        "(docs/sparse_cache.md): in place while the fit and the end-to-end stage train and in the measured row, and "
-        "saved with the folder; the softmax window row then has W + N keys (equal memory). 0: none")
-    add("--sparse-cache-heads", choices=("uniform", "retrieval"), default="uniform", help="how the cache's "
-        "pairs are spread over the heads: N for every head, or N per head on average, split in proportion to each "
-        "head's retrieval score (the attention it puts beyond the window when a passage repeats, under softmax, on "
-        "the end-to-end stage's sampled training texts, sampled even without its steps; --sparse-cache-floor pairs "
-        "at least)")
-    add("--sparse-cache-floor", type=int, default=None, help="with --sparse-cache-heads retrieval: the fewest pairs "
-        "a head keeps (default N/2)")
-    add("--sparse-cache-linear-weight", type=float, default=1.0, help="with --sparse-cache: the linear part's sums "
-        "times this weight β ≥ 0 beside the cache, while fitting, training end to end and measuring, and saved "
-        "with the folder: the map's mass for far keys grows with the context and drowns the cached pairs "
-        "(docs/sparse_cache.md)")
-    add("--fit-steps", type=int, default=150, help="steps of the Hedgehog fit")
-    add("--num-features", type=int, default=None, help="m of the Hedgehog maps (default: the fit's)")
-    add("--fit-max-tokens", type=int, default=None, help="longest captured piece for the fit (default 1024)")
-    add("--fit-orders", type=int, default=4, help="paragraph orders of the train text captured for the fit")
-    add("--end-to-end-steps", type=int, default=240, help="steps of the end-to-end stage (0: skip it)")
-    add("--end-to-end-samples", type=int, default=32, help="texts sampled from the model (the last 2 held out)")
-    add("--end-to-end-tokens", type=int, default=1536, help="tokens sampled per text")
-    add("--lora", type=int, default=0, help="train rank-R LoRA adapters of the attention projections in the "
-        "end-to-end stage instead of the maps (fine-tuning: the card says so); 0: none")
-    add("--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="passkey filler tokens")
-    add("--passkey-trials", type=int, default=3, help="passkey trials per filler length")
-    add("--repeat-trials", type=int, default=4, help="repeated passages")
-    add("--passage-tokens", type=int, default=128, help="tokens of the repeated passage")
-    add("--gap-tokens", type=int, default=512, help="tokens between the passage and its repeat")
-    add("--quiet", action="store_true", help="no progress lines or bars")
+        return getattr(arguments, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

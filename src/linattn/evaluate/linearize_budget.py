@@ -1,188 +1,35 @@
-"""The step counts of ``linattn linearize --budget MINUTES``: a few steps of each stage timed, then the counts
-that fit.
-
-The fit's cost is measured as one capture, then fits of 1 and 9 steps on it (the difference is eight steps),
-an end-to-end step as one softmax forward pass and one linear forward and backward pass (the maps alone taking
-gradients, as in training) on a sequence as long as the stage's, and the measuring stage from one forward pass over
-256 tokens (every row reads about the same number of tokens).
-
-Sampling is timed as 8 tokens generated for one batch of short prompts, plus what a token costs more at the end of
-a sample than at its start: one decoding step of the batch after a prompt as long as a whole sample, against one
-after a short prompt (the softmax cache is read and copied whole at every step, so a step's cost grows with the
-length; on SmolLM2 a batch of 8 steps at 1,552 tokens costs 2.3 times one at 16). A sample's tokens cost the mean
-of the two.
-
-What remains of 80 % of the budget (a shared machine's load changes during a run) after the fixed costs goes 40 % to
-fitting steps and 60 % to end-to-end steps. The number of samples is the least (in whole batches, up to
-``--end-to-end-samples``) that gives the end-to-end steps one training sequence each: a sample the steps never
-reach costs its sampling and buys nothing, and its time goes to steps instead. A budget that leaves fewer than
-:data:`MIN_FIT_STEPS` / :data:`MIN_END_TO_END_STEPS` is refused, naming the least that would do.
-"""
+"""The old import path of the step counts of ``linattn linearize --budget``: the product lives in
+:mod:`linattn.linearized` now (:mod:`linattn.linearized.budget`), apart from the measuring tools; this module keeps
+``linattn.evaluate.linearize_budget`` working."""
 
 from __future__ import annotations
 
-import math
-import time
-from typing import Any
+from ..linearized.budget import (
+    EVAL_OVERHEAD,
+    FIT_PROBE_STEPS,
+    FIT_SHARE,
+    MAX_STEPS,
+    MIN_END_TO_END_STEPS,
+    MIN_FIT_STEPS,
+    SAFETY,
+    SAMPLING_BATCH,
+    SAMPLING_PROMPT,
+    calibrate,
+    plan_steps,
+    training_sequences_of,
+)
 
-import torch
-
-from .. import hf
-from ..errors import LinearAttentionError
-from ..train.distill import fit_model_feature_maps
-from .capture import capture_attention
-from .lm_config import HELD_OUT_SAMPLES, LMCompareConfig
-from .lm_stages import PROMPT_TOKENS
-
-MIN_FIT_STEPS, MIN_END_TO_END_STEPS = 10, 5
-MAX_STEPS = 2000  # a large budget on a small model: beyond this, more steps are not what is missing
-FIT_SHARE = 0.4
-EVAL_OVERHEAD = 1.3  # fit_end_to_end scores 2 held-out sequences every 5 steps: ~30 % more forward passes
-SAMPLING_BATCH = 8  # sample_texts' batch
-SAMPLING_PROMPT = 16  # tokens of the short prompts sampling is timed after
-FIT_PROBE_STEPS = 8  # fitting steps timed (beyond a first one)
-SAFETY = 0.8  # the share of the budget planned: the machine's load varies while the run goes on
-
-
-def _timed(action: Any, repeats: int = 1) -> tuple[float, Any]:
-    """The shortest of ``repeats`` runs of ``action`` (the first run of a path pays its one-time set-up)."""
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        result = action()
-        best = min(best, time.perf_counter() - begin)
-    return best, result
-
-
-def _probe_tokens(config: LMCompareConfig, heldout_tokens: int) -> int:
-    """Tokens one measured row reads: the held-out text, the repeated passages, the passkeys."""
-    probes = config.probes
-    repeats = probes.repeat_trials * (2 * probes.passage_tokens + probes.gap_tokens)
-    keys = probes.passkey_trials * sum(length + 64 for length in probes.passkey_lengths)
-    return heldout_tokens + repeats + keys
-
-
-def _decode_step(model: Any, ids: torch.Tensor, batch: int) -> float:
-    """Seconds of one decoding step of ``batch`` rows after the prompt ``ids`` (1, L): the prompt's cache is made
-    once and repeated for the batch (a prefill of the whole batch would cost ``batch`` times more to time)."""
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-        cache = out.cache
-        if hasattr(cache, "batch_repeat_interleave"):
-            cache.batch_repeat_interleave(batch)
-        else:  # a cache without it: the batch's own prefill
-            cache = model(input_ids=ids.expand(batch, -1), use_cache=True).cache
-        token = ids[:, -1:].expand(batch, 1)
-        best = float("inf")
-        for _ in range(3):  # the cache grows by one token per step: the same length, near enough
-            begin = time.perf_counter()
-            model(input_ids=token, cache=cache, use_cache=True)
-            best = min(best, time.perf_counter() - begin)
-    return best
-
-
-def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
-              config: LMCompareConfig) -> dict[str, float]:
-    """Seconds: ``fit_fixed`` (capture), ``fit_step``, ``end_to_end_step``, ``sampling_batch`` (one batch of
-    :data:`SAMPLING_BATCH` samples), ``measure`` (the three rows), and ``calibration`` (what measuring these took)."""
-    begin = time.perf_counter()
-    fit = config.fit
-    model.set_attn_implementation("sdpa")
-    capture_seconds, capture = _timed(lambda: capture_attention(model, tokenizer, train, max_tokens=fit.max_tokens,
-                                                                model_name=name, orders=fit.orders))
-    options: dict[str, Any] = {"progress": False, "window": config.window, "sinks": config.sinks}
-    if fit.num_features is not None:
-        options["num_features"] = fit.num_features
-    # on one capture, so that the difference is the steps alone (a capture's own time varies more than a step)
-    short, _ = _timed(lambda: fit_model_feature_maps(capture, kind="hedgehog", steps=1, **options))
-    long, maps = _timed(lambda: fit_model_feature_maps(capture, kind="hedgehog", steps=1 + FIT_PROBE_STEPS, **options))
-    fit_step = max((long - short) / FIT_PROBE_STEPS, 1e-4)
-    limit = getattr(model.config, "max_position_embeddings", None) or 4096
-    length = min(config.end_to_end.tokens + PROMPT_TOKENS, limit)
-    ids = torch.randint(0, int(model.config.vocab_size), (1, length))
-    model.set_attn_implementation("sdpa")
-    with torch.no_grad():
-        teacher, _ = _timed(lambda: model(input_ids=ids), repeats=2)
-    hf.linearize(model, maps, **config.end_to_end.cache_options)
-    flags = [(param, param.requires_grad) for param in model.parameters()]
-    for param, _ in flags:  # as in fit_end_to_end: the model's own weights frozen, gradients for the maps only
-        param.requires_grad_(False)
-    for fmap in maps.maps:
-        fmap.requires_grad_(True)
-    try:
-        student, _ = _timed(lambda: model(input_ids=ids).logits.float().logsumexp(-1).mean().backward())
-    finally:
-        for param, flag in flags:
-            param.requires_grad_(flag)
-        model.zero_grad(set_to_none=True)
-    model.set_attn_implementation("sdpa")
-    batch = min(SAMPLING_BATCH, config.end_to_end.samples)
-    prompt = torch.randint(0, int(model.config.vocab_size), (batch, SAMPLING_PROMPT))
-    with torch.no_grad():
-        eight, _ = _timed(lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
-                                                 min_new_tokens=8, do_sample=False, pad_token_id=0))
-    growth = max(_decode_step(model, ids, batch) - _decode_step(model, ids[:, :SAMPLING_PROMPT], batch), 0.0)
-    with torch.no_grad():
-        forward, _ = _timed(lambda: model(input_ids=ids[:, :256]), repeats=2)
-    heldout_tokens = len(tokenizer(heldout)["input_ids"])
-    measure = 3 * 1.5 * forward / min(256, length) * _probe_tokens(config, heldout_tokens)  # linear rows: slower
-    return {"fit_fixed": capture_seconds + max(short - fit_step, 0.0), "fit_step": fit_step,
-            "end_to_end_step": (teacher + student) * EVAL_OVERHEAD,
-            "sampling_batch": (eight / 8 + growth / 2) * config.end_to_end.tokens, "measure": measure,
-            "calibration": time.perf_counter() - begin}
-
-
-def training_sequences_of(samples: int) -> int:
-    """End-to-end training sequences from ``samples`` samples: the samples and their copying sequences, less the
-    held-out ones (:func:`~.lm_stages.training_set`)."""
-    return 2 * samples - HELD_OUT_SAMPLES - 1
-
-
-def _sample_counts(most: int) -> list[int]:
-    """Sample counts worth planning, fewest first: whole batches, up to ``most``."""
-    counts = [min(batch * SAMPLING_BATCH, most) for batch in range(1, math.ceil(most / SAMPLING_BATCH) + 1)]
-    return [count for count in counts if count > HELD_OUT_SAMPLES]
-
-
-def _steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int
-           ) -> tuple[float, float, int, int]:
-    """The fixed seconds, the sampling's share of them, and the fitting and end-to-end steps that fit, with
-    ``samples`` samples."""
-    sampling = costs["sampling_batch"] * math.ceil(samples / SAMPLING_BATCH) if end_to_end else 0.0
-    fixed = costs["calibration"] + costs["fit_fixed"] + costs["measure"] + sampling
-    left = budget_minutes * 60 * SAFETY - fixed
-    share = FIT_SHARE if end_to_end else 1.0
-    fit_steps = min(int(left * share / costs["fit_step"]), MAX_STEPS) if left > 0 else 0
-    e2e_steps = min(int(left * (1 - share) / costs["end_to_end_step"]), MAX_STEPS) if end_to_end and left > 0 else 0
-    return fixed, sampling, fit_steps, e2e_steps
-
-
-def plan_steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int = 32) -> dict[str, Any]:
-    """Fit and end-to-end step counts and the number of samples (at most ``samples``) that fit ``budget_minutes``
-    given ``costs`` (:func:`calibrate`), and the estimated seconds of each stage; refuses a budget too small for
-    the least useful run."""
-    counts = _sample_counts(samples) if end_to_end else [0]
-    if not counts:
-        raise LinearAttentionError(f"--end-to-end-samples: need more than {HELD_OUT_SAMPLES}, got {samples}")
-    plans = [(count, _steps(budget_minutes, costs, end_to_end, count)) for count in counts]
-    # the fewest samples that give every end-to-end step its own sequence, else as many as allowed
-    chosen, (fixed, sampling, fit_steps, e2e_steps) = next(
-        (plan for plan in plans if training_sequences_of(plan[0]) >= plan[1][3]), plans[-1])
-    share = FIT_SHARE if end_to_end else 1.0
-    if fit_steps < MIN_FIT_STEPS or (end_to_end and e2e_steps < MIN_END_TO_END_STEPS):
-        least = fixed + MIN_FIT_STEPS * costs["fit_step"] / share
-        if end_to_end:
-            least = max(least, fixed + MIN_END_TO_END_STEPS * costs["end_to_end_step"] / (1 - share))
-        raise LinearAttentionError(
-            f"--budget: {budget_minutes:g} min leave room for {max(fit_steps, 0)} fitting and {max(e2e_steps, 0)} "
-            f"end-to-end steps here (fixed costs {fixed / 60:.1f} min: capture, sampling, measuring; a fitting step "
-            f"{costs['fit_step']:.2f} s, an end-to-end step {costs['end_to_end_step']:.2f} s); at least "
-            f"{MIN_FIT_STEPS} and {MIN_END_TO_END_STEPS} are needed: pass --budget {math.ceil(least / SAFETY / 60)} or "
-            "more"
-            + ("" if not end_to_end else ", or --end-to-end-steps 0 to skip that stage")
-        )
-    estimates = {"fit": costs["fit_fixed"] + fit_steps * costs["fit_step"],
-                 "end_to_end": (sampling + e2e_steps * costs["end_to_end_step"]) if end_to_end else 0.0,
-                 "measure": costs["measure"]}
-    return {"fit_steps": fit_steps, "end_to_end_steps": e2e_steps, "end_to_end_samples": chosen,
-            "estimates": estimates, "costs": costs}
+__all__ = [
+    "EVAL_OVERHEAD",
+    "FIT_PROBE_STEPS",
+    "FIT_SHARE",
+    "MAX_STEPS",
+    "MIN_END_TO_END_STEPS",
+    "MIN_FIT_STEPS",
+    "SAFETY",
+    "SAMPLING_BATCH",
+    "SAMPLING_PROMPT",
+    "calibrate",
+    "plan_steps",
+    "training_sequences_of",
+]

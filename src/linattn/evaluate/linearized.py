@@ -1,195 +1,39 @@
-"""A linearized decoder as a folder: written by :func:`save_linearized`, reloaded in one line by
-:func:`load_linearized`.
-
->>> save_linearized(model, "out/smollm2-lin", base="smollm2", maps=fitted, options={"window": 64, "sinks": 4})
-...                                                                                          # doctest: +SKIP
->>> model, tokenizer = load_linearized("out/smollm2-lin")                                    # doctest: +SKIP
-
-The folder holds what :func:`linattn.hf.linearize` needs besides the base model, never the base model's weights:
-
-    linattn.json          format, the base model (name or path as given, and a fingerprint of its weights and
-                          config), the maps (a file or a registered name), the linearize options, the adapters
-    maps.safetensors      fitted maps (FittedFeatureMaps.save), when the maps are fitted
-    lora/                 LoRA adapters in peft's format (LoRA.save), when there are any
-    results.json          what was measured (written by ``linattn linearize``; ``{}`` otherwise)
-    README.md             the card (``linattn linearize``)
-
-``linattn.json`` is written last, by rename: a folder without it is not (yet) a linearized model. Loading takes
-the base model offline from the name or path recorded (or ``base=``), recomputes the fingerprint and refuses a
-different model: maps fitted for one model's heads are meaningless on another's.
-"""
+"""The old import path of the linearized folder (save, load, fingerprint): the product lives in
+:mod:`linattn.linearized` now (:mod:`linattn.linearized.folder`), apart from the measuring tools; this module keeps
+``linattn.evaluate.linearized`` working."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-from pathlib import Path
-from typing import Any
+from ..linearized.folder import (
+    ADAPTERS_FOLDER,
+    FORMAT,
+    INDEX,
+    MAPS_FILE,
+    RESULTS_FILE,
+    SHIPPED,
+    VERSION,
+    atomic_write,
+    fingerprint,
+    is_linearized,
+    load_linearized,
+    read_index,
+    save_linearized,
+    shipped,
+)
 
-import torch
-
-from .. import hf
-from ..errors import LinearAttentionError
-from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
-from .models import load_model
-
-FORMAT = "linattn-linearized"
-VERSION = 1
-INDEX, MAPS_FILE, ADAPTERS_FOLDER, RESULTS_FILE = "linattn.json", "maps.safetensors", "lora", "results.json"
-# config keys that say how a model was loaded or run, not what it computes
-_VOLATILE_CONFIG = ("transformers_version", "dtype", "torch_dtype", "use_cache", "architectures")
-_HASHED_TENSORS = 4  # the first two and last two parameters by name, besides every name and shape
-
-
-def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary name in the same folder, then rename: a reader (or a run
-    resumed after an interruption) sees the old file or the whole new one, never a part."""
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    with open(partial, "wb") as handle:
-        handle.write(data.encode("utf-8") if isinstance(data, str) else data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)
-
-
-def _base_parameter_name(name: str) -> str | None:
-    """A state-dict name as the base model has it (peft's ``.base_layer`` removed), or None for what linearizing
-    and adapters added (feature maps, LoRA A/B)."""
-    if hf.MAP_ATTRIBUTE in name or ".lora_" in name:
-        return None
-    return name.replace(".base_layer.", ".")
-
-
-def fingerprint(model: Any) -> str:
-    """A digest of what the base model computes: its config (less load-time keys) and every parameter's name and
-    shape, and the bytes of four parameters. Maps, options and adapters added by linattn are left out, so the
-    linearized model has the fingerprint of the model it came from."""
-    config = getattr(model, "config", None)
-    settings = config.to_dict() if config is not None else {}
-    settings = {key: value for key, value in settings.items()
-                if not key.startswith("_") and not key.startswith("linattn") and key not in _VOLATILE_CONFIG}
-    tensors = {}
-    for name, tensor in model.state_dict().items():
-        base = _base_parameter_name(name)
-        if base is not None:
-            tensors[base] = tensor
-    names = sorted(tensors)
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
-    for name in names:
-        digest.update(f"{name}:{tuple(tensors[name].shape)};".encode())
-    half = _HASHED_TENSORS // 2
-    for name in names[:half] + names[-half:]:
-        digest.update(tensors[name].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return digest.hexdigest()[:32]
-
-
-def _maps_entry(maps: Any, directory: Path) -> dict[str, Any]:
-    if isinstance(maps, FittedFeatureMaps):
-        maps.save(str(directory / f".{MAPS_FILE}.partial"))
-        os.replace(directory / f".{MAPS_FILE}.partial", directory / MAPS_FILE)
-        return {"file": MAPS_FILE}
-    if isinstance(maps, str | os.PathLike) and os.path.isfile(maps):
-        return _maps_entry(load_feature_maps(os.fspath(maps)), directory)
-    if isinstance(maps, str):
-        return {"name": maps}
-    raise LinearAttentionError(
-        f"maps: a {type(maps).__name__} cannot be saved; pass the FittedFeatureMaps given to linearize (or their "
-        "file), or the registered name of a map (e.g. 'elu')"
-    )
-
-
-def save_linearized(model: Any, directory: str | os.PathLike[str], *, maps: Any = hf.DEFAULT_FEATURE_MAP,
-                    options: dict[str, Any] | None = None, base: str | None = None, adapters: Any = None,
-                    results: dict[str, Any] | None = None) -> Path:
-    """Write the folder of the module docstring for ``model``, linearized by ``hf.linearize(model, maps,
-    **options)`` (with ``adapters``, a :class:`~linattn.train.lora.LoRA`, attached or not).
-
-    ``base``: the name or path the base model loads from offline (``"smollm2"``, a folder; default: the model's
-    ``config._name_or_path``). ``options`` must be JSON values (numbers, strings, booleans). Returns the folder.
-    """
-    options = dict(options or {})
-    try:
-        options_text = json.dumps(options, sort_keys=True)
-    except TypeError as error:
-        raise LinearAttentionError(f"options: {error}; a saved model records its linearize options as JSON, so "
-                                   "pass numbers, strings and booleans (e.g. decay=0.99, not a tensor)") from error
-    base = base or str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
-    if not base:
-        raise LinearAttentionError("base: the model records no name or path; pass base='NAME' or a folder")
-    if os.path.exists(base):
-        base = os.path.abspath(base)
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    entry = {"format": FORMAT, "version": VERSION,
-             "base": {"model": base, "fingerprint": fingerprint(model), "class": type(model).__name__},
-             "maps": _maps_entry(maps, directory), "options": json.loads(options_text), "adapters": None}
-    if adapters is not None:
-        adapters.save(directory / ADAPTERS_FOLDER)
-        entry["adapters"] = ADAPTERS_FOLDER
-    if results is not None or not (directory / RESULTS_FILE).exists():
-        atomic_write(directory / RESULTS_FILE, json.dumps(results or {}, indent=2, default=str))
-    atomic_write(directory / INDEX, json.dumps(entry, indent=2))  # last: the folder is complete
-    return directory
-
-
-SHIPPED = Path(__file__).resolve().parent.parent / "data" / "linearized"
-
-
-def shipped(name: str) -> Path | None:
-    """The linearized folder shipped with linattn for the base model ``name`` (``smollm2``), or None."""
-    folder = SHIPPED / name
-    return folder if (folder / INDEX).is_file() else None
-
-
-def is_linearized(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a folder written by :func:`save_linearized`."""
-    return os.path.isfile(os.path.join(path, INDEX))
-
-
-def read_index(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """``linattn.json`` of a linearized folder, checked."""
-    path = Path(directory) / INDEX
-    if not path.is_file():
-        raise LinearAttentionError(f"directory: {os.fspath(directory)!r} holds no {INDEX}; pass a folder written by "
-                                   "save_linearized() or `linattn linearize ... --out DIR` (an interrupted run: "
-                                   "run it again)")
-    try:
-        entry = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise LinearAttentionError(f"directory: {os.fspath(path)!r} is not readable JSON ({error})") from error
-    if entry.get("format") != FORMAT or entry.get("version") != VERSION:
-        raise LinearAttentionError(f"directory: {os.fspath(path)!r} is not a {FORMAT} v{VERSION} index")
-    return dict(entry)
-
-
-def load_linearized(directory: str | os.PathLike[str], *, base: str | None = None,
-                    device: str | torch.device = "cpu", sparse_cache: Any = None) -> tuple[Any, Any]:
-    """(model, tokenizer): the base model recorded in ``directory`` (or ``base``, e.g. after moving it), loaded
-    offline, its fingerprint checked, linearized as saved and its adapters attached; in eval mode.
-    ``sparse_cache``: add (or replace) a sparse exact cache beside the window (an int per head, a
-    :class:`~linattn.SparseCache`, or one per layer)."""
-    directory = Path(directory)
-    entry = read_index(directory)
-    name = base or entry["base"]["model"]
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a saved model never downloads its base
-    model, tokenizer, _ = load_model(name, causal_lm=True, device=device)
-    found = fingerprint(model)
-    if found != entry["base"]["fingerprint"]:
-        raise LinearAttentionError(
-            f"base: {name!r} is not the model {os.fspath(directory)!r} was made from (fingerprint {found}, the folder "
-            f"records {entry['base']['fingerprint']} for {entry['base']['model']!r}); pass base= the model it was "
-            "linearized from, or linearize this model anew"
-        )
-    maps_entry = entry["maps"]
-    maps: Any = load_feature_maps(str(directory / maps_entry["file"])) if "file" in maps_entry else maps_entry["name"]
-    options = dict(entry["options"])
-    if sparse_cache is not None:
-        options["sparse_cache"] = sparse_cache
-    hf.linearize(model, maps, **options)
-    if entry.get("adapters"):
-        from ..train.lora import load_lora  # peft: only for a folder with adapters
-
-        load_lora(model, directory / entry["adapters"])
-    return model.eval(), tokenizer
+__all__ = [
+    "ADAPTERS_FOLDER",
+    "FORMAT",
+    "INDEX",
+    "MAPS_FILE",
+    "RESULTS_FILE",
+    "SHIPPED",
+    "VERSION",
+    "atomic_write",
+    "fingerprint",
+    "is_linearized",
+    "load_linearized",
+    "read_index",
+    "save_linearized",
+    "shipped",
+]

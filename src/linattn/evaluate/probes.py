@@ -128,6 +128,22 @@ def passkey_accuracy(model: Any, probes: list[Probe]) -> float:
     return hits / len(probes)
 
 
+def key_scores(model: Any, probes: list[Probe]) -> tuple[int, float]:
+    """Passkey ``probes`` scored two ways: the hits (the key the greedy prediction at every key token, as
+    :func:`passkey_accuracy` counts them) and the mean log-probability of the key's tokens, a finer measure than
+    hits, which a small model rarely scores."""
+    hits, total = 0, 0.0
+    for probe in probes:
+        ids = probe.input_ids[None]
+        needed = ids.shape[1] - probe.score_from + 1
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=needed).logits[:, -needed:-1]
+        target = ids[:, probe.score_from :]
+        hits += bool((logits.argmax(-1) == target).all())
+        total += float(torch.log_softmax(logits.double(), -1).gather(-1, target.unsqueeze(-1)).sum())
+    return hits, total / len(probes)
+
+
 def long_range_probes(
     model: Any,
     tokenizer: Any,

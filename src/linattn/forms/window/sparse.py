@@ -25,6 +25,9 @@ are taken out of it and put in the exact part (their linear weight moves into th
 loses nothing), and pairs the state held cached before the call and that leave the cache are added to the linear
 part. O(N·size) beside the window op's O(N·W).
 
+The decision at a boundary (the scores, the choice, a call's boundaries in order) is
+:mod:`linattn.forms.window.boundary`, shared with the decoding step and the fit.
+
 Ordinary feature maps only (not log-space maps such as FAVOR+): the capability table says so.
 """
 
@@ -37,77 +40,25 @@ import torch
 
 from ...features import NEG_INF, finite
 from ...state import LinearAttentionState, SparseCache, SparseCacheState, WindowAttentionState
+from .boundary import (  # noqa: F401  (re-exported: the names' old home)
+    NEVER,
+    attention_scores,
+    by_budget,
+    cache_selections,
+    choose,
+    decide,
+    gather_rows,
+    in_cache,
+    is_member,
+    oracle_scores,
+    recall_scores,
+    scores_for,
+    slot_of,
+    sorted_table,
+)
 from .cache_term import CacheTerm, Geometry
 from .chunked import causal_window_parts, empty_window_state, next_state
 from .hybrid import Hybrid
-
-NEVER = 1 << 62  # the entry time of a pair that never enters the linear state (in this call)
-
-
-# --- the decision at a boundary: scores and the choice, shared by every form -----------------------------------
-
-
-def choose(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, sizes: torch.Tensor,
-           slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The candidates kept: per row, the ``sizes`` valid candidates of highest score (ties: the larger position).
-    Returns their positions (..., slots) ascending with −1 in the unused slots at the end, their indices among the
-    candidates in the same order (−1 unused), and the kept mask over the candidates (..., C)."""
-    score = scores.masked_fill(~valid, NEG_INF)
-    by_position = torch.argsort(positions.masked_fill(~valid, -1), dim=-1, descending=True, stable=True)
-    order = by_position.gather(-1, torch.argsort(score.gather(-1, by_position), dim=-1, descending=True, stable=True))
-    rank = torch.arange(order.shape[-1], device=order.device)
-    take = valid.gather(-1, order) & (rank < sizes.unsqueeze(-1))  # in rank order
-    kept = torch.zeros_like(valid).scatter(-1, order, take)
-    index = order.masked_fill(~take, -1)
-    if index.shape[-1] < slots:
-        index = torch.nn.functional.pad(index, (0, slots - index.shape[-1]), value=-1)
-    index = index[..., :slots]
-    at = torch.where(index < 0, NEVER, positions.gather(-1, index.clamp(min=0)))
-    ascending, moved = at.sort(-1)
-    return torch.where(ascending == NEVER, -1, ascending), index.gather(-1, moved), kept
-
-
-def recall_scores(kf: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, k_sum: torch.Tensor) -> torch.Tensor:
-    """LoLA's self-recall error ‖v − Sᵀφ(k) / (zᵀφ(k))‖ of candidates kf (..., C, F), v (..., C, Dv) against the
-    state kv (..., F, Dv), k_sum (..., F); an empty state (zᵀφ(k) = 0) recalls 0."""
-    num = kf @ kv
-    den = kf @ k_sum.unsqueeze(-1)
-    seen = den > 0
-    recalled = num.div_(torch.where(seen, den, 1.0)).masked_fill_(~seen, 0.0)
-    return torch.linalg.vector_norm(recalled.sub_(v), dim=-1)
-
-
-def attention_scores(queries: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor,
-                     positions: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
-    """The softmax mass each candidate (keys (..., C, D) at ``positions`` (..., C)) receives from the queries
-    (..., Q, D) at ``query_positions`` (Q,), the softmax taken over the candidates each query sees."""
-    scores = (queries @ keys.transpose(-1, -2)) * scale  # (..., Q, C)
-    sees = (positions.unsqueeze(-2) <= query_positions.unsqueeze(-1)) & valid.unsqueeze(-2)
-    scores = scores.masked_fill(~sees, NEG_INF)
-    top = finite(scores.amax(-1, keepdim=True))
-    weights = torch.exp(scores - top)
-    total = weights.sum(-1, keepdim=True)
-    return (weights / torch.where(total > 0, total, torch.ones_like(total))).sum(-2)
-
-
-def oracle_scores(cache: SparseCache, positions: torch.Tensor) -> torch.Tensor:
-    """1 where the oracle keeps a position, else 0."""
-    assert cache.keep is not None
-    keep = cache.keep.to(positions.device).expand(*positions.shape[:-1], cache.keep.shape[-1])
-    inside = (positions >= 0) & (positions < keep.shape[-1])
-    picked = keep.gather(-1, positions.clamp(0, keep.shape[-1] - 1))
-    return (picked & inside).to(torch.float64)
-
-
-def scores_for(cache: SparseCache, hybrid: Hybrid, *, kf: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
-               positions: torch.Tensor, valid: torch.Tensor, kv: torch.Tensor, k_sum: torch.Tensor,
-               queries: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
-    """The candidates' scores under ``cache.score``."""
-    if cache.score == "recall":
-        return recall_scores(kf, v, kv, k_sum)
-    if cache.score == "attention":
-        return attention_scores(queries, query_positions, keys, positions, valid, hybrid.scale)
-    return oracle_scores(cache, positions)
 
 
 class _Slots(NamedTuple):
@@ -143,48 +94,6 @@ def _packed(cache: SparseCache, positions: torch.Tensor, keys: torch.Tensor, val
 
 def empty_cache(cache: SparseCache, k: torch.Tensor, v: torch.Tensor, window: int) -> SparseCacheState:
     return _packed(cache, *_empty_slots(cache, k, v), cache.block_for(window))
-
-
-def _members(positions: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
-    """Whether each of positions (..., X) is one of members (..., L) (−1 in members matches nothing)."""
-    if members.shape[-1] == 0:
-        return torch.zeros(positions.shape, dtype=torch.bool, device=positions.device)
-    hit = positions.unsqueeze(-1) == members.unsqueeze(-2)
-    return (hit & (members >= 0).unsqueeze(-2)).any(-1)
-
-
-def _sorted(members: torch.Tensor) -> torch.Tensor:
-    """Cache positions (..., L), ascending with −1 in the unused slots at the end, as one ascending sequence
-    (NEVER in the unused slots) for ``searchsorted``."""
-    return torch.where(members >= 0, members, NEVER).contiguous()
-
-
-def _slot_of(positions: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For positions (*lead, X) and a sorted table (*lead', L) (:func:`_sorted`; lead' a prefix of lead), each
-    position's slot in the table and whether it is there: O(X·log L), where comparing every pair is O(X·L)."""
-    extra = positions.dim() - table.dim()
-    flat = positions.reshape(*positions.shape[: table.dim() - 1], -1) if extra else positions.contiguous()
-    slot = torch.searchsorted(table, flat).clamp_(max=table.shape[-1] - 1)
-    found = (table.gather(-1, slot) == flat) & (flat >= 0)
-    return slot.view(positions.shape), found.view(positions.shape)
-
-
-def _in_cache(positions: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
-    """:func:`_members` for members (..., L) ascending with −1 at the end (every cache's positions are), by
-    binary search; positions (..., X) with the same leading dims."""
-    if members.shape[-1] == 0:
-        return torch.zeros(positions.shape, dtype=torch.bool, device=positions.device)
-    return _slot_of(positions, _sorted(members))[1]
-
-
-def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows of x (..., X, D) at index (..., K) or (..., b, K) (indices < 0 give row 0; mask them yourself) →
-    (..., K, D) or (..., b, K, D). Whole rows are copied (advanced indexing), not element by element."""
-    batch, length = x.shape[:-2], x.shape[-2]
-    flat = x.reshape(-1, x.shape[-1])  # (R·X, D)
-    rows = index.clamp(min=0).reshape(batch.numel(), -1)
-    rows = rows + (torch.arange(rows.shape[0], device=x.device) * length).unsqueeze(-1)
-    return flat.index_select(0, rows.flatten()).reshape(*batch, *index.shape[len(batch):], x.shape[-1])
 
 
 def _queries_since(queries: torch.Tensor, first: int, end: int, block: int) -> torch.Tensor:
@@ -225,7 +134,7 @@ def sparse_parallel(
     kf = hybrid.key_logs(xk, xkeep)  # 0 at invalid rows
     is_slot = torch.zeros_like(xkeep)
     is_slot[..., :slots] = True
-    member = _members(xpos, carried.positions) & xkeep
+    member = is_member(xpos, carried.positions) & xkeep
     enters = xkeep & (xpos >= sinks) & ~member
     entry = torch.where(enters, xpos + window, NEVER)
     sizes = cache.sizes_for(batch, device)
@@ -239,7 +148,7 @@ def sparse_parallel(
         entered = (xkeep & (entry >= n0) & (entry <= t0 - 1)).unsqueeze(-1)
         kv = state.linear.kv + (kf * entered).transpose(-1, -2) @ xv
         k_sum = state.linear.k_sum + (kf * entered).sum(-2)
-        now = _members(xpos, members) & xkeep
+        now = is_member(xpos, members) & xkeep
         leaving = xkeep & ~is_slot & (xpos >= max(sinks, t0 - window)) & (xpos < t0 - window + block)
         candidates = (now | leaving)
         lo = t0 - block - query_first
@@ -259,7 +168,7 @@ def sparse_parallel(
     sink = seen & (xpos < sinks).unsqueeze(-2)
     blocks = t // block
     selections = torch.stack([by_block.get(int(b), carried.positions) for b in blocks.tolist()], -2)  # (..., N, L)
-    cached = seen & (distance >= window) & _members(xpos.unsqueeze(-2).expand(*batch, n, xpos.shape[-1]),
+    cached = seen & (distance >= window) & is_member(xpos.unsqueeze(-2).expand(*batch, n, xpos.shape[-1]),
                                                     selections)
     exact = near | sink | cached
     linear = seen & ~exact & (entry.unsqueeze(-2) <= t.unsqueeze(-1))
@@ -296,8 +205,8 @@ def _final_cache(cache: SparseCache, members: torch.Tensor, xpos: torch.Tensor, 
     hit = (members.unsqueeze(-1) == xpos.unsqueeze(-2)) & xkeep.unsqueeze(-2)  # (..., L, X)
     index = hit.to(torch.int8).argmax(-1)
     filled = (members >= 0).unsqueeze(-1)
-    keys = _gather(xk, index) * filled
-    values = _gather(xv, index) * filled
+    keys = gather_rows(xk, index) * filled
+    values = gather_rows(xv, index) * filled
     kept = _queries_since(queries, query_first, end, block) if cache.score == "attention" else queries[..., :0, :]
     return _packed(cache, members, keys, values, kept, block)
 
@@ -354,13 +263,13 @@ def sparse_chunked(
         def index_of(positions: torch.Tensor) -> torch.Tensor:
             """Row in X of each position (..., K) or (..., b, K) (−1: none): a slot for cached pairs older than
             the buffer (found by binary search among the carried positions, ``table``)."""
-            slot = _slot_of(positions, table)[0]
+            slot = slot_of(positions, table)[0]
             row = torch.where(positions < ring_start, slot, slots + positions - ring_start)
             return torch.where(positions < 0, -1, row)
 
         return index_of
 
-    index_of = rows_in(_sorted(carried.positions))
+    index_of = rows_in(sorted_table(carried.positions))
     queries_all = torch.cat([carried.queries, q], -2)
     query_first = n0 - carried.queries.shape[-2]
     groups = by_budget(cache.sizes_for(batch, device).reshape(-1), slots)
@@ -370,7 +279,7 @@ def sparse_chunked(
         given = (xpos, xkeep, kf.detach(), xk.detach(), xv.detach(), carried.positions, state.linear.kv,
                  state.linear.k_sum, queries_all.detach())
         if len(groups) == 1:
-            selections, entry = _decide(cache, hybrid, block, n0, end, slots, ring_start, *given[:6], state.linear,
+            selections, entry = decide(cache, hybrid, block, n0, end, slots, ring_start, *given[:6], state.linear,
                                         index_of, given[8], query_first)
         else:  # each group of rows decides at its own width (its candidates: that many slots and the leaving pairs)
             rows_total = batch.numel()
@@ -387,9 +296,9 @@ def sparse_chunked(
                 xp, xkp, f, xkk, xvv, members, kv, k_sum, qs = (flat(x).index_select(0, index) for x in given)
                 sub = dataclasses.replace(cache, size=sizes.index_select(0, index).cpu(),
                                           keep=None if keep_rows is None else keep_rows.index_select(0, index))
-                decided.append(_decide(sub, hybrid, block, n0, end, slots, ring_start, xp, xkp, f, xkk, xvv, members,
-                                       LinearAttentionState(kv, k_sum, kv.new_zeros(())), rows_in(_sorted(members)),
-                                       qs, query_first, width=width))
+                linear = LinearAttentionState(kv, k_sum, kv.new_zeros(()))
+                decided.append(decide(sub, hybrid, block, n0, end, slots, ring_start, xp, xkp, f, xkk, xvv, members,
+                                      linear, rows_in(sorted_table(members)), qs, query_first, width=width))
             assert back is not None
 
             def joined(parts: list[torch.Tensor]) -> torch.Tensor:  # (R_g, width) each → (..., L), −1 beyond
@@ -409,7 +318,7 @@ def sparse_chunked(
     with_held = bool(held.any())
     outside = None
     if with_held:
-        outside = held.unsqueeze(-2) & ~_in_cache(carried.positions.unsqueeze(-2).expand_as(chosen), chosen)
+        outside = held.unsqueeze(-2) & ~in_cache(carried.positions.unsqueeze(-2).expand_as(chosen), chosen)
 
     def padded(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:  # (..., N[, ·]) → (R, blocks·B[, ·])
         spec = (front, pad) if x.dim() == len(batch) + 1 else (0, 0, front, pad)
@@ -469,109 +378,8 @@ def sparse_chunked(
     final_rows = index_of(final)
     filled = (final >= 0).unsqueeze(-1)
     kept = _queries_since(queries_all, query_first, end, block) if cache.score == "attention" else q[..., :0, :]
-    nxt.cache = _packed(cache, final, _gather(xk, final_rows) * filled, _gather(xv, final_rows) * filled, kept,
+    nxt.cache = _packed(cache, final, gather_rows(xk, final_rows) * filled, gather_rows(xv, final_rows) * filled, kept,
                         block)
     return out, nxt
 
 
-def by_budget(sizes: torch.Tensor, slots: int) -> list[tuple[torch.Tensor | None, int]]:
-    """The rows (R,) grouped by budget for the boundary decisions and the cache term (here and in the decoding
-    step, :class:`~linattn.decode.SparseDecodeStep`): each row's width is the least
-    power of two ≥ its size (at most the slots), so a group works at most twice as wide as its rows' budgets. One
-    group (all rows, index None) when every row has the same width."""
-    widths = [min(slots, 1 << max(0, int(size) - 1).bit_length()) for size in sizes.tolist()]
-    if len(set(widths)) <= 1:
-        return [(None, slots)]
-    table = torch.tensor(widths, device=sizes.device)
-    return [((table == width).nonzero().squeeze(-1), width) for width in sorted(set(widths))]
-
-
-def _decide(
-    cache: SparseCache, hybrid: Hybrid, block: int, n0: int, end: int, slots: int, ring_start: int,
-    xpos: torch.Tensor, xkeep: torch.Tensor, kf: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
-    carried: torch.Tensor, linear: LinearAttentionState, index_of: Any, queries: torch.Tensor, query_first: int,
-    width: int | None = None,
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The boundaries of this call, in order, with the state's sums kept incrementally: the cache of each query
-    block of the call ((..., width) each; width: the most any row holds, default the slots) and every row's entry
-    time (..., X).
-
-    Between two boundaries the sums take exactly the candidates of the first that were not kept (the dropped
-    cached pairs at the boundary, the other leaving pairs as they leave), so each boundary adds those in one
-    product."""
-    window, device = hybrid.window, xpos.device
-    batch = xpos.shape[:-1]
-    sizes = cache.sizes_for(batch, device)
-    rows_after_slots = torch.arange(xpos.shape[-1], device=device) >= slots
-    entry = torch.where(xkeep & ~_in_cache(xpos, carried) & rows_after_slots, xpos + window, NEVER)
-    entry = torch.cat([entry, entry.new_full((*batch, 1), NEVER)], -1)  # a spare column for the rows −1
-    kv, k_sum = linear.kv, linear.k_sum
-    width = slots if width is None else width
-    carried = carried[..., :width]  # a row's pairs lie in its first slots (its budget ≤ width)
-    selections = [] if n0 % block == 0 and n0 > 0 else [carried]
-    member_rows = index_of(carried)
-    entering: tuple[torch.Tensor, torch.Tensor] | None = None  # (features masked to what enters, values)
-    first = max(-(-n0 // block) * block, block)
-    if first < end and first > n0:  # pairs leaving uncached between the call's start and its first boundary
-        lo = max(n0 - window, ring_start, 0)
-        rows = slots + torch.arange(lo - ring_start, max(lo, first - window) - ring_start, device=device)
-        enters = ((entry[..., rows] >= n0) & (entry[..., rows] <= first - 1)).unsqueeze(-1)
-        entering = (kf[..., rows, :] * enters, xv[..., rows, :])
-    for t0 in range(first, end, block):
-        if entering is not None:
-            kv = torch.baddbmm(kv.flatten(0, -3), entering[0].flatten(0, -3).transpose(-1, -2),
-                               entering[1].flatten(0, -3)).view_as(kv)
-            k_sum = k_sum + entering[0].sum(-2)
-        lo = max(t0 - window, 0)
-        leaving = slots + torch.arange(lo - ring_start, t0 - window + block - ring_start, device=device)
-        rows = torch.cat([member_rows, leaving.expand(*batch, -1)], -1)
-        safe = rows.clamp(min=0)
-        valid = (rows >= 0) & xkeep.gather(-1, safe)
-        positions = torch.where(valid, xpos.gather(-1, safe), -1)
-        features, values = _gather(kf, rows) * valid.unsqueeze(-1), _gather(xv, rows)
-        start = t0 - block - query_first
-        scores = scores_for(cache, hybrid, kf=features, v=values,
-                            keys=_gather(xk, rows) if cache.score == "attention" else values,
-                            positions=positions, valid=valid, kv=kv, k_sum=k_sum,
-                            queries=queries[..., start : start + block, :],
-                            query_positions=torch.arange(t0 - block, t0, device=device))
-        chosen, index, kept = choose(scores, positions, valid, sizes, width)
-        was = torch.arange(rows.shape[-1], device=device) < member_rows.shape[-1]
-        target = _spare(rows, entry)
-        new_entry = torch.where(was & valid & ~kept, t0, torch.where(kept, NEVER, entry.gather(-1, target)))
-        entry.scatter_(-1, target, new_entry)  # (entry is this call's own tensor)
-        entering = (features * (valid & ~kept).unsqueeze(-1), values)
-        member_rows = rows.gather(-1, index.clamp(min=0)).masked_fill(index < 0, -1)
-        selections.append(chosen)
-    return selections, entry[..., :-1]
-
-
-def cache_selections(hybrid: Hybrid, cache: SparseCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     keep: torch.Tensor | None = None) -> torch.Tensor:
-    """The cache of each query block of a sequence read from its start (no state), as every form decides it (no
-    gradient): (..., ⌈N / B⌉, L) positions ascending, −1 in unused slots; query t's cache is row t // B (B the
-    cache's block), of which it weighs exactly the pairs j ≤ t − W. Every other visible pair outside the window and
-    the sinks is in its linear part. For fitting maps with the cache in place (the hybrid row's exact keys)."""
-    window, sinks, n, device = hybrid.window, hybrid.sinks, q.shape[-2], q.device
-    block, slots, batch = cache.block_for(window), cache.largest, q.shape[:-2]
-    with torch.no_grad():
-        keep = torch.ones(k.shape[:-1], dtype=torch.bool, device=device) if keep is None else keep
-        xpos = torch.cat([torch.full((slots,), -1, device=device), torch.arange(n, device=device)])
-        xpos = xpos.expand(*batch, slots + n)
-        xkeep = torch.cat([torch.zeros(*batch, slots, dtype=torch.bool, device=device), keep], -1) & (xpos >= sinks)
-        xk = torch.cat([k.new_zeros(*batch, slots, k.shape[-1]), k], -2)
-        xv = torch.cat([v.new_zeros(*batch, slots, v.shape[-1]), v], -2)
-        kf = hybrid.key_logs(xk, xkeep)
-        state = empty_window_state(hybrid, k, v, kf.shape[-1])
-        carried = torch.full((*batch, slots), -1, dtype=torch.long, device=device)
-
-        def index_of(positions: torch.Tensor) -> torch.Tensor:
-            return torch.where(positions < 0, -1, slots + positions)
-
-        selections, _ = _decide(cache, hybrid, block, 0, n, slots, 0, xpos, xkeep, kf, xk, xv, carried,
-                                state.linear, index_of, q, 0)
-    return torch.stack(selections, -2)
-
-
-def _spare(rows: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
-    return torch.where(rows < 0, entry.shape[-1] - 1, rows)

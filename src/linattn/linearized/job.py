@@ -1,0 +1,404 @@
+"""``linattn linearize MODEL [TEXT] --out DIR``: the measured recipe as one resumable pipeline that produces a
+linearized folder (:mod:`linattn.linearized.folder`).
+
+Stages, each reusing the comparison's own (:mod:`~linattn.evaluate.lm_stages`):
+
+1. ``fit``: Hedgehog maps fitted with the softmax window and sinks in place, on pieces as long as the contexts
+   served (``--fit-max-tokens``, 1,024 by default);
+2. ``end_to_end``: text sampled from the model itself (and copying sequences built from it), then the maps (or,
+   with ``--lora R``, rank-R adapters) trained on the KL to the original's next-token distribution;
+3. ``measure``: the original, the softmax window of equal memory and the linearized model scored (perplexity,
+   repeated passage, passkey; perplexity by position), then the folder and its card written.
+
+Each stage writes its checkpoint under ``DIR/stages/`` through a temporary name and a rename, then a marker
+``NAME.done``; a run started again with the same options skips every stage with a marker and never reads a file
+without one. ``DIR/stages/log.jsonl`` records each stage's start, finish or skip. The options of the first run are
+kept (``stages/plan.json``, with the step counts ``--budget`` chose): a rerun with other options is refused rather
+than mixing stages made two ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import hf
+from .._progress import progress_bar
+from ..data import check_text_file
+from ..errors import LinearAttentionError
+from ..evaluate.lm_compare import score_model
+from ..evaluate.lm_config import (
+    HELD_OUT_SAMPLES,
+    LM_FIT_TOKENS,
+    EndToEndOptions,
+    FitOptions,
+    LMCompareConfig,
+    ProbeOptions,
+)
+from ..evaluate.lm_stages import RETRIEVAL_SEQUENCES, fit_hedgehog, read_text, train_end_to_end, training_sequences
+from ..evaluate.models import check_model_name, load_model, looks_causal
+from ..evaluate.window_softmax import use_window_softmax
+from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
+from ..state import SparseCache
+from ..train.end_to_end import cache_split
+from .card import perplexity_by_position, write_card
+from .folder import atomic_write, save_linearized
+
+STAGES = ("fit", "end_to_end", "measure")
+# what --out must have free, beyond the checkpoints' estimate: the card, the plot, the samples, a margin
+DISK_MARGIN = 64 * 2**20
+# options that change what a stage makes (a rerun must pass the same); --quiet and --budget's own value do not
+_PLANNED = ("model", "text", "heldout", "window", "sinks", "fit_steps", "num_features", "fit_max_tokens", "fit_orders",
+            "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "lora", "sparse_cache",
+            "sparse_cache_heads", "sparse_cache_floor", "sparse_cache_linear_weight", "budget")
+# what a plan saved before an option existed meant
+_EARLIER_DEFAULTS = {"sparse_cache": 0, "sparse_cache_heads": "uniform", "sparse_cache_floor": None,
+                     "sparse_cache_linear_weight": 1.0}
+
+
+def prepare_out(out: str) -> Path:
+    """Make ``out`` and check that it can be written (before any model is loaded)."""
+    folder = Path(out)
+    try:
+        (folder / "stages").mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder / "stages", prefix=".probe-"):
+            pass
+    except OSError as error:
+        raise LinearAttentionError(f"--out: cannot write into {out!r} ({error.strerror or error}); pass a folder you "
+                                   "can write to") from error
+    return folder
+
+
+def check_disk(folder: Path, model: Any, num_features: int | None) -> int:
+    """Refuse to start when ``folder``'s disk has less room than the run's files need (an estimate: three sets of
+    maps of every layer and head, a margin); returns the estimate in bytes."""
+    config = model.config
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    features = num_features or head_dim
+    estimate = 3 * int(config.num_hidden_layers) * heads * head_dim * features * 2 * 4 + DISK_MARGIN
+    free = shutil.disk_usage(folder).free
+    if free < estimate:
+        raise LinearAttentionError(f"--out: {free / 2**20:.0f} MiB free on the disk of {str(folder)!r}, the run needs "
+                                   f"about {estimate / 2**20:.0f} MiB; free some space or pass another --out")
+    return estimate
+
+
+class Stages:
+    """The markers, checkpoints and log of one output folder's stages."""
+
+    def __init__(self, folder: Path, quiet: bool) -> None:
+        self.folder, self.quiet = folder / "stages", quiet
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def done(self, name: str) -> dict[str, Any] | None:
+        """The finished stage's record, or None (not finished: whatever files it left are not read)."""
+        marker = self.folder / f"{name}.done"
+        return json.loads(marker.read_text(encoding="utf-8")) if marker.is_file() else None
+
+    def log(self, name: str, event: str, **extra: Any) -> None:
+        with open(self.folder / "log.jsonl", "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"stage": name, "event": event, "time": time.time(), **extra}) + "\n")
+        if not self.quiet:
+            detail = ", ".join(f"{key} {value}" for key, value in extra.items())
+            print(f"stage {name}: {event}" + (f" ({detail})" if detail else ""), flush=True)
+
+    def finish(self, name: str, info: dict[str, Any]) -> None:
+        atomic_write(self.folder / f"{name}.done", json.dumps(info, indent=2, default=str))
+        self.log(name, "finished", seconds=round(info.get("seconds", 0.0), 1))
+
+    def save_maps(self, fitted: FittedFeatureMaps, name: str) -> Path:
+        path = self.folder / f"{name}.safetensors"
+        partial = self.folder / f".{name}.safetensors.partial-{os.getpid()}"
+        fitted.save(str(partial))
+        os.replace(partial, path)
+        return path
+
+
+def _config(args: argparse.Namespace, plan: dict[str, Any], samples_file: str) -> LMCompareConfig:
+    """The pipeline's settings: the options given, with the step counts and the number of samples of ``plan``."""
+    fit_steps, end_to_end_steps = plan["fit_steps"], plan["end_to_end_steps"]
+    samples = plan.get("end_to_end_samples", args.end_to_end_samples)  # a plan written before it was planned
+    probes = ProbeOptions(passage_tokens=args.passage_tokens, gap_tokens=args.gap_tokens,
+                          repeat_trials=args.repeat_trials, passkey_lengths=tuple(args.passkey_lengths),
+                          passkey_trials=args.passkey_trials)
+    fit = FitOptions(steps=fit_steps, num_features=args.num_features, max_tokens=args.fit_max_tokens or LM_FIT_TOKENS,
+                     orders=args.fit_orders, gamma=False, fitted_maps=None, save_maps=None)
+    end_to_end = EndToEndOptions(
+        steps=end_to_end_steps, samples=samples, tokens=args.end_to_end_tokens, texts=samples_file,
+        copies=True, corpus_orders=0, repeat_weight=1.0, lora_rank=args.lora if end_to_end_steps else 0,
+        lora_lr=0.0005, retrieval_heads=0, retrieval_maps=None, train_other_heads=False,
+        sparse_cache=args.sparse_cache, cache_linear_weight=args.sparse_cache_linear_weight)
+    return LMCompareConfig(model=args.model, text=args.text, heldout=args.heldout, out=args.out,
+                           maps=("hedgehog+window",), window=args.window, sinks=args.sinks, max_tokens=0,
+                           metrics=False, baselines=True, quiet=args.quiet, probes=probes, fit=fit,
+                           end_to_end=end_to_end)
+
+
+class Job:
+    """One ``linattn linearize`` run (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        check_model_name(args.model)
+        if not looks_causal(args.model):
+            raise LinearAttentionError(f"model: {args.model!r} is not a causal LM (its config names no *ForCausalLM "
+                                       "architecture); linattn linearize makes decoders linear, such as smollm2")
+        check_text_file(args.text, "text")
+        check_text_file(args.heldout, "--heldout")
+        if args.budget is not None and not args.budget > 0:
+            raise LinearAttentionError(f"--budget: need minutes > 0, got {args.budget}")
+        _check_cache_heads(args)
+        self.args, self.folder = args, prepare_out(args.out)
+        self.stages = Stages(self.folder, args.quiet)
+        saved = self._saved_plan()  # a rerun with other options fails here, before the model loads
+        self.model, self.tokenizer, self.name = load_model(args.model, causal_lm=True)
+        check_disk(self.folder, self.model, args.num_features)
+        self.train, self.heldout = read_text(args.text, "train"), read_text(args.heldout, "heldout")
+        self.plan = saved if saved is not None else self._new_plan()
+        self.config = _config(args, self.plan, str(self.folder / "stages" / "samples.json"))
+
+    def _options(self) -> dict[str, Any]:
+        return {name: getattr(self.args, name) for name in _PLANNED}
+
+    def _saved_plan(self) -> dict[str, Any] | None:
+        """The plan of an earlier run into this folder (``stages/plan.json``), refused if made with other options."""
+        path = self.folder / "stages" / "plan.json"
+        if not path.is_file():
+            return None
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        options = self._options()
+        earlier = {**_EARLIER_DEFAULTS, **saved["options"]}
+        if earlier != options:
+            differ = sorted(name for name in options if earlier.get(name) != options[name])
+            raise LinearAttentionError(
+                f"--out: {self.args.out!r} holds the stages of a run with other options ({', '.join(differ)}); "
+                "run again with the same options to continue it, or pass another --out"
+            )
+        return dict(saved)
+
+    def _new_plan(self) -> dict[str, Any]:
+        """The step counts (chosen by --budget, or given), kept in ``stages/plan.json`` for reruns."""
+        plan: dict[str, Any] = {"fit_steps": self.args.fit_steps, "end_to_end_steps": self.args.end_to_end_steps,
+                                "end_to_end_samples": self.args.end_to_end_samples, "estimates": {}}
+        if self.args.budget is not None:
+            from .budget import calibrate, plan_steps
+
+            config = _config(self.args, plan, "")
+            costs = calibrate(self.model, self.tokenizer, self.name, self.train, self.heldout, config)
+            plan = plan_steps(self.args.budget, costs, end_to_end=self.args.end_to_end_steps > 0,
+                              samples=self.args.end_to_end_samples)
+        plan["options"] = self._options()
+        atomic_write(self.folder / "stages" / "plan.json", json.dumps(plan, indent=2))
+        return plan
+
+    def run(self) -> dict[str, Any]:
+        bar = progress_bar(len(STAGES), "linearize", enabled=not self.args.quiet)
+        try:
+            fitted = self.fit()
+            _update(bar)
+            tuned, adapters = self.end_to_end(fitted)
+            _update(bar)
+            return self.measure(tuned, adapters)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _starting(self, name: str) -> None:
+        estimate = self.plan["estimates"].get(name)
+        self.stages.log(name, "started", **({"estimate_s": round(estimate)} if estimate is not None else {}))
+
+    def fit(self) -> FittedFeatureMaps:
+        if self.stages.done("fit") is not None:
+            self.stages.log("fit", "skipped (finished before)")
+            return load_feature_maps(str(self.stages.folder / "fit.safetensors"))
+        self._starting("fit")
+        begin = time.perf_counter()
+        caches = self._fit_caches()
+        fitted, tokens = fit_hedgehog(self.model, self.tokenizer, self.name, self.train, self.config, with_window=True,
+                                      sparse_cache=caches)
+        self.stages.save_maps(fitted, "fit")
+        cache = " and the sparse cache" if caches is not None else ""
+        self.stages.finish("fit", {"seconds": time.perf_counter() - begin, "steps": self.config.fit.steps,
+                                   "captured_tokens": tokens, "sparse_cache": caches is not None,
+                                   "summary": f"Hedgehog maps fitted with the window{cache} in place, "
+                                              f"{self.config.fit.steps} steps on {tokens} captured tokens"})
+        return fitted
+
+    def _fit_caches(self) -> SparseCache | list[SparseCache] | None:
+        """With --sparse-cache: the caches the fit has in place, one per layer (a split is decided first, on the
+        end-to-end stage's training samples, which are then sampled here rather than in that stage)."""
+        if not self.args.sparse_cache:
+            return None
+        self._ensure_split()
+        sizes = self.config.end_to_end.cache_sizes
+        weight = self.args.sparse_cache_linear_weight
+        if sizes is None:
+            return SparseCache(size=self.args.sparse_cache, linear_weight=weight)
+        return [SparseCache(size=row, linear_weight=weight) for row in sizes]
+
+    def end_to_end(self, fitted: FittedFeatureMaps) -> tuple[FittedFeatureMaps, Any]:
+        options = self.config.end_to_end
+        if not options.steps:
+            self._ensure_split()  # the measured row has the split the fit had
+            return fitted, None
+        adapters_folder = self.stages.folder / "lora"
+        if self.stages.done("end_to_end") is not None:
+            self.stages.log("end_to_end", "skipped (finished before)")
+            self._split_cache(None)
+            tuned = load_feature_maps(str(self.stages.folder / "end_to_end.safetensors"))
+            return tuned, self._adapters(adapters_folder) if options.lora_rank else None
+        self._starting("end_to_end")
+        begin = time.perf_counter()
+        _drop_unreadable(Path(str(options.texts)))
+        plain, _ = training_sequences(self.model, self.tokenizer, self.train, options)
+        self._split_cache(plain)
+        tuned, adapters, info = train_end_to_end(self.model, self.tokenizer, fitted, self.config, self.train, plain,
+                                                 None)
+        if adapters is not None:
+            partial = self.stages.folder / f".lora.partial-{os.getpid()}"
+            adapters.save(partial)
+            shutil.rmtree(adapters_folder, ignore_errors=True)
+            os.replace(partial, adapters_folder)
+        self.stages.save_maps(tuned, "end_to_end")
+        what = f"LoRA r={options.lora_rank} adapters (fine-tuned)" if adapters is not None else "the maps"
+        self.stages.finish("end_to_end", {
+            "seconds": time.perf_counter() - begin, **info,
+            "summary": f"{what} trained end to end, {options.steps} steps on {len(plain)} samples of "
+                       f"{options.tokens} tokens and their copying sequences (best held-out KL "
+                       f"{info['best_held_out_kl']:.3f})"})
+        return tuned, adapters
+
+    def _ensure_split(self) -> None:
+        """With --sparse-cache-heads retrieval: the split read back, or decided on the sampled training texts."""
+        if self.args.sparse_cache_heads != "retrieval":
+            return
+        if (self.stages.folder / "cache_sizes.json").is_file():
+            self._split_cache(None)
+            return
+        _drop_unreadable(Path(str(self.config.end_to_end.texts)))
+        plain, _ = training_sequences(self.model, self.tokenizer, self.train, self.config.end_to_end)
+        self._split_cache(plain)
+
+    def _split_cache(self, plain: list[torch.Tensor] | None) -> None:
+        """With --sparse-cache-heads retrieval: the per-head sizes, scored once on the first training samples
+        under softmax and kept in ``stages/cache_sizes.json`` (read back on a rerun), put into the config."""
+        args = self.args
+        if args.sparse_cache_heads != "retrieval":
+            return
+        path = self.stages.folder / "cache_sizes.json"
+        if path.is_file():
+            sizes = json.loads(path.read_text(encoding="utf-8"))["sizes"]
+        else:
+            if plain is None:
+                raise LinearAttentionError(f"--out: {args.out!r} has a finished end-to-end stage but no "
+                                           "stages/cache_sizes.json; pass another --out to run it again")
+            floor = _cache_floor(args)
+            scored = plain[: max(1, min(RETRIEVAL_SEQUENCES, len(plain) - HELD_OUT_SAMPLES))]
+            try:
+                caches, scores = cache_split(self.model, scored, window=args.window, sinks=args.sinks,
+                                             mean=args.sparse_cache, floor=floor)
+            except LinearAttentionError as error:
+                raise LinearAttentionError(f"--sparse-cache-heads retrieval: {error} (--end-to-end-tokens ≥ "
+                                           f"{15 * args.window} lets every sample serve)") from error
+            sizes = [list(cache.size) for cache in caches]  # type: ignore[arg-type]  # split gives tuples
+            atomic_write(path, json.dumps({"mean": args.sparse_cache, "floor": floor, "sizes": sizes,
+                                           "scores": scores.tolist()}))
+            self.stages.log("end_to_end", "cache split by retrieval score",
+                            largest=max(max(row) for row in sizes), floor=floor)
+        cache_sizes = tuple(tuple(int(x) for x in row) for row in sizes)
+        self.config = replace(self.config, end_to_end=replace(self.config.end_to_end, cache_sizes=cache_sizes))
+
+    def _adapters(self, folder: Path) -> Any:
+        from ..train.lora import load_lora
+
+        lora = load_lora(self.model, folder)
+        lora.remove()  # attached for the linearized row only
+        return lora
+
+    def measure(self, tuned: FittedFeatureMaps, adapters: Any) -> dict[str, Any]:
+        if self.stages.done("measure") is not None:
+            self.stages.log("measure", "skipped (finished before)")
+            return dict(json.loads((self.folder / "results.json").read_text(encoding="utf-8")))
+        self._starting("measure")
+        begin = time.perf_counter()
+        args, model = self.args, self.model
+        rows = []
+        positions = min(2048, getattr(model.config, "max_position_embeddings", None) or 2048)
+        cache = self.config.end_to_end.cache_options
+        wide = args.window + args.sparse_cache  # the softmax window of equal memory: W + λ keys
+        label = f"window {wide} + {args.sinks} sinks (softmax)"
+        for name, switch in (("original (softmax)", lambda: model.set_attn_implementation("sdpa")),
+                             (label, lambda: use_window_softmax(model, wide, args.sinks)),
+                             ("linearized", lambda: hf.linearize(model, tuned, **cache))):
+            switch()
+            if adapters is not None and name == "linearized":
+                adapters.attach()
+            row = {"name": name, **score_model(model, self.tokenizer, self.heldout, self.config.probes),
+                   "by_position": perplexity_by_position(model, self.tokenizer, self.heldout, positions)}
+            rows.append(row)
+            if not args.quiet:
+                print(f"{name}: perplexity {row['perplexity']:.2f}, repeated passage {row['repeat_perplexity']:.2f}",
+                      flush=True)
+        stages = {name: info for name in STAGES[:2] if (info := self.stages.done(name)) is not None}
+        probes = self.config.probes
+        result = {"model": self.name, "base": args.model, "window": args.window, "sinks": args.sinks,
+                  "sparse_cache": args.sparse_cache, "sparse_cache_heads": args.sparse_cache_heads,
+                  "sparse_cache_linear_weight": args.sparse_cache_linear_weight,
+                  "heldout_source": f"`{args.heldout}`" if args.heldout else "the shipped corpus's held-out text",
+                  "passage_tokens": probes.passage_tokens, "gap_tokens": probes.gap_tokens,
+                  "repeat_trials": probes.repeat_trials, "passkey_trials": probes.passkey_trials,
+                  "threads": torch.get_num_threads(), "rows": rows, "stages": stages,
+                  "fine_tuned": adapters is not None}
+        save_linearized(model, self.folder, maps=tuned, options=cache, base=args.model, adapters=adapters,
+                        results=result)
+        write_card(result, str(self.folder))
+        self.stages.finish("measure", {"seconds": time.perf_counter() - begin})
+        return result
+
+
+def _cache_floor(args: argparse.Namespace) -> int:
+    return args.sparse_cache // 2 if args.sparse_cache_floor is None else int(args.sparse_cache_floor)
+
+
+def _check_cache_heads(args: argparse.Namespace) -> None:
+    if args.sparse_cache_heads == "uniform":
+        if args.sparse_cache_floor is not None:
+            raise LinearAttentionError("--sparse-cache-floor: only with --sparse-cache-heads retrieval")
+        return
+    if args.sparse_cache < 1:
+        raise LinearAttentionError("--sparse-cache-heads retrieval: needs --sparse-cache N ≥ 1 (the mean per head)")
+    if not 0 <= _cache_floor(args) <= args.sparse_cache:
+        raise LinearAttentionError(f"--sparse-cache-floor: need 0 ≤ floor ≤ --sparse-cache ({args.sparse_cache}), "
+                                   f"got {args.sparse_cache_floor}")
+
+
+def _update(bar: Any) -> None:
+    if bar is not None:
+        bar.update(1)
+
+
+def _drop_unreadable(path: Path) -> None:
+    """Remove a samples file that an interrupted run left half-written (it is made again)."""
+    if path.is_file():
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            path.unlink()
+
+
+def cli(args: argparse.Namespace) -> int:
+    """``linattn linearize`` (options: :func:`linattn.linearized.arguments.add_linearize_arguments`)."""
+    result = Job(args).run()
+    if not args.quiet:
+        print(f"wrote {args.out} (linattn.json, maps.safetensors, results.json, README.md): "
+              f"{result['rows'][-1]['name']} perplexity {result['rows'][-1]['perplexity']:.2f}")
+    return 0
