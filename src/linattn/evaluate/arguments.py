@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .defaults import LM_SINKS, LM_WINDOW
+
 DEFAULT_OUT = "out/compare"
-LM_WINDOW, LM_SINKS = 64, 4  # the causal-LM window rows' defaults: StreamingLLM's 4 sinks, LoLCATs' 64-token window
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..evaluate.arguments import LM_SINKS, LM_WINDOW
+from ..evaluate.defaults import LM_SINKS, LM_WINDOW
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
