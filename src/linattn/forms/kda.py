@@ -1,7 +1,7 @@
 """The delta rule with a per-feature gate (KDA, Kimi Delta Attention): every feature of the memory decays at its own
 rate before the delta write.
 
-    S_t = diag(a_t)·S_{t−1} + β_t·k_t·(v_t − (diag(a_t)·S_{t−1})ᵀk_t)ᵀ,      o_t = S_tᵀq_t,      a_t = e^{g_t} ∈ (0, 1]^F
+    S_t = diag(a_t)·S_{t−1} + β_t·k_t·(v_t − (diag(a_t)·S_{t−1})ᵀk_t)ᵀ,   o_t = S_tᵀq_t,   a_t = e^{g_t} ∈ (0, 1]^F
 
 k_t, q_t unit features and β_t as for the delta rule (:mod:`.delta`); g_t (F,) ≤ 0 the token's log-gate per
 feature. A per-token decay is the case of equal g_tf.
@@ -74,18 +74,74 @@ def kda_recurrent(
     return torch.stack(outs, dim=-2), DeltaRuleState(kv, seen + qf.shape[-2])
 
 
-def pair_weights(x: torch.Tensor, y: torch.Tensor, cum: torch.Tensor, *, strict: bool) -> torch.Tensor:
+def _gemm_ok(cum: torch.Tensor) -> bool:
+    """Whether every chunk's per-feature span G_1 − G_C (cum (..., C, F) fp64) is at most GEMM_SPAN."""
+    return cum.shape[-2] == 1 or bool((cum[..., 0, :] - cum[..., -1, :] <= GEMM_SPAN).all())
+
+
+Split = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _gates(gc: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                          Split]:
+    """From a chunk's log-gates gc (..., C, F): G (fp64 cumulative sums), e^G, e^{G_C − G}, e^{G_C} (..., 1, F)
+    (all ≤ 1) and, when :func:`_gemm_ok`, the split factors (e^{G−M}, e^{M−G}) at the midpoint M of each chunk's
+    span (every exponent within ±GEMM_SPAN/2), else None; the factors cast to ``dtype``.
+
+    With the split, e^G = e^{G−M}·e^M and e^{G_C−G} = e^{M−G}·e^{G_C−M} are products of normal numbers (≥ e^−60):
+    one fp64 exponential per element serves all four."""
+    cum = torch.cumsum(gc.to(torch.float64), dim=-2)
+    total = cum[..., -1:, :]
+    last = torch.exp(total).to(dtype)
+    if not _gemm_ok(cum):
+        return cum, torch.exp(cum).to(dtype), torch.exp(total - cum).to(dtype), last, None
+    middle = (cum[..., :1, :] + total) / 2  # (..., 1, F)
+    wide = torch.exp(cum - middle)
+    into, out_of = wide.to(dtype), wide.reciprocal().to(dtype)
+    return cum, into * torch.exp(middle).to(dtype), out_of * torch.exp(total - middle).to(dtype), last, (into, out_of)
+
+
+def _mask(size: int, strict: bool, device: torch.device) -> torch.Tensor:
+    return torch.ones(size, size, dtype=torch.bool, device=device).tril(-1 if strict else 0)
+
+
+def pair_weights(x: torch.Tensor, y: torch.Tensor, cum: torch.Tensor, split: Split, *, strict: bool) -> torch.Tensor:
     """W_tj = Σ_f x_tf y_jf e^{G_tf − G_jf} for j ≤ t (j < t when ``strict``), 0 above, per chunk: x, y
-    (..., C, F), cum G (..., C, F) fp64 and non-increasing in t → (..., C, C) in x's dtype. Differentiable."""
-    size = x.shape[-2]
-    keep = torch.ones(size, size, dtype=torch.bool, device=x.device).tril(-1 if strict else 0)
-    span = cum[..., 0, :] - cum[..., -1, :]  # (..., F) ≥ 0: the largest exponent difference within a chunk
-    if size == 1 or bool((span <= GEMM_SPAN).all()):
-        middle = (cum[..., :1, :] + cum[..., -1:, :]) / 2  # (..., 1, F): every G − M within ±span/2
-        left = x * torch.exp(cum - middle).to(x.dtype)
-        right = y * torch.exp(middle - cum).to(y.dtype)
-        return (left @ right.mT).masked_fill(~keep, 0)
-    return _sub_chunk_weights(x, y, cum, keep)
+    (..., C, F), cum G (..., C, F) fp64 and non-increasing in t, ``split`` from :func:`_gates` → (..., C, C) in x's
+    dtype. With the split one product (X ⊙ e^{G−M})(Y ⊙ e^{M−G})ᵀ, else by sub-chunks. Differentiable."""
+    keep = _mask(x.shape[-2], strict, x.device)
+    if split is None:
+        return _sub_chunk_weights(x, y, cum, keep)
+    return ((x * split[0]) @ (y * split[1]).mT).masked_fill_(~keep, 0)
+
+
+def _pair_grads(x: torch.Tensor, y: torch.Tensor, cum: torch.Tensor, split: Split, d_w: torch.Tensor, *,
+                strict: bool, rows: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The gradients of Σ d_w ⊙ diag(rows)·W (W = :func:`pair_weights`, rows (..., C) or None for 1): dx, dy,
+    dG (..., C, F) in x's dtype and d rows (..., C) (None without rows). Written out for the product path; the
+    sub-chunk path (strong gates) by autograd through its recomputation."""
+    keep = _mask(x.shape[-2], strict, x.device)
+    if split is None:
+        leaves = [t.detach().requires_grad_() for t in (x, y, cum)]
+        scale = rows.detach().requires_grad_() if rows is not None else None
+        with torch.enable_grad():
+            w = _sub_chunk_weights(*leaves, keep)
+            if scale is not None:
+                w = w * scale.unsqueeze(-1)
+            grads = torch.autograd.grad(w, [*leaves, *([scale] if scale is not None else [])], d_w)
+        return grads[0], grads[1], grads[2].to(x.dtype), grads[3] if rows is not None else None
+    into, out_of = split
+    left, right = x * into, y * out_of
+    d_w = d_w.masked_fill(~keep, 0)
+    pulled = d_w @ right  # the gradient of X ⊙ e^{G−M}, before the rows' scale
+    d_rows = None
+    if rows is not None:
+        d_rows = (left * pulled).sum(-1)
+        d_w, pulled = d_w * rows.unsqueeze(-1), pulled * rows.unsqueeze(-1)
+    pushed = d_w.mT @ left  # the gradient of Y ⊙ e^{M−G}
+    d_cum = pulled * left - pushed * right  # e^{G−M} and e^{M−G}: ∂/∂G_t = ± the factored term
+    return pulled.mul_(into), pushed.mul_(out_of), d_cum, d_rows
 
 
 def _sub_chunk_weights(x: torch.Tensor, y: torch.Tensor, cum: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -117,24 +173,54 @@ def _chunk_local(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bc: torch
                  ) -> tuple[torch.Tensor, ...]:
     """Every chunk's local work from its inputs (..., C, ·) and log-gates gc (..., C, F): W_v (..., C, Dv), W_k
     (..., C, F), the read-out queries Q ⊙ e^G and written-out keys K ⊙ e^{G_C − G} (..., C, F), the chunk's decay
-    e^{G_C} (..., F, 1) and the scores P (..., C, C). Plain differentiable torch code."""
-    dtype = kc.dtype
-    cum = torch.cumsum(gc.to(torch.float64), dim=-2)  # G (..., C, F): only differences ≤ 0 are exponentiated
-    total = cum[..., -1:, :]  # G_C (..., 1, F)
-    entered = torch.exp(cum).to(dtype)  # e^{G_t}: how much of the entering state token t sees
-    system = pair_weights(kc, kc, cum, strict=True) * bc.unsqueeze(-1)  # A
-    eye = torch.eye(kc.shape[-2], dtype=dtype, device=kc.device)
+    e^{G_C} (..., F, 1), the scores P and T = (I + A)⁻¹ (..., C, C). Plain differentiable torch code."""
+    cum, entered, to_end, last, split = _gates(gc, kc.dtype)
+    system = pair_weights(kc, kc, cum, split, strict=True) * bc.unsqueeze(-1)  # A
+    eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device)
     inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
     w_v = inverse @ (vc * bc.unsqueeze(-1))
     w_k = inverse @ (kc * entered * bc.unsqueeze(-1))
-    k_out = kc * torch.exp(total - cum).to(dtype)
-    last = torch.exp(total).to(dtype).mT  # (..., F, 1)
-    scores = pair_weights(qc, kc, cum, strict=False)  # P
-    return w_v, w_k, qc * entered, k_out, last, scores
+    scores = pair_weights(qc, kc, cum, split, strict=False)  # P
+    return w_v, w_k, qc * entered, kc * to_end, last.mT, scores, inverse
+
+
+def _local_grads(
+    qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, gc: torch.Tensor, d_o: torch.Tensor,
+    states: torch.Tensor, written: torch.Tensor, d_written: torch.Tensor, d_leaving: torch.Tensor,
+    inverse: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """The chunk-local gradients of a tile of chunks (dq, dk, dv, dβ, dg), from the adjoints the sweep gave:
+    dU (``d_written``) and dS' of the state leaving each chunk (``d_leaving``).
+
+    With U = T·R, R = diag(β)(V − (K⊙e^G)·S): dR = Tᵀ·dU and dA = −dR·Uᵀ (as for the delta rule); O = (Q⊙e^G)·S
+    + P·U gives dP = dO·Uᵀ and d(Q⊙e^G) = dO·Sᵀ; S' = e^{G_C}·S + (K⊙e^{G_C−G})ᵀU gives the rest. Every factor's
+    gradient reaches G = cumsum(g) as dG = (its gradient ⊙ the factored term), summed back to g in fp64."""
+    cum, entered, to_end, last, split = _gates(gc, kc.dtype)
+    beta = bc.unsqueeze(-1)
+    d_bq = d_o @ states.mT  # d(Q ⊙ e^G)
+    d_kout = written @ d_leaving.mT  # d(K ⊙ e^{G_C − G})
+    d_rv = inverse.mT @ d_written  # dR
+    d_rk = (d_rv @ states.mT).neg_()  # d(K ⊙ e^G) / β
+    dq, dk_p, d_cum, _ = _pair_grads(qc, kc, cum, split, d_o @ written.mT, strict=False, rows=None)
+    dk_left, dk_right, d_cum_a, d_beta = _pair_grads(kc, kc, cum, split, (d_rv @ written.mT).neg_(), strict=True,
+                                                     rows=bc)
+    assert d_beta is not None
+    dq = dq.addcmul_(d_bq, entered)
+    dk = dk_p.add_(dk_left).add_(dk_right).addcmul_(beta * d_rk, entered).addcmul_(d_kout, to_end)
+    keyed = kc * entered
+    d_beta = d_beta.add_((vc * d_rv).sum(-1)).add_((keyed * d_rk).sum(-1))
+    out_decay = d_kout * kc * to_end  # through e^{G_C − G}: −dG_t, +dG_C
+    d_cum = d_cum.add_(d_cum_a).addcmul_(d_bq * qc, entered).addcmul_(beta * d_rk, keyed).sub_(out_decay)
+    d_cum[..., -1, :] += out_decay.sum(-2) + (states * d_leaving).sum(-1) * last[..., 0, :]
+    d_cum = d_cum.to(torch.float64)  # G = cumsum(g): dg_t = Σ_{s ≥ t} dG_s, summed in fp64
+    d_gate = d_cum.sum(-2, keepdim=True) - torch.cumsum(d_cum, dim=-2) + d_cum
+    return dq, dk, beta * d_rv, d_beta, d_gate.to(gc.dtype)
 
 
 class _KdaChunks(torch.autograd.Function):
-    """The chunkwise KDA on inputs whose length is a multiple of the chunk (module docstring)."""
+    """The chunkwise KDA on inputs whose length is a multiple of the chunk (module docstring). Saved for backward:
+    the inputs, the state entering each chunk, W_k, U, Q⊙e^G, K⊙e^{G_C−G}, e^{G_C}, P and T; the backward is
+    written out."""
 
     @staticmethod
     def forward(
@@ -148,9 +234,8 @@ class _KdaChunks(torch.autograd.Function):
         size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         lead = q.dim() - 1  # the batch dimensions and the chunks'
-        chunked = [_chunked(q, size), _chunked(k, size), _chunked(v, size), beta.unflatten(-1, (-1, size)),
-                   _chunked(log_gate, size)]
-        w_v, w_k, bq, k_out, last, scores = _by_tiles(_chunk_local, list(chunked), lead)
+        w_v, w_k, bq, k_out, last, scores, inverse = _by_tiles(_chunk_local, _chunk_inputs(q, k, v, beta, log_gate,
+                                                                                            size), lead)
         state = initial if initial is not None else q.new_zeros(*q.shape[:-2], k.shape[-1], v.shape[-1])
         states = q.new_empty(*w_k.shape[:-2], k.shape[-1], v.shape[-1])  # the state entering each chunk
         final = _state_sweep(state.reshape(-1, *state.shape[-2:]), _batch_rows(w_k, lead), _batch_rows(w_v, lead),
@@ -163,36 +248,29 @@ class _KdaChunks(torch.autograd.Function):
 
         (out,) = _by_tiles(outputs, [bq, scores, written, states], lead)
         ctx.size, ctx.has_initial = size, initial is not None
-        ctx.save_for_backward(q, k, v, beta, log_gate, states, w_k, written, bq, k_out, last, scores)
+        ctx.save_for_backward(q, k, v, beta, log_gate, states, w_k, written, bq, k_out, last, scores, inverse)
         return out.flatten(-3, -2), final.view(state.shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, beta, log_gate, states, w_k, written, bq, k_out, last, scores = ctx.saved_tensors
+        q, k, v, beta, log_gate, states, w_k, written, bq, k_out, last, scores, inverse = ctx.saved_tensors
         size = ctx.size
-        d_o = _chunked(d_out.contiguous(), size)
+        d_o = _chunked(d_out.contiguous(), size)  # a gradient from a sum arrives expanded: made whole once
         d_leaving, d_written, d_state = adjoint_sweep(bq, k_out, w_k, scores.mT @ d_o, d_o, last, d_final)
         assert d_written is not None
-
-        def local(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, gc: torch.Tensor,
-                  d_o: torch.Tensor, states: torch.Tensor, written: torch.Tensor, d_written: torch.Tensor,
-                  d_leaving: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            """The chunk-local gradients of a tile, by autograd through its recomputed local work, given the
-            adjoints of that work's results: U = W_v − W_k·S, O = (Q⊙e^G)·S + P·U, S' = e^{G_C}·S + K_outᵀU."""
-            leaves = [x.detach().requires_grad_() for x in (qc, kc, vc, bc, gc)]
-            with torch.enable_grad():
-                results = _chunk_local(*leaves)
-            adjoints = (d_written, -(d_written @ states.mT), d_o @ states.mT, written @ d_leaving.mT,
-                        (states * d_leaving).sum(-1, keepdim=True), (d_o @ written.mT))
-            return torch.autograd.grad(results, leaves, adjoints)
-
-        chunked = [_chunked(q, size), _chunked(k, size), _chunked(v, size), beta.unflatten(-1, (-1, size)),
-                   _chunked(log_gate, size)]
-        dq, dk, dv, d_beta, d_gate = _by_tiles(local, [*chunked, d_o, states, written, d_written, d_leaving],
-                                               q.dim() - 1)
+        dq, dk, dv, d_beta, d_gate = _by_tiles(
+            _local_grads, [*_chunk_inputs(q, k, v, beta, log_gate, size), d_o, states, written, d_written, d_leaving,
+                           inverse], q.dim() - 1)
         return (dq.flatten(-3, -2), dk.flatten(-3, -2), dv.flatten(-3, -2), d_beta.flatten(-2),
                 d_gate.flatten(-3, -2), d_state if ctx.has_initial else None, None)
+
+
+def _chunk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, log_gate: torch.Tensor,
+                  size: int) -> list[torch.Tensor | None]:
+    """(..., N, ·) → (..., N/C, C, ·); beta (..., N) → (..., N/C, C)."""
+    return [_chunked(q, size), _chunked(k, size), _chunked(v, size), beta.unflatten(-1, (-1, size)),
+            _chunked(log_gate, size)]
 
 
 def kda_chunked(
