@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..state import DeltaRuleState
-from .delta import _batch_rows, _by_tiles, _chunked, _state_sweep, adjoint_sweep
+from .delta import _batch_rows, _by_tiles, _chunked, _state_sweep, adjoint_sweep, compose_maps
 
 # the largest per-feature log-gate span of a chunk whose pair weights are one product (factors within e^{±30})
 GEMM_SPAN = 60.0
@@ -126,7 +126,7 @@ def _pair_grads(x: torch.Tensor, y: torch.Tensor, cum: torch.Tensor, split: Spli
         leaves = [t.detach().requires_grad_() for t in (x, y, cum)]
         scale = rows.detach().requires_grad_() if rows is not None else None
         with torch.enable_grad():
-            w = _sub_chunk_weights(*leaves, keep)
+            w = _sub_chunk_weights(leaves[0], leaves[1], leaves[2], keep)
             if scale is not None:
                 w = w * scale.unsqueeze(-1)
             grads = torch.autograd.grad(w, [*leaves, *([scale] if scale is not None else [])], d_w)
@@ -295,3 +295,25 @@ def kda_chunked(
     out, final = _KdaChunks.apply(qf, kf, v, beta, log_gate, initial, size)
     seen = state.num_tokens if state is not None else 0
     return out[..., :n, :], DeltaRuleState(final, seen + n)
+
+
+def kda_transition(
+    kf: torch.Tensor, v: torch.Tensor, *, beta: torch.Tensor, log_gate: torch.Tensor, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a stretch of tokens does to any state it is entered with, S_out = A·S_in + B, as
+    :func:`linattn.forms.delta.delta_transition` with per-feature gates: A (..., F, F) = Π_t (I − β_t k_t k_tᵀ)·
+    diag(a_t) (the gate acts first; later tokens on the left), B (..., F, Dv) the final state from S_in = 0. Per
+    chunk, from the chunked form's local solution: A_c = diag(e^{G_C}) − (K ⊙ e^{G_C−G})ᵀW_k and B_c =
+    (K ⊙ e^{G_C−G})ᵀW_v, then composed pairwise. Differentiable by autograd. kf (..., N, F) unit features,
+    v (..., N, Dv), beta (..., N), log_gate (..., N, F) ≤ 0."""
+    n = kf.shape[-2]
+    size = max(1, min(chunk_size, n))
+    pad = (-n) % size
+    if pad:  # β = 0, g = 0: the identity
+        kf, v, log_gate = (F.pad(x, (0, 0, 0, pad)) for x in (kf, v, log_gate))
+        beta = F.pad(beta, (0, pad))
+    kc = _chunked(kf, size)
+    w_v, w_k, _, k_out, last, _, _ = _chunk_local(kc, kc, _chunked(v, size), beta.unflatten(-1, (-1, size)),
+                                                  _chunked(log_gate, size))
+    decay = torch.diag_embed(last.squeeze(-1))  # (..., nc, F, F)
+    return compose_maps(torch.cat([decay - k_out.mT @ w_k, k_out.mT @ w_v], dim=-1))

@@ -82,7 +82,7 @@ class OutputGate(nn.Module):
 
 
 def check_layer_update(update: object, beta_scale: object, short_conv: object, causal: bool, normalize: bool | None,
-                       min_denom: object, window: object, gate: object) -> None:
+                       min_denom: object, window: object) -> None:
     """The update rule, the short convolution and the options they must (not) come with, checked when the layer
     is built."""
     if short_conv is not None and (isinstance(short_conv, bool) or not isinstance(short_conv, int) or short_conv < 1):
@@ -114,8 +114,4 @@ def check_layer_update(update: object, beta_scale: object, short_conv: object, c
         raise LinearAttentionError(
             "window: the sliding-window hybrid keeps an additive state; it does not combine with update='delta' "
             "in this version. Drop window= (the delta rule alone) or update= (the hybrid alone)"
-        )
-    if gate == "feature":
-        raise LinearAttentionError(
-            "gate='feature': per-feature gates do not combine with update='delta'; use gate='token' (Gated DeltaNet)"
         )
