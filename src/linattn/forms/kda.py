@@ -19,19 +19,21 @@ Two forms, one definition:
 
   Every factor e^{G}, e^{G_C − G}, e^{G_C} is ≤ 1. The pair weights A and P cannot be one product of K ⊙ e^G and
   K ⊙ e^{−G} (e^{−G} overflows fp32 for strong gates), so :func:`pair_weights` splits each chunk at the midpoint M
-  of its span: (X ⊙ e^{G−M})(Y ⊙ e^{M−G})ᵀ has every factor within e^{±GEMM_SPAN/2} when the chunk's span −G_C is
-  at most GEMM_SPAN; a stronger chunk is split into sub-chunks, the pairs across sub-chunks meeting at a reference
-  between them (both factors ≤ 1) and the pairs within one formed one by one (e^{(≤ 0)}). The exponents are formed
-  in fp64 from fp64 cumulative sums; only the factors are cast.
+  of its span: (X ⊙ e^{G−M})(Y ⊙ e^{M−G})ᵀ has every factor within e^{±GEMM_SPAN/2} when every feature's span
+  G_1 − G_C is at most GEMM_SPAN (decided per tile of chunks). Stronger gates go by sub-chunks of SUB_CHUNK tokens:
+  the pairs across sub-chunks meet at a reference between them (both factors ≤ 1, one product per sub-chunk), the
+  pairs within one are formed one by one (e^{(≤ 0)}). The exponents come from fp64 cumulative sums; only local
+  differences are cast.
 
   As for the delta rule, the system is solved once per chunk (W_v = T·diag(β)V, W_k = T·diag(β)(K ⊙ e^G),
   T = (I + A)⁻¹), chunk-local work runs for tiles of chunks at once and only U = W_v − W_k·S and S' run chunk after
   chunk (:func:`linattn.forms.delta._state_sweep`, with the per-feature factor e^{G_C}).
 
-  :class:`_KdaChunks` saves the inputs, the state entering each chunk, W_k, U, P and the gate factors: memory
-  O(N·(F + Dv + C) + (N/C)·F·Dv). Its backward runs the adjoint of the state recurrence written out
-  (:func:`linattn.forms.delta.adjoint_sweep`), then differentiates each tile's chunk-local work (recomputed from
-  the inputs) by autograd, given the adjoints of what that work produced.
+  :class:`_KdaChunks` saves the inputs, the state entering each chunk, W_k, U, Q ⊙ e^G, K ⊙ e^{G_C − G}, P and T:
+  memory O(N·(F + Dv + C) + (N/C)·F·Dv), never a state per token. Its backward is written out: the adjoint of the
+  state recurrence (:func:`linattn.forms.delta.adjoint_sweep`, shared with the delta rule), then the chunk-local
+  gradients tile by tile (:func:`_local_grads`), every gate factor's gradient reaching g through a reversed
+  cumulative sum in fp64.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from .delta import _batch_rows, _by_tiles, _chunked, _state_sweep, adjoint_sweep
 # the largest per-feature log-gate span of a chunk whose pair weights are one product (factors within e^{±30})
 GEMM_SPAN = 60.0
 # sub-chunk length for stronger gates: the pairs within a sub-chunk cost O(C·SUB_CHUNK·F) per chunk
-SUB_CHUNK = 16
+SUB_CHUNK = 8
 
 
 def kda_recurrent(
@@ -79,14 +81,17 @@ def _gemm_ok(cum: torch.Tensor) -> bool:
     return cum.shape[-2] == 1 or bool((cum[..., 0, :] - cum[..., -1, :] <= GEMM_SPAN).all())
 
 
-Split = tuple[torch.Tensor, torch.Tensor] | None
+# how a chunk's pair weights are formed (:func:`_gates`): the product path's (e^{G−M}, e^{M−G}), or per sub-chunk
+# (e^{G_s − R_s}, e^{R_s − G_{<s}}, the s×s×F factors within it), the first two None for the first sub-chunk
+SubChunks = list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]]
+Split = tuple[torch.Tensor, torch.Tensor] | SubChunks
 
 
-def _gates(gc: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                          Split]:
-    """From a chunk's log-gates gc (..., C, F): G (fp64 cumulative sums), e^G, e^{G_C − G}, e^{G_C} (..., 1, F)
-    (all ≤ 1) and, when :func:`_gemm_ok`, the split factors (e^{G−M}, e^{M−G}) at the midpoint M of each chunk's
-    span (every exponent within ±GEMM_SPAN/2), else None; the factors cast to ``dtype``.
+def _gates(gc: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Split]:
+    """From a chunk's log-gates gc (..., C, F), through G = their cumulative sums in fp64: e^G, e^{G_C − G},
+    e^{G_C} (..., 1, F) (all ≤ 1) and how the pair weights split: when :func:`_gemm_ok`, (e^{G−M}, e^{M−G}) at
+    the midpoint M of each chunk's span (every exponent within ±GEMM_SPAN/2), else the sub-chunks' factors
+    (:func:`_sub_factors`), formed once for both pair weights and their gradients; the factors cast to ``dtype``.
 
     With the split, e^G = e^{G−M}·e^M and e^{G_C−G} = e^{M−G}·e^{G_C−M} are products of normal numbers (≥ e^−60):
     one fp64 exponential per element serves all four."""
@@ -94,79 +99,103 @@ def _gates(gc: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
     total = cum[..., -1:, :]
     last = torch.exp(total).to(dtype)
     if not _gemm_ok(cum):
-        return cum, torch.exp(cum).to(dtype), torch.exp(total - cum).to(dtype), last, None
+        return torch.exp(cum).to(dtype), torch.exp(total - cum).to(dtype), last, _sub_factors(cum, dtype)
     middle = (cum[..., :1, :] + total) / 2  # (..., 1, F)
     wide = torch.exp(cum - middle)
     into, out_of = wide.to(dtype), wide.reciprocal().to(dtype)
-    return cum, into * torch.exp(middle).to(dtype), out_of * torch.exp(total - middle).to(dtype), last, (into, out_of)
+    return into * torch.exp(middle).to(dtype), out_of * torch.exp(total - middle).to(dtype), last, (into, out_of)
 
 
 def _mask(size: int, strict: bool, device: torch.device) -> torch.Tensor:
     return torch.ones(size, size, dtype=torch.bool, device=device).tril(-1 if strict else 0)
 
 
-def pair_weights(x: torch.Tensor, y: torch.Tensor, cum: torch.Tensor, split: Split, *, strict: bool) -> torch.Tensor:
+def pair_weights(x: torch.Tensor, y: torch.Tensor, split: Split, *, strict: bool) -> torch.Tensor:
     """W_tj = Σ_f x_tf y_jf e^{G_tf − G_jf} for j ≤ t (j < t when ``strict``), 0 above, per chunk: x, y
-    (..., C, F), cum G (..., C, F) fp64 and non-increasing in t, ``split`` from :func:`_gates` → (..., C, C) in x's
-    dtype. With the split one product (X ⊙ e^{G−M})(Y ⊙ e^{M−G})ᵀ, else by sub-chunks. Differentiable."""
+    (..., C, F), ``split`` from :func:`_gates` (G the chunk's cumulative log-gates) → (..., C, C) in x's dtype.
+    With the product split one product (X ⊙ e^{G−M})(Y ⊙ e^{M−G})ᵀ, else by sub-chunks. Differentiable."""
     keep = _mask(x.shape[-2], strict, x.device)
-    if split is None:
-        return _sub_chunk_weights(x, y, cum, keep)
+    if isinstance(split, list):
+        return _sub_chunk_weights(x, y, split, keep)
     return ((x * split[0]) @ (y * split[1]).mT).masked_fill_(~keep, 0)
 
 
-def _pair_grads(x: torch.Tensor, y: torch.Tensor, cum: torch.Tensor, split: Split, d_w: torch.Tensor, *,
+def _pair_grads(x: torch.Tensor, y: torch.Tensor, split: Split, d_w: torch.Tensor, *,
                 strict: bool, rows: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The gradients of Σ d_w ⊙ diag(rows)·W (W = :func:`pair_weights`, rows (..., C) or None for 1): dx, dy,
-    dG (..., C, F) in x's dtype and d rows (..., C) (None without rows). Written out for the product path; the
-    sub-chunk path (strong gates) by autograd through its recomputation."""
-    keep = _mask(x.shape[-2], strict, x.device)
-    if split is None:
-        leaves = [t.detach().requires_grad_() for t in (x, y, cum)]
-        scale = rows.detach().requires_grad_() if rows is not None else None
-        with torch.enable_grad():
-            w = _sub_chunk_weights(leaves[0], leaves[1], leaves[2], keep)
-            if scale is not None:
-                w = w * scale.unsqueeze(-1)
-            grads = torch.autograd.grad(w, [*leaves, *([scale] if scale is not None else [])], d_w)
-        return grads[0], grads[1], grads[2].to(x.dtype), grads[3] if rows is not None else None
-    into, out_of = split
-    left, right = x * into, y * out_of
-    d_w = d_w.masked_fill(~keep, 0)
-    pulled = d_w @ right  # the gradient of X ⊙ e^{G−M}, before the rows' scale
+    dG (..., C, F) in x's dtype and d rows (..., C) (None without rows). Every path has dG = x ⊙ dx − y ⊙ dy: the
+    factor e^{G_t − G_j} of term (t, j) is differentiated once as t's and once as j's."""
+    d_w = d_w.masked_fill(~_mask(x.shape[-2], strict, x.device), 0)
+    if isinstance(split, list):
+        d_x, d_y = _sub_chunk_grads(x, y, split, d_w, rows)
+    else:
+        into, out_of = split
+        left, right = x * into, y * out_of
+        d_x = (d_w @ right).mul_(into)  # before the rows' scale
+        d_y = ((d_w if rows is None else d_w * rows.unsqueeze(-1)).mT @ left).mul_(out_of)
     d_rows = None
-    if rows is not None:
-        d_rows = (left * pulled).sum(-1)
-        d_w, pulled = d_w * rows.unsqueeze(-1), pulled * rows.unsqueeze(-1)
-    pushed = d_w.mT @ left  # the gradient of Y ⊙ e^{M−G}
-    d_cum = pulled * left - pushed * right  # e^{G−M} and e^{M−G}: ∂/∂G_t = ± the factored term
-    return pulled.mul_(into), pushed.mul_(out_of), d_cum, d_rows
+    if rows is not None:  # W's row t is linear in x_t: Σ_j dW_tj W_tj = x_t · (its gradient before the scale)
+        d_rows = (x * d_x).sum(-1)
+        d_x = d_x * rows.unsqueeze(-1)
+    return d_x, d_y, x * d_x - y * d_y, d_rows
 
 
-def _sub_chunk_weights(x: torch.Tensor, y: torch.Tensor, cum: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """:func:`pair_weights` for any gates, by sub-chunks of SUB_CHUNK tokens. Rows of sub-chunk s meet every earlier
-    token in one product split at R = G just before s: G_t ≤ R ≤ G_j, so both e^{G_t − R} and e^{R − G_j} are ≤ 1
-    (a factor small enough to underflow makes its term smaller still). Within s the s×s×F factors are explicit."""
-    size, dtype = x.shape[-2], x.dtype
-    rows = []
+def _sub_factors(cum: torch.Tensor, dtype: torch.dtype) -> SubChunks:
+    """Per sub-chunk s of SUB_CHUNK tokens: e^{G_s − R} (..., s, F) and e^{R − G_j} for the tokens before s
+    (..., start, F), R = G just before s, so G_t ≤ R ≤ G_j and both are ≤ 1; and e^{G_t − G_j} within s (..., s, s,
+    F; 0 for j > t), from G re-based to the sub-chunk's first token in fp64 before the cast, so only the sub-chunk's
+    own span reaches ``dtype``. Every exponent is ≤ 0: a factor below the dtype's range is a term below it too."""
+    size = cum.shape[-2]
+    factors: SubChunks = []
     for start in range(0, size, SUB_CHUNK):
         end = min(start + SUB_CHUNK, size)
         cum_s = cum[..., start:end, :]
-        pieces = []
+        into = out_of = None
         if start > 0:
             ref = cum[..., start - 1 : start, :]  # (..., 1, F)
-            left = x[..., start:end, :] * torch.exp(cum_s - ref).to(dtype)
-            right = y[..., :start, :] * torch.exp(ref - cum[..., :start, :]).to(dtype)
-            pieces.append(left @ right.mT)  # (..., s, start)
-        inside = keep[start:end, start:end].unsqueeze(-1)  # (s_t, s_j, 1)
-        exponent = (cum_s.unsqueeze(-2) - cum_s.unsqueeze(-3)).masked_fill(~inside, float("-inf"))  # G_t − G_j
-        factor = torch.exp(exponent).to(dtype)  # (..., s, s, F)
-        pieces.append((x[..., start:end, None, :] * factor * y[..., None, start:end, :]).sum(-1))
+            into = torch.exp((cum_s - ref).to(dtype))
+            out_of = torch.exp((ref - cum[..., :start, :]).to(dtype))
+        inside = torch.ones(end - start, end - start, dtype=torch.bool, device=cum.device).tril().unsqueeze(-1)
+        local = (cum_s - cum_s[..., :1, :]).to(dtype)
+        exponent = (local.unsqueeze(-2) - local.unsqueeze(-3)).masked_fill_(~inside, float("-inf"))
+        factors.append((into, out_of, torch.exp_(exponent)))
+    return factors
+
+
+def _sub_chunk_weights(x: torch.Tensor, y: torch.Tensor, split: SubChunks, keep: torch.Tensor) -> torch.Tensor:
+    """:func:`pair_weights` for any gates, by sub-chunks (:func:`_sub_factors`): the rows of sub-chunk s meet every
+    earlier token in one product, (X_s ⊙ e^{G_s − R})(Y_{<s} ⊙ e^{R − G})ᵀ, and the tokens of s explicitly."""
+    size = x.shape[-2]
+    rows = []
+    for index, (into, out_of, inside) in enumerate(split):
+        start, end = index * SUB_CHUNK, min((index + 1) * SUB_CHUNK, size)
+        pieces = []
+        if into is not None and out_of is not None:
+            pieces.append((x[..., start:end, :] * into) @ (y[..., :start, :] * out_of).mT)  # (..., s, start)
+        pieces.append((x[..., start:end, None, :] * inside * y[..., None, start:end, :]).sum(-1))  # (..., s, s)
         if end < size:
             pieces.append(x.new_zeros(*x.shape[:-2], end - start, size - end))
         rows.append(torch.cat(pieces, dim=-1))
-    return torch.cat(rows, dim=-2)  # (..., C, C)
+    return torch.cat(rows, dim=-2).masked_fill_(~keep, 0)  # (..., C, C)
+
+
+def _sub_chunk_grads(x: torch.Tensor, y: torch.Tensor, split: SubChunks, d_w: torch.Tensor,
+                     rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx (before the rows' scale) and dy of Σ d_w ⊙ diag(rows)·W for :func:`_sub_chunk_weights` (d_w masked)."""
+    d_x, d_y = torch.zeros_like(x), torch.zeros_like(y)
+    for index, (into, out_of, inside) in enumerate(split):
+        start, end = index * SUB_CHUNK, min((index + 1) * SUB_CHUNK, x.shape[-2])
+        d_s = d_w[..., start:end, :]  # (..., s, C)
+        scaled = d_s if rows is None else d_s * rows[..., start:end, None]
+        if into is not None and out_of is not None:
+            d_x[..., start:end, :] += (d_s[..., :start] @ (y[..., :start, :] * out_of)).mul_(into)
+            d_y[..., :start, :] += (scaled[..., :start].mT @ (x[..., start:end, :] * into)).mul_(out_of)
+        # with j = t the factor is 1: d_w is already 0 there when strict
+        d_x[..., start:end, :] += ((d_s[..., start:end].unsqueeze(-1) * inside) * y[..., None, start:end, :]).sum(-2)
+        d_y[..., start:end, :] += ((scaled[..., start:end].unsqueeze(-1) * inside)
+                                   * x[..., start:end, None, :]).sum(-3)
+    return d_x, d_y
 
 
 def _chunk_local(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, gc: torch.Tensor
@@ -174,13 +203,13 @@ def _chunk_local(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bc: torch
     """Every chunk's local work from its inputs (..., C, ·) and log-gates gc (..., C, F): W_v (..., C, Dv), W_k
     (..., C, F), the read-out queries Q ⊙ e^G and written-out keys K ⊙ e^{G_C − G} (..., C, F), the chunk's decay
     e^{G_C} (..., F, 1), the scores P and T = (I + A)⁻¹ (..., C, C). Plain differentiable torch code."""
-    cum, entered, to_end, last, split = _gates(gc, kc.dtype)
-    system = pair_weights(kc, kc, cum, split, strict=True) * bc.unsqueeze(-1)  # A
+    entered, to_end, last, split = _gates(gc, kc.dtype)
+    system = pair_weights(kc, kc, split, strict=True) * bc.unsqueeze(-1)  # A
     eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device)
     inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
     w_v = inverse @ (vc * bc.unsqueeze(-1))
     w_k = inverse @ (kc * entered * bc.unsqueeze(-1))
-    scores = pair_weights(qc, kc, cum, split, strict=False)  # P
+    scores = pair_weights(qc, kc, split, strict=False)  # P
     return w_v, w_k, qc * entered, kc * to_end, last.mT, scores, inverse
 
 
@@ -195,14 +224,14 @@ def _local_grads(
     With U = T·R, R = diag(β)(V − (K⊙e^G)·S): dR = Tᵀ·dU and dA = −dR·Uᵀ (as for the delta rule); O = (Q⊙e^G)·S
     + P·U gives dP = dO·Uᵀ and d(Q⊙e^G) = dO·Sᵀ; S' = e^{G_C}·S + (K⊙e^{G_C−G})ᵀU gives the rest. Every factor's
     gradient reaches G = cumsum(g) as dG = (its gradient ⊙ the factored term), summed back to g in fp64."""
-    cum, entered, to_end, last, split = _gates(gc, kc.dtype)
+    entered, to_end, last, split = _gates(gc, kc.dtype)
     beta = bc.unsqueeze(-1)
     d_bq = d_o @ states.mT  # d(Q ⊙ e^G)
     d_kout = written @ d_leaving.mT  # d(K ⊙ e^{G_C − G})
     d_rv = inverse.mT @ d_written  # dR
     d_rk = (d_rv @ states.mT).neg_()  # d(K ⊙ e^G) / β
-    dq, dk_p, d_cum, _ = _pair_grads(qc, kc, cum, split, d_o @ written.mT, strict=False, rows=None)
-    dk_left, dk_right, d_cum_a, d_beta = _pair_grads(kc, kc, cum, split, (d_rv @ written.mT).neg_(), strict=True,
+    dq, dk_p, d_cum, _ = _pair_grads(qc, kc, split, d_o @ written.mT, strict=False, rows=None)
+    dk_left, dk_right, d_cum_a, d_beta = _pair_grads(kc, kc, split, (d_rv @ written.mT).neg_(), strict=True,
                                                      rows=bc)
     assert d_beta is not None
     dq = dq.addcmul_(d_bq, entered)
