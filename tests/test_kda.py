@@ -142,11 +142,14 @@ def test_fla_naive_recurrent_kda_agrees():
     assert (state.kv - their_state).abs().max() < 2e-5
 
 
-@pytest.mark.parametrize("n,chunk,strength", [(10, 4, 0.5), (7, 7, 0.5), (20, 20, 30.0)],
-                         ids=["chunks", "one-chunk", "strong-sub-chunks"])
-def test_gradcheck(n, chunk, strength):
-    """q, k, v, β, the gate and the initial state, through the chunked form's written-out backward."""
+@pytest.mark.parametrize("n,chunk,strength,strong", [(10, 4, 0.5, 0), (7, 7, 0.5, 0), (20, 20, 30.0, 0),
+                                                     (20, 20, 0.5, 2)],
+                         ids=["chunks", "one-chunk", "strong-sub-chunks", "half-strong"])
+def test_gradcheck(n, chunk, strength, strong):
+    """q, k, v, β, the gate and the initial state, through the chunked form's written-out backward: the product
+    path, the sub-chunks (every feature strong) and both at once (``strong`` features at g ≈ −20)."""
     q, k, v, beta, log_gate = inputs(b=1, h=2, n=n, d=4, dv=3, strength=strength)
+    log_gate[..., :strong] -= 20
     s0 = torch.randn(1, 2, 4, 3, dtype=torch.float64)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, beta, log_gate, s0)]
 

@@ -19,8 +19,8 @@ Two forms, one definition:
 
   Every factor e^{G}, e^{G_C − G}, e^{G_C} is ≤ 1. The pair weights A and P cannot be one product of K ⊙ e^G and
   K ⊙ e^{−G} (e^{−G} overflows fp32 for strong gates), so :func:`pair_weights` splits each chunk at the midpoint M
-  of its span: (X ⊙ e^{G−M})(Y ⊙ e^{M−G})ᵀ has every factor within e^{±GEMM_SPAN/2} when every feature's span
-  G_1 − G_C is at most GEMM_SPAN (decided per tile of chunks). Stronger gates go by sub-chunks of SUB_CHUNK tokens:
+  of its span: (X ⊙ e^{G−M})(Y ⊙ e^{M−G})ᵀ has every factor within e^{±GEMM_SPAN/2} for the features whose span
+  G_1 − G_C is at most GEMM_SPAN (in every chunk of a tile). Stronger features go by sub-chunks of SUB_CHUNK tokens:
   the pairs across sub-chunks meet at a reference between them (both factors ≤ 1, one product per sub-chunk), the
   pairs within one are formed one by one (e^{(≤ 0)}). The exponents come from fp64 cumulative sums; only local
   differences are cast.
@@ -38,6 +38,7 @@ Two forms, one definition:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,34 +77,54 @@ def kda_recurrent(
     return torch.stack(outs, dim=-2), DeltaRuleState(kv, seen + qf.shape[-2])
 
 
-def _gemm_ok(cum: torch.Tensor) -> bool:
-    """Whether every chunk's per-feature span G_1 − G_C (cum (..., C, F) fp64) is at most GEMM_SPAN."""
-    return cum.shape[-2] == 1 or bool((cum[..., 0, :] - cum[..., -1, :] <= GEMM_SPAN).all())
-
-
-# how a chunk's pair weights are formed (:func:`_gates`): the product path's (e^{G−M}, e^{M−G}), or per sub-chunk
-# (e^{G_s − R_s}, e^{R_s − G_{<s}}, the s×s×F factors within it), the first two None for the first sub-chunk
+# per sub-chunk (:func:`_sub_factors`): e^{G_s − R_s}, e^{R_s − G_{<s}} (None for the first) and the factors within
 SubChunks = list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]]
-Split = tuple[torch.Tensor, torch.Tensor] | SubChunks
+
+
+@dataclass
+class Split:
+    """How a tile's pair weights are formed (:func:`_gates`): one product with ``product`` = (e^{G−M}, e^{M−G}),
+    0 at the strong features, and the features ``strong`` (indices; None: all) by sub-chunks with ``sub`` = their
+    :func:`_sub_factors`; a part without features is None."""
+
+    product: tuple[torch.Tensor, torch.Tensor] | None
+    strong: torch.Tensor | None
+    sub: SubChunks | None
+
+
+def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return x if index is None else x.index_select(-1, index)
 
 
 def _gates(gc: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Split]:
-    """From a chunk's log-gates gc (..., C, F), through G = their cumulative sums in fp64: e^G, e^{G_C − G},
-    e^{G_C} (..., 1, F) (all ≤ 1) and how the pair weights split: when :func:`_gemm_ok`, (e^{G−M}, e^{M−G}) at
-    the midpoint M of each chunk's span (every exponent within ±GEMM_SPAN/2), else the sub-chunks' factors
-    (:func:`_sub_factors`), formed once for both pair weights and their gradients; the factors cast to ``dtype``.
+    """From a tile's log-gates gc (..., C, F), through G = their cumulative sums in fp64: e^G, e^{G_C − G},
+    e^{G_C} (..., 1, F) (all ≤ 1) and how the pair weights split. A feature whose span G_1 − G_C is at most
+    GEMM_SPAN in every chunk of the tile takes the product at the midpoint M of each chunk's span (every exponent
+    within ±GEMM_SPAN/2), the others sub-chunks; the factors are formed once for both pair weights and their
+    gradients, cast to ``dtype``.
 
-    With the split, e^G = e^{G−M}·e^M and e^{G_C−G} = e^{M−G}·e^{G_C−M} are products of normal numbers (≥ e^−60):
-    one fp64 exponential per element serves all four."""
+    When every feature takes the product, e^G = e^{G−M}·e^M and e^{G_C−G} = e^{M−G}·e^{G_C−M} are products of
+    normal numbers (≥ e^−60): one fp64 exponential per element serves all four."""
     cum = torch.cumsum(gc.to(torch.float64), dim=-2)
     total = cum[..., -1:, :]
     last = torch.exp(total).to(dtype)
-    if not _gemm_ok(cum):
-        return torch.exp(cum).to(dtype), torch.exp(total - cum).to(dtype), last, _sub_factors(cum, dtype)
-    middle = (cum[..., :1, :] + total) / 2  # (..., 1, F)
-    wide = torch.exp(cum - middle)
+    span = (cum[..., 0, :] - cum[..., -1, :]).reshape(-1, cum.shape[-1]).amax(0)  # (F,): over the tile's chunks
+    strong = span > GEMM_SPAN
+    if not bool(strong.any()):
+        middle = (cum[..., :1, :] + total) / 2  # (..., 1, F)
+        wide = torch.exp(cum - middle)
+        into, out_of = wide.to(dtype), wide.reciprocal().to(dtype)
+        entered, to_end = into * torch.exp(middle).to(dtype), out_of * torch.exp(total - middle).to(dtype)
+        return entered, to_end, last, Split((into, out_of), None, None)
+    entered, to_end = torch.exp(cum).to(dtype), torch.exp(total - cum).to(dtype)
+    if bool(strong.all()):
+        return entered, to_end, last, Split(None, None, _sub_factors(cum, dtype))
+    index = strong.nonzero().squeeze(-1)
+    exponent = (cum - (cum[..., :1, :] + total) / 2).masked_fill_(strong, 0)  # the strong features' factors: 0
+    wide = torch.exp(exponent)
     into, out_of = wide.to(dtype), wide.reciprocal().to(dtype)
-    return into * torch.exp(middle).to(dtype), out_of * torch.exp(total - middle).to(dtype), last, (into, out_of)
+    product = (into.masked_fill_(strong, 0), out_of.masked_fill_(strong, 0))
+    return entered, to_end, last, Split(product, index, _sub_factors(cum.index_select(-1, index), dtype))
 
 
 def _mask(size: int, strict: bool, device: torch.device) -> torch.Tensor:
@@ -112,12 +133,17 @@ def _mask(size: int, strict: bool, device: torch.device) -> torch.Tensor:
 
 def pair_weights(x: torch.Tensor, y: torch.Tensor, split: Split, *, strict: bool) -> torch.Tensor:
     """W_tj = Σ_f x_tf y_jf e^{G_tf − G_jf} for j ≤ t (j < t when ``strict``), 0 above, per chunk: x, y
-    (..., C, F), ``split`` from :func:`_gates` (G the chunk's cumulative log-gates) → (..., C, C) in x's dtype.
-    With the product split one product (X ⊙ e^{G−M})(Y ⊙ e^{M−G})ᵀ, else by sub-chunks. Differentiable."""
-    keep = _mask(x.shape[-2], strict, x.device)
-    if isinstance(split, list):
-        return _sub_chunk_weights(x, y, split, keep)
-    return ((x * split[0]) @ (y * split[1]).mT).masked_fill_(~keep, 0)
+    (..., C, F), ``split`` from :func:`_gates` (G the chunk's cumulative log-gates) → (..., C, C) in x's dtype:
+    the product (X ⊙ e^{G−M})(Y ⊙ e^{M−G})ᵀ over the mild features plus the sub-chunks' sum over the strong ones."""
+    weights = None
+    if split.product is not None:
+        into, out_of = split.product
+        weights = (x * into) @ (y * out_of).mT
+    if split.sub is not None:
+        part = _sub_chunk_weights(_take(x, split.strong), _take(y, split.strong), split.sub)
+        weights = part if weights is None else weights.add_(part)
+    assert weights is not None
+    return weights.masked_fill_(~_mask(x.shape[-2], strict, x.device), 0)
 
 
 def _pair_grads(x: torch.Tensor, y: torch.Tensor, split: Split, d_w: torch.Tensor, *,
@@ -127,13 +153,19 @@ def _pair_grads(x: torch.Tensor, y: torch.Tensor, split: Split, d_w: torch.Tenso
     dG (..., C, F) in x's dtype and d rows (..., C) (None without rows). Every path has dG = x ⊙ dx − y ⊙ dy: the
     factor e^{G_t − G_j} of term (t, j) is differentiated once as t's and once as j's."""
     d_w = d_w.masked_fill(~_mask(x.shape[-2], strict, x.device), 0)
-    if isinstance(split, list):
-        d_x, d_y = _sub_chunk_grads(x, y, split, d_w, rows)
-    else:
-        into, out_of = split
-        left, right = x * into, y * out_of
-        d_x = (d_w @ right).mul_(into)  # before the rows' scale
-        d_y = ((d_w if rows is None else d_w * rows.unsqueeze(-1)).mT @ left).mul_(out_of)
+    d_x = d_y = None  # dx before the rows' scale, dy
+    if split.product is not None:  # 0 at the strong features
+        into, out_of = split.product
+        scaled = d_w if rows is None else d_w * rows.unsqueeze(-1)
+        d_x, d_y = (d_w @ (y * out_of)).mul_(into), (scaled.mT @ (x * into)).mul_(out_of)
+    if split.sub is not None:
+        part_x, part_y = _sub_chunk_grads(_take(x, split.strong), _take(y, split.strong), split.sub, d_w, rows)
+        if d_x is None or d_y is None or split.strong is None:
+            d_x, d_y = part_x, part_y
+        else:
+            d_x.index_add_(-1, split.strong, part_x)
+            d_y.index_add_(-1, split.strong, part_y)
+    assert d_x is not None and d_y is not None
     d_rows = None
     if rows is not None:  # W's row t is linear in x_t: Σ_j dW_tj W_tj = x_t · (its gradient before the scale)
         d_rows = (x * d_x).sum(-1)
@@ -163,7 +195,7 @@ def _sub_factors(cum: torch.Tensor, dtype: torch.dtype) -> SubChunks:
     return factors
 
 
-def _sub_chunk_weights(x: torch.Tensor, y: torch.Tensor, split: SubChunks, keep: torch.Tensor) -> torch.Tensor:
+def _sub_chunk_weights(x: torch.Tensor, y: torch.Tensor, split: SubChunks) -> torch.Tensor:
     """:func:`pair_weights` for any gates, by sub-chunks (:func:`_sub_factors`): the rows of sub-chunk s meet every
     earlier token in one product, (X_s ⊙ e^{G_s − R})(Y_{<s} ⊙ e^{R − G})ᵀ, and the tokens of s explicitly."""
     size = x.shape[-2]
@@ -177,7 +209,7 @@ def _sub_chunk_weights(x: torch.Tensor, y: torch.Tensor, split: SubChunks, keep:
         if end < size:
             pieces.append(x.new_zeros(*x.shape[:-2], end - start, size - end))
         rows.append(torch.cat(pieces, dim=-1))
-    return torch.cat(rows, dim=-2).masked_fill_(~keep, 0)  # (..., C, C)
+    return torch.cat(rows, dim=-2)  # (..., C, C), the diagonal blocks' upper triangles 0
 
 
 def _sub_chunk_grads(x: torch.Tensor, y: torch.Tensor, split: SubChunks, d_w: torch.Tensor,
