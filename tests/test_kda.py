@@ -267,6 +267,11 @@ def test_transition_is_the_product_and_the_state_from_zero():
     leaves = [x[:1, :1, :7].clone().requires_grad_() for x in (kf, v, beta, log_gate)]
     assert torch.autograd.gradcheck(
         lambda *x: kda.kda_transition(x[0], x[1], beta=x[2], log_gate=x[3], chunk_size=2), leaves)
+    strong = log_gate[:1, :1, :20].clone()
+    strong[..., :2] -= 20  # two features by sub-chunks, the others in the product
+    leaves = [x[:1, :1, :20].clone().requires_grad_() for x in (kf, v, beta)] + [strong.requires_grad_()]
+    assert torch.autograd.gradcheck(
+        lambda *x: kda.kda_transition(x[0], x[1], beta=x[2], log_gate=x[3], chunk_size=20), leaves)
 
 
 def test_training_memory_keeps_no_state_per_token():

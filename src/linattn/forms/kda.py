@@ -123,7 +123,7 @@ def _gates(gc: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
     exponent = (cum - (cum[..., :1, :] + total) / 2).masked_fill_(strong, 0)  # the strong features' factors: 0
     wide = torch.exp(exponent)
     into, out_of = wide.to(dtype), wide.reciprocal().to(dtype)
-    product = (into.masked_fill_(strong, 0), out_of.masked_fill_(strong, 0))
+    product = (into.masked_fill(strong, 0), out_of.masked_fill(strong, 0))  # not in place: autograd keeps e^x
     return entered, to_end, last, Split(product, index, _sub_factors(cum.index_select(-1, index), dtype))
 
 
