@@ -1,4 +1,5 @@
-"""What the delta rule costs on CPU: the chunked delta rule (plain and gated) beside the additive path, and beside a
+"""What the delta rule costs on CPU: the chunked delta rule (plain, gated, and with a per-feature gate: KDA) beside
+the additive path, and beside a
 pure-PyTorch chunkwise delta rule written the textbook way (fla's ``naive`` references, when fla-core is installed:
 the inverse built row by row, autograd through it), all in the same rounds; and training memory.
 
@@ -9,7 +10,7 @@ additive call (elu + 1, normalised). Memory: the peak of live
 allocations during forward+backward as a multiple of the bytes of q, k, v and the output.
 
     .venv/bin/python benchmarks/delta.py [--n 16384] [--heads 8] [--dim 64] [--rounds 5] [--threads 2]
-        [--chunk 64] [--memory]
+        [--chunk 64] [--memory] [--only "gated delta" kda]
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def make_inputs(n: int, heads: int, dim: int) -> Inputs:
         "q": torch.randn(1, heads, n, dim, generator=g), "k": torch.randn(1, heads, n, dim, generator=g),
         "v": torch.randn(1, heads, n, dim, generator=g), "beta": torch.rand(1, heads, n, generator=g),
         "log_gate": F.logsigmoid(torch.randn(1, heads, n, generator=g) + 3),
-    }
+        "feature_gate": F.logsigmoid(torch.randn(1, heads, n, dim, generator=g) + 3),  # KDA's, one per feature
+    } | {"strong_gate": F.logsigmoid(torch.randn(1, heads, n, dim, generator=g) + 3) - 20 * (
+        torch.arange(dim) < dim // 8)}  # an eighth of the features forget at once: the chunks go by sub-chunks
 
 
 def linattn_variants(chunk: int) -> dict[str, Callable[[Inputs], torch.Tensor]]:
@@ -50,6 +53,10 @@ def linattn_variants(chunk: int) -> dict[str, Callable[[Inputs], torch.Tensor]]:
         "delta": lambda x: call(x, feature_map="identity", update="delta", beta=x["beta"], chunk_size=chunk),
         "gated delta": lambda x: call(x, feature_map="identity", update="delta", beta=x["beta"],
                                       log_gate=x["log_gate"], chunk_size=chunk),
+        "kda": lambda x: call(x, feature_map="identity", update="delta", beta=x["beta"], log_gate=x["feature_gate"],
+                              chunk_size=chunk),
+        "kda strong": lambda x: call(x, feature_map="identity", update="delta", beta=x["beta"],
+                                     log_gate=x["strong_gate"], chunk_size=chunk),
     }
 
 
@@ -85,8 +92,10 @@ def run(fn: Callable[[Inputs], torch.Tensor], x: Inputs, training: bool) -> None
             out.sum().backward()
 
 
-def timing(n: int, heads: int, dim: int, rounds: int, chunk: int) -> None:
+def timing(n: int, heads: int, dim: int, rounds: int, chunk: int, only: list[str] | None) -> None:
     variants = linattn_variants(chunk) | textbook_variants(chunk)
+    if only:
+        variants = {name: variants[name] for name in only}
     x = make_inputs(n, heads, dim)
     names = list(variants)
     print(f"{'pass':<16}" + "".join(f"{name + ' ms':>20}" for name in names))
@@ -100,11 +109,15 @@ def timing(n: int, heads: int, dim: int, rounds: int, chunk: int) -> None:
                 times[name].append(time.perf_counter() - start)
         ms = {name: statistics.median(times[name][1:]) * 1e3 for name in names}
         print(f"{'fwd+bwd' if training else 'forward':<16}" + "".join(f"{ms[name]:>20.1f}" for name in names))
-        for base in ("add id", "add id gated", "add elu"):
+        for base in (name for name in ("add id", "add id gated", "add elu") if name in ms):
             print(f"  × {base:<12}" + "".join(f"{ms[name] / ms[base]:>20.2f}" for name in names))
         for name, textbook in (("delta", "textbook delta"), ("gated delta", "textbook gated")):
             if textbook in ms:
                 print(f"  {name}: {ms[textbook] / ms[name]:.1f}× faster than the textbook chunkwise form")
+        for name in (name for name in ("kda", "kda strong") if name in ms and "gated delta" in ms):
+            spread = [a / b for a, b in zip(times[name][1:], times["gated delta"][1:], strict=True)]
+            print(f"  {name} / gated delta: {ms[name] / ms['gated delta']:.2f}× (per round "
+                  f"{min(spread):.2f}–{max(spread):.2f}×)")
 
 
 def memory(n: int, heads: int, dim: int, chunk: int) -> None:
@@ -126,12 +139,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--memory", action="store_true", help="also the training peak-memory table")
+    parser.add_argument("--only", nargs="+", help="time only these variants (e.g. 'gated delta' kda)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}; "
           f"B=1 H={args.heads} N={args.n} D=F={args.dim} fp32, causal, chunk {args.chunk}; median of {args.rounds} "
           "alternating rounds")
-    timing(args.n, args.heads, args.dim, args.rounds, args.chunk)
+    timing(args.n, args.heads, args.dim, args.rounds, args.chunk, args.only)
     if args.memory:
         memory(args.n, args.heads, args.dim, args.chunk)
 

@@ -89,6 +89,9 @@ def linear_options(kind, q, gen, features=6):
     beta = torch.rand(shape, generator=gen, dtype=torch.float64) * 1.5
     if kind == "delta":
         return {"update": "delta", "beta": beta}
+    if kind == "kda":  # the delta rule with a per-feature gate
+        return {"update": "delta", "beta": beta,
+                "log_gate": F.logsigmoid(torch.randn(*shape, features, generator=gen, dtype=torch.float64) + 1)}
     return {"update": "delta", "beta": beta,
             "log_gate": F.logsigmoid(torch.randn(shape, generator=gen, dtype=torch.float64) + 1)}
 
@@ -101,7 +104,7 @@ def reference_options(options, q):
     return {"update": options.get("update", "add"), "beta": options.get("beta"), "log_gate": gate}
 
 
-KINDS = ("decay", "token-gate", "feature-gate", "delta", "gated-delta")
+KINDS = ("decay", "token-gate", "feature-gate", "delta", "gated-delta", "kda")
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -124,7 +127,7 @@ def test_a_window_over_the_whole_sequence_is_causal_softmax(kind):
     got = linattn.linear_attention(q, k, v, causal=True, window=23, **options, window_factor=1.0)
     mask = torch.ones(23, 23, dtype=torch.bool).tril()
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if kind in ("delta", "gated-delta"):  # the delta rule's combiner: the softmax average plus a silent memory
+    if kind in ("delta", "gated-delta", "kda"):  # the delta rule's combiner: the softmax average plus a silent memory
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     else:  # the shared normaliser with γ = 1: Σe^{s−m}v / (Σe^{s−m} + eps)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
@@ -171,7 +174,7 @@ def test_continuation_equals_one_call(kind, form):
         pieces.append(out)
     torch.testing.assert_close(torch.cat(pieces, dim=-2), whole, rtol=0, atol=1e-10)
     assert isinstance(state, WindowAttentionState) and state.num_tokens == 31
-    if kind in ("delta", "gated-delta"):
+    if kind in ("delta", "gated-delta", "kda"):
         assert state.betas is not None and state.betas.shape == (2, 2, 6)
 
 
@@ -264,7 +267,8 @@ def test_the_decoding_step_equals_the_chunked_form(kind, prompt, factor):
 
 
 @pytest.mark.parametrize("options", [{"update": "delta", "gate": "token"}, {"gate": "feature", "decay": "retnet"},
-                                     {"gate": "token"}], ids=["gated-delta", "feature-gate+retnet", "token-gate"])
+                                     {"gate": "token"}, {"update": "delta", "gate": "feature"}],
+                         ids=["gated-delta", "feature-gate+retnet", "token-gate", "kda"])
 def test_the_layer_decodes_with_the_composed_step(options):
     from linattn.decode import ComposedDecodeStep
     from linattn.nn import LinearAttention

@@ -234,7 +234,7 @@ def test_fla_naive_references_agree():
     (dict(window=8, sparse_cache=2), "sparse_cache"),
     (dict(beta=3.0), r"\[0, 2\]"),
     (dict(beta=torch.rand(2, 3, 7)), "does not broadcast"),
-    (dict(log_gate=-torch.rand(2, 3, 45, 8)), "per-feature"),
+    (dict(log_gate=-torch.rand(2, 3, 45, 6)), "per-feature gate with 6 features"),
     (dict(form="global"), "non-causal"),
     (dict(initial_state=LinearAttentionState.zeros((2, 3), 8, 5, dtype=torch.float64)), "DeltaRuleState"),
     (dict(initial_state=DeltaRuleState.zeros((2, 3), 8, 4, dtype=torch.float64)), "shape"),

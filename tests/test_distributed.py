@@ -271,6 +271,8 @@ def cases(world: int) -> dict[str, Callable[[int, int], dict[str, float]]]:
         # the Gated DeltaNet layer: β and gates from each slice's tokens, the delta summaries, the output gate
         "layer_gated_delta_output_gate": lambda r, w: _layer_case(
             r, w, True, update="delta", gate="token", decay="retnet", output_gate=True, feature_map="identity"),
+        "layer_kda_output_gate": lambda r, w: _layer_case(
+            r, w, True, update="delta", gate="feature", decay="retnet", output_gate=True, feature_map="identity"),
         "collectives": _count_collectives,
         # decays: each slice's decayed sums and its total log-decay cross the ranks
         "causal_elu_decay_per_head_mask_gqa": lambda r, w: _compare(

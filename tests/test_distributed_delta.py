@@ -82,13 +82,18 @@ def _hedgehog() -> torch.nn.Module:
 
 
 def _compare(rank: int, world: int, *, seed: int = 0, kv_heads: int = 4, gate: bool = False, mask: bool = False,
-             feature_map: Any = "elu", validate: bool = True, **options: Any) -> dict[str, float]:
+             feature_map: Any = "elu", validate: bool = True, per_feature: bool = False, **options: Any
+             ) -> dict[str, float]:
     """Max abs differences (output; gradients of q, k, v, β, the log-gate and the map's parameters summed over
-    ranks) between this rank's slice and single-process linear_attention(..., update="delta")."""
+    ranks) between this rank's slice and single-process linear_attention(..., update="delta"). ``per_feature``:
+    the log-gate (..., N, F) per feature (KDA)."""
     split = SPLITS[world]
     start = sum(split[:rank])
     end = start + split[rank]
     x = _inputs(seed, sum(split), kv_heads=kv_heads)
+    if per_feature:
+        x["log_gate"] = -F.softplus(torch.randn(*x["log_gate"].shape, 8, dtype=torch.float64,
+                                                generator=torch.Generator().manual_seed(seed)))
     names = ["q", "k", "v", "beta"] + (["log_gate"] if gate else [])
     fmap_ref = copy.deepcopy(feature_map) if isinstance(feature_map, torch.nn.Module) else feature_map
     leaves = {name: x[name].clone().requires_grad_() for name in names}
@@ -167,8 +172,8 @@ def _raises(rank: int, world: int, kind: str) -> dict[str, float]:
     options: dict[str, Any] = {"causal": True, "update": "delta"}
     if kind == "noncausal":
         options["causal"] = False
-    elif kind == "per_feature_gate":
-        options["log_gate"] = torch.zeros(*part[0].shape[:-1], 8, dtype=torch.float64)
+    elif kind == "gate_width":
+        options["log_gate"] = torch.zeros(*part[0].shape[:-1], 5, dtype=torch.float64)  # F = 8
     elif kind == "beta_range" and rank == 1:
         options["beta"] = 3.0  # rejected locally on one rank only
     elif kind == "update_differs" and rank == 1:
@@ -188,11 +193,13 @@ def cases() -> dict[str, Callable[[int, int], dict[str, float]]]:
             r, w, seed=2, gate=True, feature_map=create("favor+", head_dim=8, num_features=12, seed=0).double()),
         "gated_hedgehog_learned_small_chunks": lambda r, w: _compare(
             r, w, seed=3, gate=True, feature_map=_hedgehog(), chunk_size=4),
+        "kda_decay_mask_small_chunks": lambda r, w: _compare(
+            r, w, seed=5, gate=True, per_feature=True, mask=True, decay=0.9, chunk_size=4),
         "recurrence": _against_recurrence,
         "float32": lambda r, w: _low_precision(r, w, torch.float32),
         "bfloat16": lambda r, w: _low_precision(r, w, torch.bfloat16),
     }
-    for kind in ("noncausal", "per_feature_gate", "beta_range", "update_differs"):
+    for kind in ("noncausal", "gate_width", "beta_range", "update_differs"):
         table[f"raises_{kind}"] = lambda r, w, kind=kind: _raises(r, w, kind)
     table["plain_after_errors"] = lambda r, w: _compare(r, w, seed=4)
     return table
@@ -247,7 +254,7 @@ def spawned(request: pytest.FixtureRequest, spawned_once: str) -> list[dict]:
 EXACT = [name for name in cases() if not name.startswith("raises_")]
 RAISES = {
     "raises_noncausal": "causal=True",
-    "raises_per_feature_gate": "per-feature gates",
+    "raises_gate_width": "per-feature gate with 5 features",
     "raises_beta_range": "beta",
     "raises_update_differs": "update differs",
 }

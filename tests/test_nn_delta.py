@@ -240,7 +240,7 @@ BAD = [
     ({"causal": True, "short_conv": 2.5}, "kernel size"),
     ({"update": "delta", "causal": True, "normalize": True}, "no Σφ\\(k\\) to normalise"),
     ({"update": "delta", "causal": True, "min_denom": 1e-3}, "min_denom"),
-    ({"update": "delta", "causal": True, "gate": "feature"}, "gate='token'"),
+    ({"update": "delta", "causal": True, "gate": "channel"}, "gate: expected 'token', 'feature' or None"),
     ({"update": "mystery", "causal": True}, "update: expected 'add' or 'delta'"),
 ]
 

@@ -27,6 +27,7 @@ from .forms import (
 from .forms._common import decayed_ref, empty_state
 from .forms.delta import delta_chunked, delta_recurrent
 from .forms.gated import gated_chunked_attention, gated_parallel_attention, gated_recurrent_attention
+from .forms.kda import kda_chunked, kda_recurrent
 from .forms.window import (
     Hybrid,
     causal_window_chunked,
@@ -245,15 +246,25 @@ def run_sparse(job: Job, form: str) -> Result:
 
 
 def run_delta(job: Job, form: str) -> Result:
-    """The delta rule (forms/delta.py) on unit features: masked tokens write nothing (β = 0), the decay applies."""
+    """The delta rule (forms/delta.py; per-feature gates: forms/kda.py) on unit features: masked tokens write
+    nothing (β = 0), the decay applies."""
     state = job.state
     assert job.beta is not None and (state is None or isinstance(state, DeltaRuleState))
     qf, kf, beta = delta_inputs(job.fmap, job.q, job.k, job.keep, job.beta, log_space=job.log_space,
                                 finite=job.check_finite, nonnegative=job.nonnegative)
     _validate.check_state_features(state, kf.shape[-1], job.map_name)
+    size = qf.shape[-2] if form == "parallel" else job.chunk_size  # parallel: one chunk, the UT transform over all
+    if job.feature_gate is not None:  # per-feature gates (KDA, forms/kda.py); a decay adds to every feature's
+        _validate.check_gate_features(job.feature_gate, kf.shape[-1])
+        gate = job.feature_gate
+        if job.log_decay is not None:
+            gate = gate.to(torch.float64) + job.log_decay.unsqueeze(-1)
+        if form == "recurrent":
+            return kda_recurrent(qf, kf, job.v, beta=beta, log_gate=gate, state=state)
+        assert size is not None
+        return kda_chunked(qf, kf, job.v, beta=beta, log_gate=gate, state=state, chunk_size=size)
     if form == "recurrent":
         return delta_recurrent(qf, kf, job.v, beta=beta, log_decay=job.log_decay, state=state)
-    size = qf.shape[-2] if form == "parallel" else job.chunk_size  # parallel: one chunk, the UT transform over all
     assert size is not None
     return delta_chunked(qf, kf, job.v, beta=beta, log_decay=job.log_decay, state=state, chunk_size=size)
 

@@ -65,6 +65,11 @@ def _slice(x: Any, start: int, end: int, name: str, num_tokens: int) -> Any:
     return x[..., start:end]
 
 
+def _per_feature(log_gate: Any, q: torch.Tensor) -> bool:
+    """A per-feature gate (..., N, F), sliced along its token dimension −2."""
+    return isinstance(log_gate, torch.Tensor) and log_gate.dim() == q.dim() and log_gate.shape[-2] == q.shape[-2]
+
+
 def packed_attention(
     attend: Callable[..., Any],
     q: torch.Tensor,
@@ -110,7 +115,8 @@ def packed_attention(
         result = attend(
             q[..., start:end, :], k[..., start:end, :], v[..., start:end, :],
             key_padding_mask=_slice(key_padding_mask, start, end, "key_padding_mask", num_tokens),
-            log_gate=_slice(log_gate, start, end, "log_gate", num_tokens),
+            log_gate=log_gate[..., start:end, :] if _per_feature(log_gate, q) else _slice(
+                log_gate, start, end, "log_gate", num_tokens),
             beta=_slice(beta, start, end, "beta", num_tokens) if _per_token(beta) else beta,
             initial_state=state, return_state=return_state, **options,
         )

@@ -226,9 +226,13 @@ def backend_reasons(backend: str, call: Call, route: Route, q: torch.Tensor, dty
     if backend == "torch":
         return []
     options = dict(call.options)
-    if route.kind == "delta":  # per-token decays are in the delta kernels
+    if route.kind == "delta":  # per-token decays are in the delta kernels, per-feature gates not
         found = triton_backend.delta_reasons(q, form=route.form, chunk_size=call.chunk_size, dtype=dtype)
         given = {name: value for name, value in options.items() if name not in ("decay", "log_gate")}
+        gate = options.get("log_gate")
+        if isinstance(gate, torch.Tensor) and gate.dim() == q.dim():
+            found.append("log_gate: per-feature gates (..., N, F) with update='delta' (KDA) are not in the delta "
+                         "kernels, which take one log-decay per token; backend='torch' (or 'auto') runs them")
         return found + triton_backend.option_reasons(given)
     found = triton_backend.reasons(
         q, causal=call.causal, form=route.form, log_space=call.log_space, chunk_size=call.chunk_size, dtype=dtype
@@ -407,12 +411,7 @@ def context_parallel_reasons(per_feature_gate: bool, *, update: str = "add", cau
     The additive update (``update="add"``) sends each slice's sums (and total log-decay); the delta rule
     (``update="delta"``) sends the affine map [A | B] a slice applies to the state entering it (linattn.distributed)."""
     found = []
-    if per_feature_gate and update == "delta":
-        found.append(
-            "log_gate: per-feature gates (..., N, F) do not combine with update='delta' (on one process either); pass "
-            "one log-decay per token (..., N) (Gated DeltaNet)"
-        )
-    elif per_feature_gate:
+    if per_feature_gate and update != "delta":  # the delta rule's [A | B] takes them (KDA): diag(a_t) in A
         found.append(
             "log_gate: per-feature gates (..., N, F) are not split across ranks yet (their summary would need a "
             "per-feature total decay); pass one log-decay per token (..., N), or run on one process"

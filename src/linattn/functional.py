@@ -110,7 +110,8 @@ def linear_attention(
             ``"delta"``: the delta rule (DeltaNet; with ``decay``/``log_gate`` Gated DeltaNet, docs/delta.md),
             S_t = a_t·S_{t−1} + β_t·φ̂(k_t)(v_t − a_t·S_{t−1}ᵀφ̂(k_t))ᵀ and out_t = S_tᵀφ̂(q_t), with φ̂ the
             L2-normalised features: it writes only what the memory does not already predict. Causal,
-            unnormalised, per-token gates only; states are :class:`DeltaRuleState`. Masked tokens write nothing.
+            unnormalised; a per-feature ``log_gate`` makes a_t = diag(e^{g_t}) (KDA, Kimi Delta Attention); states
+            are :class:`DeltaRuleState`. Masked tokens write nothing.
         sparse_cache: with ``window=`` (causal): beside the window and sinks, up to this many key/value pairs per
             head that have left the window stay exact (an int, or a :class:`SparseCache` with per-head sizes and
             the score that chooses them: LoLA's self-recall error by default); the rest are in the linear state.

@@ -11,7 +11,7 @@ UPDATES = ("add", "delta")
 
 def check_update(update: object, beta: object, causal: bool, normalize: bool, min_denom: object,
                  log_gate: object, q: torch.Tensor) -> None:
-    """The state-update rule and what it composes with (the delta rule: causal, unnormalised, per-token gates)."""
+    """The state-update rule and what it composes with (the delta rule: causal and unnormalised; any gate)."""
     if update not in UPDATES:
         raise LinearAttentionError(f"update: unknown update rule {update!r}; choose one of {', '.join(UPDATES)}")
     if update == "add":
@@ -28,11 +28,6 @@ def check_update(update: object, beta: object, causal: bool, normalize: bool, mi
             "update='delta': the delta memory keeps no Σφ(k), so there is no denominator to normalise by; its output "
             "S_tᵀφ̂(q_t) is already bounded by the values it recalls. Pass normalize=False (the default for this "
             "update) and no min_denom (docs/delta.md)"
-        )
-    if isinstance(log_gate, torch.Tensor) and log_gate.dim() == q.dim():
-        raise LinearAttentionError(
-            "log_gate: per-feature gates (..., N, F) do not combine with update='delta' in this version; pass one "
-            "log-decay per token (..., N) (Gated DeltaNet)"
         )
 
 

@@ -3,11 +3,12 @@
     S ← a·S,   u = β·(v − Sᵀk̂),   S ← S + k̂·uᵀ,   o = Sᵀq̂
 
 k̂, q̂ are the L2-normalised features (:func:`linattn.features.unit_features`, as in every delta form), a = e^g the
-token's decay (a fixed rate per head from the options, times a per-token gate given with the call: Gated DeltaNet)
-and β the write strength (a float from the options, or per token and head with the call). The arithmetic is the
-token-by-token form's (:func:`linattn.forms.delta.delta_recurrent`) in the same order, so a step agrees with
-``linear_attention(..., update="delta", initial_state=...)`` up to rounding; the memory S (B, H, F, Dv) is copied
-once and then updated in place: memory and time per token do not grow with the tokens seen.
+token's decay (a fixed rate per head from the options, times a gate given with the call: per head, Gated DeltaNet,
+or per feature, KDA, where a·S scales each row of S by its own factor) and β the write strength (a float from the
+options, or per token and head with the call). The arithmetic is the token-by-token form's
+(:func:`linattn.forms.delta.delta_recurrent`, :func:`linattn.forms.kda.kda_recurrent`) in the same order, so a step
+agrees with ``linear_attention(..., update="delta", initial_state=...)`` up to rounding; the memory S (B, H, F, Dv)
+is copied once and then updated in place: memory and time per token do not grow with the tokens seen.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class DeltaDecodeStep:
                  beta: torch.Tensor | None = None, log_decay: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, H, 1, d), k (B, Hkv, 1, d), v (B, Hkv, 1, Dv), keep (B, 1) bool or None → out (B, H, 1, Dv).
 
-        ``beta`` (B, H): this token's write strengths (instead of the fixed one); ``log_decay`` (B, H) ≤ 0: this
-        token's log-gate, on top of the fixed rate. Output in q's dtype; the memory stays in its own (fp32/fp64).
+        ``beta`` (B, H): this token's write strengths (instead of the fixed one); ``log_decay`` ≤ 0: this token's
+        log-gate on top of the fixed rate, one per head (B, H) or one per feature (B, H, F) (KDA; (B, H, 1, F) is
+        taken too). Output in q's dtype; the memory stays in its own (fp32/fp64).
         """
         batch, heads, features, values = self.kv.shape
         out_dtype, dtype = q.dtype, self.kv.dtype
@@ -73,13 +75,14 @@ class DeltaDecodeStep:
             beta.reshape(batch, heads, 1).to(dtype))
         if mask is not None:  # a masked token writes nothing; its decay still applies
             strength = strength * mask.to(dtype)
-        total = self.log_rate
+        total = self.log_rate  # (H, 1)
         if log_decay is not None:
-            gate = log_decay.reshape(batch, heads, 1).to(torch.float64)
-            total = gate if total is None else total + gate
+            gate = self._gate(log_decay)
+            total = gate if total is None else total + gate  # (B, H, 1) or (B, H, F)
         memory = self.kv.view(self._flat)
-        if total is not None:
-            memory.mul_(torch.exp(total).to(dtype).expand(batch, heads, 1).reshape(-1, 1, 1))
+        if total is not None:  # diag(a)·S: one factor per row of S, the same for every row without per-feature gates
+            factor = torch.exp(total).to(dtype)
+            memory.mul_(factor.expand(batch, heads, factor.shape[-1]).reshape(-1, factor.shape[-1], 1))
         kf = kf.reshape(-1, 1, features)  # (B·H, 1, F)
         recalled = torch.bmm(kf, memory)  # Sᵀk̂ after the decay, (B·H, 1, Dv)
         write = strength.reshape(-1, 1, 1) * (v.reshape(-1, 1, values) - recalled)
@@ -87,6 +90,18 @@ class DeltaDecodeStep:
         self.num_tokens += 1
         out = torch.bmm(qf.reshape(-1, 1, features), memory)  # (B·H, 1, Dv)
         return out.view(batch, heads, 1, values).to(out_dtype)
+
+    def _gate(self, log_decay: torch.Tensor) -> torch.Tensor:
+        """A token's log-gates as (B, H, 1) per head or (B, H, F) per feature, fp64."""
+        batch, heads, features, _ = self.kv.shape
+        if log_decay.numel() == batch * heads:
+            return log_decay.reshape(batch, heads, 1).to(torch.float64)
+        if log_decay.numel() != batch * heads * features:
+            raise LinearAttentionError(
+                f"log_decay: shape {tuple(log_decay.shape)}; expected one log-decay per head (B, H) = ({batch}, "
+                f"{heads}) or one per feature (B, H, F) = ({batch}, {heads}, {features})"
+            )
+        return log_decay.reshape(batch, heads, features).to(torch.float64)
 
     @property
     def batch_size(self) -> int:

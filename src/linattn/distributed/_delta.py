@@ -2,10 +2,11 @@
 
     S_t = a_t·S_{t−1} + β_t·k_t(v_t − a_t·S_{t−1}ᵀk_t)ᵀ   is affine in S:   S_out = A·S_in + B  over a slice,
 
-A (F×F) = Π_t a_t(I − β_t k_t k_tᵀ) (later tokens on the left) and B (F×Dv) the slice's final state from S_in = 0
-(:func:`linattn.forms.delta.delta_transition`). Rank r gathers every slice's [A_j | B_j] and folds those before it
-in order, S_in = A_{r−1}(… (A_1·B_0 + B_1) …) + B_{r−1}, then runs its slice from S_in. Unlike the additive sums,
-the summaries do not commute: the fold is a product, linear in every B_j and multilinear in the A_j; autograd
+A (F×F) = Π_t a_t(I − β_t k_t k_tᵀ) (later tokens on the left; per-feature gates, KDA: Π_t (I − β_t k_t k_tᵀ)·diag(a_t))
+and B (F×Dv) the slice's final state from S_in = 0 (:func:`linattn.forms.delta.delta_transition`,
+:func:`linattn.forms.kda.kda_transition`). Rank r gathers every slice's [A_j | B_j] and folds those before it in
+order, S_in = A_{r−1}(… (A_1·B_0 + B_1) …) + B_{r−1}, then runs its slice from S_in. Unlike the additive sums, the
+summaries do not commute: the fold is a product, linear in every B_j and multilinear in the A_j; autograd
 differentiates it, and the gathered tensor's gradient goes back to its owners by the exchange's reduce-scatter.
 """
 
@@ -20,18 +21,20 @@ from ..capabilities import ROUTES, Call
 from ..capabilities import chunk_size as route_chunk
 from ..features import check_feature_dims, is_log_space, map_features, repeat_kv_heads, unit_features
 from ..forms.delta import delta_transition
+from ..forms.kda import kda_transition
 
 _CHUNKED = next(route for route in ROUTES if route.kind == "delta" and route.form == "chunked")
 
 
 def slice_transition(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmap: Any, mask: torch.Tensor | None, beta: Any,
-    log_decay: torch.Tensor | None, chunk_size: int | None,
+    log_decay: torch.Tensor | None, chunk_size: int | None, feature_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[A | B] (..., F, F + Dv) of this rank's slice, in the query-head layout and the state dtype (fp32, fp64 for
     fp64 inputs), prepared as ``linear_attention(..., update="delta")`` prepares its inputs: k/v heads repeated,
     unit key features, β in [0, 2] and 0 at masked keys, ``log_decay`` (..., H, N) fp64 (from
-    :func:`linattn._validate.log_decay`). Raises LinearAttentionError on inputs the call would refuse."""
+    :func:`linattn._validate.log_decay`), ``feature_gate`` (..., H, N, F) per-feature log-gates (KDA) or None.
+    Raises LinearAttentionError on inputs the call would refuse."""
     group = _validate.check_qkv(q, k, v, True)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     strength = _validate.delta_beta(beta, q, k.shape[:-1], compute)  # (..., H, N)
@@ -48,7 +51,12 @@ def slice_transition(
                 chunk_size=chunk_size, normalize=False)
     size = route_chunk(_CHUNKED, call)
     assert size is not None
-    a, b = delta_transition(kf, v, beta=strength, log_decay=log_decay, chunk_size=size)
+    if feature_gate is not None:  # a decay adds to every feature's log-gate, as in the call
+        _validate.check_gate_features(feature_gate, kf.shape[-1])
+        gate = feature_gate if log_decay is None else feature_gate.to(torch.float64) + log_decay.unsqueeze(-1)
+        a, b = kda_transition(kf, v, beta=strength, log_gate=gate, chunk_size=size)
+    else:
+        a, b = delta_transition(kf, v, beta=strength, log_decay=log_decay, chunk_size=size)
     return torch.cat([a, b], dim=-1)
 
 

@@ -194,7 +194,8 @@ def context_parallel_attention(
     ``decay`` (γ, a float or one per query head) and ``log_gate`` (this rank's slice of the per-token log-decays,
     (..., N_r)), causal only, as in :func:`linattn.linear_attention`: each slice's summary is then its decayed sums
     plus its total log-decay (B·H more numbers), and slice j reaches rank r scaled by the decays of the slices in
-    between (:func:`combine_prefix`). Per-feature gates (``log_gate`` (..., N_r, F)) are not split yet and raise.
+    between (:func:`combine_prefix`). Per-feature gates (``log_gate`` (..., N_r, F)) of the additive update are not
+    split yet and raise; with the delta rule (KDA) they are.
 
     ``update="delta"`` with ``beta`` (a float, or this rank's slice (..., N_r) per token and head), causal, as in
     :func:`linattn.linear_attention` (``decay``/``log_gate`` per token: Gated DeltaNet): the summary of a slice is
@@ -236,7 +237,8 @@ def context_parallel_attention(
                 raise LinearAttentionError(refused[0])
             _validate.check_update(update, beta, causal, normalize, min_denom, log_gate, q)
             if update == "delta":
-                transition = _delta.slice_transition(q, k, v, fmap, key_padding_mask, beta, log_decay, chunk_size)
+                transition = _delta.slice_transition(q, k, v, fmap, key_padding_mask, beta, log_decay, chunk_size,
+                                                      per_feature)
             else:
                 state = _slice_summary(q, k, v, fmap, key_padding_mask, options, log_decay)
             if log_decay is not None and state is not None:

@@ -26,7 +26,8 @@ class ContextParallel(nn.Module):
 
     Decays (``decay=``) and per-token gates (``gate="token"``) go across ranks (each rank computes its slice's
     gates), and so do the delta rule (``update="delta"``, β computed by each rank from its tokens) and the output
-    gate; the window hybrid, per-feature gates and the short convolution raise here.
+    gate, per-feature gates with the delta rule (KDA) too; the window hybrid, per-feature gates of the additive
+    update and the short convolution raise here.
 
     ``validate``: ``"first"`` (default) exchanges the shape header in a separate small all-gather on the first
     call only, later calls use one collective; ``True``/``False`` on every call (see
@@ -50,10 +51,10 @@ class ContextParallel(nn.Module):
                 "layer: the short convolution (short_conv=) is not split across ranks yet (each rank's first tokens "
                 "would need the previous rank's last inputs); use a layer without short_conv, or run it on one process"
             )
-        if layer.gate_kind not in (None, "token"):
+        if layer.gate_kind not in (None, "token") and layer.update != "delta":  # the delta rule's are (KDA)
             raise LinearAttentionError(
-                f"layer: gate={layer.gate_kind!r} gives per-feature gates, which are not split across ranks yet; use "
-                "gate='token' (one log-decay per token and head) or decay=, or run it on one process"
+                f"layer: gate={layer.gate_kind!r} gives per-feature gates, which are not split across ranks yet with "
+                "update='add'; use gate='token' (one log-decay per token and head) or decay=, or run it on one process"
             )
         if validate not in (True, False, "first"):
             raise LinearAttentionError(f"validate: expected True, False or 'first', got {validate!r}")

@@ -403,13 +403,20 @@ def delta_transition(
     k_out = _row_scaled(kc, k_decay).mT
     carry, adds = k_out @ w_k, k_out @ w_v
     eye = torch.eye(kf.shape[-1], dtype=kf.dtype, device=kf.device)
-    maps = torch.cat([_scaled(eye, last) - carry, adds], dim=-1)  # (..., nc, F, F + Dv): [A_c | B_c]
-    features = kf.shape[-1]
+    return compose_maps(torch.cat([_scaled(eye, last) - carry, adds], dim=-1))
+
+
+def compose_maps(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks' affine maps [A_c | B_c] (..., nc, F, F + Dv), first chunk first, composed into the map of the
+    whole stretch (A (..., F, F), B (..., F, Dv)): (A₂, B₂)∘(A₁, B₁) = (A₂A₁, A₂B₁ + B₂), pairwise in
+    ⌈log₂ nc⌉ batched rounds."""
+    features = maps.shape[-2]
+    values = maps.shape[-1] - features
     while maps.shape[-3] > 1:  # compose neighbours (2i, 2i+1); an odd last one waits for the next round
         pairs = maps.shape[-3] // 2
         first, second = maps[..., 0 : 2 * pairs : 2, :, :], maps[..., 1 : 2 * pairs : 2, :, :]
-        second_a, second_b = second.split([features, v.shape[-1]], dim=-1)
+        second_a, second_b = second.split([features, values], dim=-1)
         composed = second_a @ first + F.pad(second_b, (features, 0))  # A₂[A₁ | B₁] + [0 | B₂]
         maps = torch.cat([composed, maps[..., 2 * pairs :, :, :]], dim=-3)
-    a, b_final = maps[..., 0, :, :].split([features, v.shape[-1]], dim=-1)
+    a, b_final = maps[..., 0, :, :].split([features, values], dim=-1)
     return a, b_final

@@ -76,9 +76,9 @@ class LinearAttention(nn.Module):
             (a :class:`~linattn.WindowAttentionState`, still O(1) per generated token).
         sparse_cache: with ``window`` (causal): up to this many pairs per head that have left the window stay
             exact (an int or a :class:`~linattn.SparseCache`; docs/sparse_cache.md).
-        update: ``"add"`` (the sums above) or ``"delta"``: the delta rule (DeltaNet; with ``gate="token"`` and/or
-            ``decay`` Gated DeltaNet; docs/delta_layer.md), out_t = S_tᵀq̂_t with S_t = a_t·S_{t−1} +
-            β_t·k̂_t(v_t − a_t·S_{t−1}ᵀk̂_t)ᵀ on L2-normalised features (the feature map's, then normalised: use
+        update: ``"add"`` (the sums above) or ``"delta"``: the delta rule (DeltaNet; ``gate="token"`` and/or
+            ``decay``: Gated DeltaNet; ``gate="feature"``: KDA; docs/delta_layer.md), out_t = S_tᵀq̂_t with S_t =
+            a_t·S_{t−1} + β_t·k̂_t(v_t − a_t·S_{t−1}ᵀk̂_t)ᵀ on L2-normalised features (the map's, then normalised: use
             ``"identity"``, with ``short_conv`` giving the SiLU, as Gated DeltaNet). Causal layers only, no
             normaliser (``normalize`` False), no window; the state is a :class:`~linattn.DeltaRuleState`.
         beta_scale: the delta rule's write strength is β = beta_scale·sigmoid(x W_β), one per token and head;
@@ -149,7 +149,7 @@ class LinearAttention(nn.Module):
         self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = embed_dim, num_heads, num_kv_heads, head_dim
         self.causal = causal
         self.update = update
-        check_layer_update(update, beta_scale, short_conv, causal, normalize, min_denom, window, gate)
+        check_layer_update(update, beta_scale, short_conv, causal, normalize, min_denom, window)
         self.options: dict[str, Any] = {
             "chunk_size": chunk_size,
             "normalize": update != "delta" if normalize is None else normalize,
@@ -251,13 +251,13 @@ class LinearAttention(nn.Module):
         return g.squeeze(-1) if self.gate_kind == "token" else g
 
     def _log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
-        """(B, H, N) fp64: the fixed rates' and the token gates' log-decays together, as ``linear_attention`` adds
-        ``decay`` and a per-token ``log_gate``."""
+        """(B, H, N) fp64 ((B, H, N, F) with per-feature gates): the fixed rates' and the gates' log-decays
+        together, as ``linear_attention`` adds ``decay`` and ``log_gate``."""
         rates, gate = self._rates(x.device), self._log_gate(x)
         if gate is None:
             return None if rates is None else torch.log(rates).unsqueeze(-1).expand(x.shape[0], -1, x.shape[1])
         gate = gate.to(torch.float64)
-        return gate if rates is None else torch.log(rates).unsqueeze(-1) + gate
+        return gate if rates is None else torch.log(rates).view(-1, *[1] * (gate.dim() - 2)) + gate
 
     def _beta(self, x: torch.Tensor) -> torch.Tensor | None:
         """The delta rule's write strengths (B, H, N) from x (B, N, E): beta_scale·sigmoid(x W_β + b)."""

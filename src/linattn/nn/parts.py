@@ -82,7 +82,7 @@ class OutputGate(nn.Module):
 
 
 def check_layer_update(update: object, beta_scale: object, short_conv: object, causal: bool, normalize: bool | None,
-                       min_denom: object, window: object, gate: object) -> None:
+                       min_denom: object, window: object) -> None:
     """The update rule, the short convolution and the options they must (not) come with, checked when the layer
     is built."""
     if short_conv is not None and (isinstance(short_conv, bool) or not isinstance(short_conv, int) or short_conv < 1):
@@ -109,8 +109,4 @@ def check_layer_update(update: object, beta_scale: object, short_conv: object, c
         raise LinearAttentionError(
             "update='delta': the delta memory has no Σφ(k) to normalise by; leave normalize (False for this "
             "update) and min_denom unset"
-        )
-    if gate == "feature":
-        raise LinearAttentionError(
-            "gate='feature': per-feature gates do not combine with update='delta'; use gate='token' (Gated DeltaNet)"
         )
