@@ -4,6 +4,7 @@
     python benchmarks/ab.py 8d6dc4a --calls causal_fwd --rounds 40   # one call, more rounds
     python benchmarks/ab.py HEAD~1 --json out/ab.json                # also write every sample as JSON
     python benchmarks/ab.py 8d6dc4a --new 0231ac7                    # two commits, neither the working tree
+    python benchmarks/ab.py 0231ac7 --threads 1 --clock cpu          # CPU time, 1 thread: steadier under load
 
 How it measures. REF's ``src/`` is exported with ``git archive`` into a temporary folder (removed afterwards; so is
 ``--new``'s). Each side runs in its own long-lived subprocess, this file in worker mode with
@@ -15,7 +16,11 @@ range and min–max of the rounds; ``new/old`` is the ratio of the medians, ``pa
 per-round ratios, which cancels load that changes slowly. The load average is printed before and after.
 
 A call uses only API that exists at both ends of a comparison; where a side's ``linear_attention`` lacks a keyword
-a call needs (``update=`` before the delta rule), that side shows ``n/a``. Add a call in ``CALLS`` below.
+a call needs (``update=`` before the delta rule), that side shows ``n/a`` and the call is timed on the other side
+alone. Add a call in ``CALLS`` below.
+
+On a shared 2-core machine, 2 threads per side are fragile: while other processes hold the cores an OpenMP team
+waits on a descheduled thread, and a call can take 10× its quiet time. Then compare with ``--threads 1 --clock cpu``.
 """
 
 from __future__ import annotations
