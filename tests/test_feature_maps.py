@@ -383,3 +383,26 @@ def test_attention_error_falls_as_features_grow() -> None:
         errors.append(sum(runs) / len(runs))
     assert all(later < earlier for earlier, later in zip(errors, errors[1:], strict=False)), errors
     assert errors[-1] < errors[0] / 3, errors  # Monte Carlo error ∝ 1/√m: 64× the features, up to 8× less error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_elu_features_and_gradient_over_several_slices(dtype: torch.dtype, layout: str) -> None:
+    """elu + 1 on an input of several of the forward's 2^18-element slices and a partial one (the contiguous path
+    adds max(x, 0) slice by slice; a transposed input takes the whole-tensor path), against the definition in
+    float64: exp(x) for x ≤ 0, x + 1 above. Both sides are one or two roundings of the same value: 1 ulp."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 2 * 2**18 // 3 + 5, 2, generator=g, dtype=F64) * 4  # 2^19 + 30 elements
+    x = x if layout == "contiguous" else x.transpose(0, 1)
+    leaf = x.to(dtype).requires_grad_()
+    features = make("elu", dtype)(leaf)
+    grad = torch.randn(x.shape, generator=g, dtype=F64)
+    features.backward(grad.to(dtype))
+    exact = x.to(dtype).to(F64)  # the input as the map saw it
+    expected = torch.where(exact > 0, exact + 1, exact.exp())
+    assert features.shape == x.shape and features.dtype == dtype
+    tolerance = torch.finfo(dtype).eps
+    assert torch.allclose(features.to(F64), expected, rtol=tolerance, atol=0)
+    expected_grad = grad.to(dtype).to(F64) * torch.where(exact > 0, 1.0, exact.exp())  # d(elu + 1)/dx = min(φ, 1)
+    assert leaf.grad is not None
+    assert torch.allclose(leaf.grad.to(F64), expected_grad, rtol=2 * tolerance, atol=0)

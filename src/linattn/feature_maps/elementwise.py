@@ -25,6 +25,9 @@ class EluFeatureMap(FeatureMap):
         return _EluPlusOne.apply(x)
 
 
+SLICE = 1 << 18  # elements (1 MiB of fp32): large enough for every thread to share each add, small enough to reuse
+
+
 class _EluPlusOne(torch.autograd.Function):
     """elu(x) + 1 = exp(min(x, 0)) + max(x, 0), with derivative min(φ, 1), in one pass each way.
 
@@ -35,14 +38,20 @@ class _EluPlusOne(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         features = x.clamp(max=0).exp_().clamp_(min=torch.finfo(x.dtype).tiny)
-        features += x.clamp(min=0)
+        if features.is_contiguous() and x.is_contiguous():
+            # max(x, 0) added a slice at a time: a temporary as large as x would be fresh memory at every call
+            # (above the allocator's reuse threshold), and touching its pages cost as much as the add itself
+            for part, rows in zip(features.view(-1).split(SLICE), x.view(-1).split(SLICE), strict=True):
+                part += rows.clamp(min=0)
+        else:
+            features += x.clamp(min=0)
         ctx.save_for_backward(features)
         return features
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (features,) = ctx.saved_tensors
-        return grad * features.clamp(max=1)
+        return features.clamp(max=1).mul_(grad)  # in place: one tensor of x's size, not two
 
 
 class ReluFeatureMap(FeatureMap):
