@@ -271,7 +271,7 @@ def run_delta(job: Job, form: str) -> Result:
 
 def run_composed(job: Job, form: str) -> Result:
     """The window's exact part beside a linear part of another kind (a decay or gate, the delta rule, KDA): the
-    linear op of that kind on the stream delayed by W, the exact part alone, one combiner
+    exact part alone, the linear op of that kind on the stream delayed by W, one combiner
     (:mod:`linattn.forms.window.composed`). Causal, ordinary maps."""
     if form == "recurrent" and job.q.shape[-2] > 1:  # token by token: each step sees O(W + S) exact keys
         return _token_by_token(job)
@@ -279,31 +279,35 @@ def run_composed(job: Job, form: str) -> Result:
     assert state is None or isinstance(state, WindowAttentionState)
     delta = job.beta is not None
     keep = job.keep if job.keep is not None else torch.ones(job.k.shape[:-1], dtype=torch.bool, device=job.k.device)
-    keys, values, kept, betas = delayed_stream(state, job.k, job.v, keep, job.beta, job.window, job.sinks)
+    # the exact part alone: with the delta rule, its softmax sums (a factor turns off the mass)
+    factor = job.window_factor if not delta or job.window_factor is not None else torch.ones((), dtype=job.q.dtype)
+    hybrid = _hybrid(job, factor)
+    ring = state.keys if state is not None else None
+    if form == "chunked":  # it maps (and checks) q and every key once: the linear part reads those features
+        assert job.chunk_size is not None
+        parts = causal_window_parts(hybrid, job.q, job.k, job.v, job.keep, state, job.chunk_size, linear_part=False)
+        exact, rows = parts.exact, (parts.ring_features if state is not None else None, parts.features)
+        _validate.check_state_features(state.linear if state is not None else None, parts.features.shape[-1],
+                                       job.map_name)  # here, where the map is still named
+        mapped = replace(job, fmap=nn.Identity(), q=parts.qf, check_finite=False, nonnegative=False)
+    else:  # explicit weights over O(W + S) keys a query: the linear part maps its own
+        exact, rows, mapped = exact_parallel(hybrid, job.q, job.k, job.v, keep, state), (ring, job.k), job
+    keys, values, kept, betas = delayed_stream(state, rows, job.v, keep, job.beta, job.window, job.sinks)
     linear_state = state.linear if state is not None else None
     if delta:
-        linear_job = replace(job, k=keys, v=values, keep=kept, beta=betas, state=linear_state, return_state=True,
+        linear_job = replace(mapped, k=keys, v=values, keep=kept, beta=betas, state=linear_state, return_state=True,
                              window=0, sinks=0)
         linear_out, final = run_delta(linear_job, form)
     else:  # the numerator and Σφ(k) in one pass: values [v | 1], unnormalised
         assert linear_state is None or isinstance(linear_state, LinearAttentionState)
         augmented = torch.cat([values, kept.unsqueeze(-1).to(values.dtype)], dim=-1)  # (..., N, Dv + 1)
-        linear_job = replace(job, k=keys, v=augmented, keep=kept, normalize=False, return_state=True, window=0,
+        linear_job = replace(mapped, k=keys, v=augmented, keep=kept, normalize=False, return_state=True, window=0,
                              sinks=0, state=with_sums(linear_state) if linear_state is not None else None)
         run = run_gated if job.feature_gate is not None else run_plain
         linear_out, final = run(linear_job, form)
         assert isinstance(final, LinearAttentionState)
         final = without_sums(final)
     assert isinstance(final, (LinearAttentionState, DeltaRuleState))
-    # the exact part alone: with the delta rule, its softmax sums (a factor turns off the mass)
-    factor = job.window_factor if not delta or job.window_factor is not None else torch.ones((), dtype=job.q.dtype)
-    hybrid = _hybrid(job, factor)
-    if form == "chunked":
-        assert job.chunk_size is not None
-        exact = causal_window_parts(hybrid, job.q, job.k, job.v, job.keep, state, job.chunk_size,
-                                    linear_part=False).exact
-    else:
-        exact = exact_parallel(hybrid, job.q, job.k, job.v, keep, state)
     if delta:
         out = add_to_average(softmax_average(exact), linear_out, job.window_factor)
     else:

@@ -34,13 +34,16 @@ from .chunked import next_state
 
 
 def delayed_stream(
-    state: WindowAttentionState | None, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-    beta: torch.Tensor | None, window: int, sinks: int,
+    state: WindowAttentionState | None, k: tuple[torch.Tensor | None, torch.Tensor], v: torch.Tensor,
+    keep: torch.Tensor, beta: torch.Tensor | None, window: int, sinks: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This call's keys delayed by W: position i holds key n0 + i − W (n0 the tokens before the call) from the
     state's window buffer while i < W, none before the sequence start, and none for sink tokens (``keep`` False
-    there). Returns keys (..., N, Dk), values (..., N, Dv), keep (..., N) and the delta rule's β (..., N) likewise."""
-    n = k.shape[-2]
+    there). ``k`` = (the window buffer's rows (..., W0, ·) or None without a state, this call's (..., N, ·)): the keys
+    themselves or their features, as the exact part mapped them (mapped once, read by both parts). Returns key rows
+    (..., N, ·), values (..., N, Dv), keep (..., N) and the delta rule's β (..., N) likewise."""
+    ring_keys, k_rows = k
+    n = k_rows.shape[-2]
     n0 = state.num_tokens if state is not None else 0
     ring = state.keys.shape[-2] if state is not None else 0
     early = min(window, n)  # positions that read the buffer or the time before the sequence
@@ -58,12 +61,12 @@ def delayed_stream(
         parts.append(own.narrow(dim, 0, late))
         return torch.cat(parts, dim=dim)
 
-    keys = delayed(k, state.keys if state is not None else None, 0.0, -2)
+    keys = delayed(k_rows, ring_keys, 0.0, -2)
     values = delayed(v, state.values if state is not None else None, 0.0, -2)
     kept = delayed(keep, state.keep if state is not None else None, False, -1)
     blank = max(0, min(n, sinks + window - n0)) if sinks else 0  # positions holding a sink token
     if blank:
-        kept = kept & (torch.arange(n, device=k.device) >= blank)
+        kept = kept & (torch.arange(n, device=keep.device) >= blank)
     betas = None
     if beta is not None:
         buffered = state.betas if state is not None else None
