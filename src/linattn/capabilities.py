@@ -203,16 +203,16 @@ def choose_route(call: Call) -> Route:
 
 
 def check_window_combination(window: object, **others: object) -> None:
-    """The window op does not (yet) compose with decays, gates, packing or the Triton backend: refuse, never
-    ignore. Checked before anything else runs (packed calls would otherwise split first)."""
+    """The window op does not (yet) compose with packing or the Triton backend: refuse, never ignore. Checked
+    before anything else runs (packed calls would otherwise split first). Decays, gates and the delta rule compose
+    (the "composed" routes)."""
     if window is None:
         return
     given = [name for name, value in others.items() if value is not None and (name != "backend" or value == "triton")]
     if given:
         raise LinearAttentionError(
             f"window: the sliding-window hybrid does not combine with {', '.join(given)} in this version; drop "
-            f"window= (decayed or gated linear attention alone), or drop {', '.join(given)} (the hybrid alone); "
-            "packed sequences can run one call per sequence"
+            f"window=, or drop {', '.join(given)} (the hybrid alone); packed sequences can run one call per sequence"
         )
 
 
