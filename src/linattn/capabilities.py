@@ -347,6 +347,12 @@ def _composed_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any])
         found.append("an additive linear part: the step computes normalised attention with a positive map")
     if is_log_space(fmap):
         found.append("a log-space feature map: the composed step keeps every sum at scale 1")
+    return found + _fixed_option_reasons(options)
+
+
+def _fixed_option_reasons(options: dict[str, Any]) -> list[str]:
+    """A step's fixed β and decay options: one β in [0, 2], a decay rate as a float or one per head."""
+    found = []
     beta = options.get("beta")
     if beta is not None and not (isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 <= beta <= 2):
         found.append("beta: the step takes one float in [0, 2] as an option (per-token β with each call)")
@@ -367,13 +373,7 @@ def _delta_step_reasons(state: Any, options: dict[str, Any]) -> list[str]:
         found.append(f"options {', '.join(unknown)}: not reproduced by the step")
     if options.get("update") != "delta" or options.get("normalize"):
         found.append("the delta step computes update='delta' (normalize=False)")
-    beta = options.get("beta")
-    if beta is not None and not (isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 <= beta <= 2):
-        found.append("beta: the step takes one float in [0, 2] as an option (per-token β with each call)")
-    decay = options.get("decay")
-    if isinstance(decay, torch.Tensor) and decay.dim() > 1:
-        found.append("decay: the step takes a float or one rate per head (H,)")
-    return found
+    return found + _fixed_option_reasons(options)
 
 
 def choose_step(fmap: nn.Module, state: Any, options: dict[str, Any]) -> str | None:
