@@ -31,6 +31,7 @@ from .forms.kda import kda_chunked, kda_recurrent
 from .forms.window import (
     Hybrid,
     causal_window_chunked,
+    empty_window_state,
     noncausal_window_chunked,
     window_parallel,
     window_recurrent,
@@ -40,7 +41,6 @@ from .forms.window.composed import (
     add_to_average,
     composed_state,
     delayed_stream,
-    empty_buffers,
     softmax_average,
     with_sums,
     without_sums,
@@ -206,10 +206,7 @@ def run_gated(job: Job, form: str) -> Result:
 
 def run_window(job: Job, form: str) -> Result:
     """The window + sinks op in the chosen form."""
-    fmap, checks = job.fmap, job.checks()
-    hybrid = Hybrid(lambda x, is_query: map_features(fmap, x, is_query=is_query, **checks), log_space=job.log_space,
-                    window=job.window, sinks=job.sinks, factor=job.window_factor, scale=job.softmax_scale,
-                    eps=job.eps, min_denom=job.min_denom)
+    hybrid = _hybrid(job, job.window_factor)
     state = job.state
     assert state is None or isinstance(state, WindowAttentionState)
     if form in ("parallel", "recurrent"):  # the quadratic forms mask by value, with no branch on it
@@ -228,10 +225,7 @@ def run_window(job: Job, form: str) -> Result:
 
 def run_sparse(job: Job, form: str) -> Result:
     """The window op with a sparse exact cache (forms/window/sparse.py); causal, ordinary maps."""
-    fmap, checks = job.fmap, job.checks()
-    hybrid = Hybrid(lambda x, is_query: map_features(fmap, x, is_query=is_query, **checks), log_space=False,
-                    window=job.window, sinks=job.sinks, factor=job.window_factor, scale=job.softmax_scale,
-                    eps=job.eps, min_denom=job.min_denom)
+    hybrid = _hybrid(job, job.window_factor)  # ordinary maps only (the capability table refuses log-space ones)
     state, cache = job.state, job.sparse_cache
     assert (state is None or isinstance(state, WindowAttentionState)) and cache is not None
     if form == "chunked":
@@ -313,7 +307,7 @@ def run_composed(job: Job, form: str) -> Result:
     else:
         lin = (linear_out[..., :-1], linear_out[..., -1])
         out = hybrid.combine(lin, exact, None, None)
-    prev = state if state is not None else empty_buffers(job.k, job.v, job.window, job.sinks, final)
+    prev = state if state is not None else empty_window_state(hybrid, job.k, job.v, 0)  # its linear part replaced
     return out, composed_state(prev, final, job.k, job.v, keep, job.beta)
 
 

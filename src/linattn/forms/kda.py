@@ -46,11 +46,7 @@ import torch.nn.functional as F
 
 from ..state import DeltaRuleState
 from .delta import _batch_rows, _by_tiles, _chunked, _state_sweep, adjoint_sweep, compose_maps
-
-# the largest per-feature log-gate span of a chunk whose pair weights are one product (factors within e^{±30})
-GEMM_SPAN = 60.0
-# sub-chunk length for stronger gates: the pairs within a sub-chunk cost O(C·SUB_CHUNK·F) per chunk
-SUB_CHUNK = 8
+from .gated import GEMM_SPAN, SUB_CHUNK  # the same fp32 bound on a product's factors, and sub-chunk length
 
 
 def kda_recurrent(

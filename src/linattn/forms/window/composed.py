@@ -101,14 +101,6 @@ def without_sums(state: LinearAttentionState) -> LinearAttentionState:
                                 torch.zeros_like(state.kv[..., 0, 0]), state.num_tokens)
 
 
-def empty_buffers(k: torch.Tensor, v: torch.Tensor, window: int, sinks: int,
-                  linear: LinearAttentionState | DeltaRuleState) -> WindowAttentionState:
-    """A window state that has seen nothing, around a given (empty) linear state."""
-    keep = torch.ones(*k.shape[:-2], 0, dtype=torch.bool, device=k.device)
-    rows_k, rows_v = k.new_zeros(*k.shape[:-2], 0, k.shape[-1]), v.new_zeros(*v.shape[:-2], 0, v.shape[-1])
-    return WindowAttentionState(linear, rows_k, rows_v, keep, rows_k, rows_v, keep, window, sinks, 0)
-
-
 def composed_state(
     prev: WindowAttentionState, linear: LinearAttentionState | DeltaRuleState, k: torch.Tensor, v: torch.Tensor,
     keep: torch.Tensor, beta: torch.Tensor | None,
