@@ -88,6 +88,33 @@ def test_a_named_map_with_delta_options_round_trips(tiny_base, tmp_path):
     assert torch.equal(logits(reloaded, tokenizer), logits(model, tokenizer))  # elu has no parameters: same ops
 
 
+@pytest.mark.parametrize("gate", ["token", "feature"])
+def test_gates_round_trip_through_the_folder(tiny_base, tmp_path, gate):
+    """A gated delta-rule (or KDA) student beside a window: the gates' weights and settings are saved, and the
+    reloaded model gives the same logits, bit for bit (same weights, same operations, one process)."""
+    from linattn.evaluate import load_model
+    from linattn.nn import KeyGates
+
+    model, tokenizer, _ = load_model(str(tiny_base), causal_lm=True)
+    before = fingerprint(model)
+    generator = torch.Generator().manual_seed(2)
+    gates = [KeyGates(2, 16, gate=gate, num_features=16 if gate == "feature" else None) for _ in range(2)]
+    with torch.no_grad():
+        for module in gates:
+            for param in module.parameters():
+                param.add_(torch.randn(param.shape, generator=generator))
+    options = {"update": "delta", "window": 8, "sinks": 2}
+    hf.linearize(model, "elu", gates=gates, **options)
+    assert fingerprint(model) == before  # the gates are not the base model
+    save_linearized(model, tmp_path / "gated", maps="elu", options=options, base=str(tiny_base), gates=gates)
+    entry = json.loads((tmp_path / "gated" / INDEX).read_text())
+    assert entry["gates"]["config"]["gate"] == gate and entry["gates"]["layers"] == 2
+    reloaded, _ = load_linearized(tmp_path / "gated")
+    assert torch.equal(logits(reloaded, tokenizer), logits(model, tokenizer))
+    hf.linearize(reloaded, "elu", **options)  # the same model without its gates computes something else
+    assert not torch.allclose(logits(reloaded, tokenizer), logits(model, tokenizer), atol=1e-4)
+
+
 def test_the_fingerprint_ignores_linearizing_but_not_the_weights(tiny_base):
     from linattn.evaluate import load_model
 

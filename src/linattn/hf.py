@@ -61,6 +61,7 @@ IMPLEMENTATION = "linattn"
 DEFAULT_FEATURE_MAP = "elu"
 MAP_ATTRIBUTE = "linattn_feature_map"
 OPTIONS_ATTRIBUTE = "linattn_options"
+GATES_ATTRIBUTE = "linattn_gates"
 # linear_attention arguments that linattn.hf sets itself, per call
 _OWN_ARGUMENTS = frozenset({"q", "k", "v", "feature_map", "causal", "key_padding_mask", "initial_state",
                             "return_state"})
@@ -152,21 +153,26 @@ def linattn_attention_forward(
     if c != 1.0:
         query, key = query * c, key * c
     fmap, options = _feature_map_of(module, head_dim), getattr(module, OPTIONS_ATTRIBUTE, None) or {}
+    gates = getattr(module, GATES_ATTRIBUTE, None)  # per-token β / log-gates from the keys (linattn.nn.KeyGates)
     if layer is not None:
         from .hf_cache import attend
 
-        return attend(layer, fmap, query, key, value, keep, options).transpose(1, 2).contiguous(), None
+        return attend(layer, fmap, query, key, value, keep, options, gates).transpose(1, 2).contiguous(), None
     if causal and num_queries < num_keys:
         # the queries are the last positions (a KV cache): causal attention over all keys with placeholder
         # queries in front; their outputs are discarded, and query t still sees keys ≤ its own position only
         filler = query[..., :1, :].expand(*query.shape[:-2], num_keys - num_queries, head_dim)
         query = torch.cat([filler, query], dim=-2)  # (B, H, Nk, d)
+    def per_token(k: torch.Tensor) -> dict[str, Any]:
+        return {} if gates is None else gates(k)
+
     pads = left_pads(keep, options)
     if pads is not None:  # a left-padded batch with sinks: each row on its own, its sinks its own first tokens
-        out = by_rows(pads, lambda q, k, v: linear_attention(q, k, v, feature_map=fmap, causal=causal, **options),
-                      query, key, value)
+        out = by_rows(pads, lambda q, k, v: linear_attention(q, k, v, feature_map=fmap, causal=causal, **options,
+                                                             **per_token(k)), query, key, value)
     else:
-        out = linear_attention(query, key, value, feature_map=fmap, causal=causal, key_padding_mask=keep, **options)
+        out = linear_attention(query, key, value, feature_map=fmap, causal=causal, key_padding_mask=keep, **options,
+                               **per_token(key))
     out = out[..., -num_queries:, :]  # (B, H, Nq, dv)
     return out.transpose(1, 2).contiguous(), None  # (B, Nq, H, dv)
 
@@ -264,6 +270,25 @@ def _check_attention_options(options: dict[str, Any]) -> None:
         _validate.check_update(update, get("beta"), True, normalize, get("min_denom"), None, torch.empty(0))
 
 
+def _check_gates(gates: Sequence[nn.Module] | None, layers: int, options: dict[str, Any]) -> list[nn.Module] | None:
+    """One gates module per layer, and the options they need: β only with the delta rule, neither with fixed ones."""
+    if gates is None:
+        return None
+    if isinstance(gates, nn.Module) or not isinstance(gates, Sequence) or len(gates) != layers:
+        raise LinearAttentionError(f"gates: expected one module per attention layer ({layers}), got "
+                                   f"{type(gates).__name__}{'' if not isinstance(gates, Sequence) else len(gates)}")
+    for layer, module in enumerate(gates):
+        if not isinstance(module, nn.Module):
+            raise LinearAttentionError(f"gates[{layer}]: expected an nn.Module, got {type(module).__name__}")
+        gives_beta = getattr(module, "beta_weight", None) is not None
+        if gives_beta and options.get("update", "add") != "delta":
+            raise LinearAttentionError(f"gates[{layer}]: gives a write strength β, which belongs to the delta rule; "
+                                       "pass update='delta' (or gates without β)")
+        if gives_beta and options.get("beta") is not None:
+            raise LinearAttentionError("beta: a fixed β beside gates that compute one per token; drop beta=")
+    return list(gates)
+
+
 def _cache_from_json(cache: Any) -> Any:
     """A sparse cache as a saved folder's options hold it: a list of per-head sizes, or a dict of
     :class:`~linattn.SparseCache` fields (``size`` and ``linear_weight`` lists are per head); anything else as given."""
@@ -280,7 +305,8 @@ def _cache_from_json(cache: Any) -> Any:
     return cache
 
 
-def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP, **options: Any) -> nn.Module:
+def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP, *,
+              gates: Sequence[nn.Module] | None = None, **options: Any) -> nn.Module:
     """Install feature maps in every attention layer of a transformers ``model`` and switch it to ``"linattn"``.
 
     Args:
@@ -292,6 +318,9 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
             - a registered name (``"elu"``, ``"favor+"``, ...): one new map per layer, built with ``options``
               (e.g. ``num_features=``, ``seed=``; a random map with ``seed=`` gets ``seed + layer``),
             - one module, shared by every layer.
+        gates: one module per attention layer that computes per-token ``beta`` (the delta rule's write strength)
+            and ``log_gate`` from the layer's keys (B, Hkv, N, d), e.g. :class:`linattn.nn.KeyGates`; kept as the
+            submodule ``linattn_gates`` and called at every attention call, decoding included. None removes any.
         options: keyword options of ``linear_attention`` (``window=``, ``sinks=``, ``eps=``, ``chunk_size=``, ...
             whatever it accepts) are kept for every attention call; the others go to a named map.
 
@@ -347,7 +376,12 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
             f"feature_maps: {len(maps)} maps for {len(modules)} attention layers; pass one per layer "
             "(fitted on this model) or a single map/name"
         )
+    layer_gates = _check_gates(gates, len(modules), attention_options)
     for layer, (module, fmap) in enumerate(zip(modules, maps, strict=True)):
+        if hasattr(module, GATES_ATTRIBUTE):
+            delattr(module, GATES_ATTRIBUTE)
+        if layer_gates is not None:
+            setattr(module, GATES_ATTRIBUTE, layer_gates[layer])
         if not isinstance(fmap, nn.Module):
             raise LinearAttentionError(f"feature_maps[{layer}]: expected an nn.Module, got {type(fmap).__name__}")
         map_heads = getattr(fmap, "num_heads", None)

@@ -199,35 +199,55 @@ def install(model: Any) -> None:
 
 
 def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           keep: torch.Tensor | None, options: dict[str, Any]) -> torch.Tensor:
-    """Causal attention of this call's q, k, v (B, H|Hkv, N, ·) after the keys in ``layer``'s state; updates it."""
+           keep: torch.Tensor | None, options: dict[str, Any], gates: Any = None) -> torch.Tensor:
+    """Causal attention of this call's q, k, v (B, H|Hkv, N, ·) after the keys in ``layer``'s state; updates it.
+    ``gates``: a module that gives per-token ``beta`` / ``log_gate`` from the keys (:class:`linattn.nn.KeyGates`)."""
     if layer.stepper is not None and q.shape[-2] == 1:
-        return layer.stepper(q, k, v, keep)
+        if gates is None:
+            return layer.stepper(q, k, v, keep)
+        if isinstance(layer.stepper, RowSteps):
+            return layer.stepper(q, k, v, keep, gates=gates)
+        return layer.stepper(q, k, v, keep, **step_arguments(gates(k), q.shape[1]))
     if layer.stepper is None and layer.state is None:
         pads = left_pads(keep, options)
         if pads is not None:  # a left-padded prompt and sinks: each row on its own, its sinks its own first tokens
-            return _prefill_rows(layer, fmap, q, k, v, pads, options)
+            return _prefill_rows(layer, fmap, q, k, v, pads, options, gates)
+    per_token = {} if gates is None else gates(k)
     out, state = linear_attention(
         q, k, v, feature_map=fmap, causal=True, key_padding_mask=keep, initial_state=layer.current_state(),
-        return_state=True, **options,
+        return_state=True, **options, **per_token,
     )
     layer.state = state
     layer.stepper = lean_step(fmap, state, options, k.shape[1])  # token by token from here on, where one applies
     return out
 
 
+def step_arguments(per_token: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
+    """One token's ``beta`` (B, Hkv, 1) and ``log_gate`` (B, Hkv, 1[, F]) as a decoding step takes them: per query
+    head, (B, H) and ``log_decay`` (B, H[, F])."""
+    out = {}
+    for name, value in per_token.items():
+        value = value.squeeze(2)  # the one token
+        if value.shape[1] != heads:
+            value = value.repeat_interleave(heads // value.shape[1], dim=1)
+        out["log_decay" if name == "log_gate" else name] = value
+    return out
+
+
 def _prefill_rows(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pads: list[int],
-                  options: dict[str, Any]) -> torch.Tensor:
+                  options: dict[str, Any], gates: Any = None) -> torch.Tensor:
     """The first call of a left-padded batch with sinks: each row alone, then one step for the batch."""
     states: list[Any] = []
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out, state = linear_attention(q, k, v, feature_map=fmap, causal=True, return_state=True, **options)
+        per_token = {} if gates is None else gates(k)
+        out, state = linear_attention(q, k, v, feature_map=fmap, causal=True, return_state=True, **options,
+                                      **per_token)
         states.append(state)
         return out
 
     out = by_rows(pads, run, q, k, v)
-    if all(supports_window(fmap, state, options) for state in states):
+    if gates is None and all(supports_window(fmap, state, options) for state in states):
         steps = [window_step(fmap, state, options, k.shape[1]) for state in states]
         layer.stepper = WindowDecodeStep.stack(steps, pads)
     else:
@@ -248,13 +268,14 @@ class RowSteps:
         return len(self.states)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 keep: torch.Tensor | None = None) -> torch.Tensor:
+                 keep: torch.Tensor | None = None, gates: Any = None) -> torch.Tensor:
         outs = []
         for row, state in enumerate(self.states):
+            key = k[row : row + 1]
             out, self.states[row] = linear_attention(
-                q[row : row + 1], k[row : row + 1], v[row : row + 1], feature_map=self.fmap, causal=True,
+                q[row : row + 1], key, v[row : row + 1], feature_map=self.fmap, causal=True,
                 key_padding_mask=None if keep is None else keep[row : row + 1], initial_state=state,
-                return_state=True, **self.options,
+                return_state=True, **self.options, **({} if gates is None else gates(key)),
             )
             outs.append(out)
         return torch.cat(outs)

@@ -10,6 +10,8 @@ The folder holds what :func:`linattn.hf.linearize` needs besides the base model,
     linattn.json          format, the base model (name or path as given, and a fingerprint of its weights and
                           config), the maps (a file or a registered name), the linearize options, the adapters
     maps.safetensors      fitted maps (FittedFeatureMaps.save), when the maps are fitted
+    gates.safetensors     per-token β and gates from the keys (linattn.nn.KeyGates, one per layer), when there
+                          are any; their settings in linattn.json
     lora/                 LoRA adapters in peft's format (LoRA.save), when there are any
     results.json          what was measured (written by ``linattn linearize``; ``{}`` otherwise)
     README.md             the card (``linattn linearize``)
@@ -37,6 +39,7 @@ from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
 FORMAT = "linattn-linearized"
 VERSION = 1
 INDEX, MAPS_FILE, ADAPTERS_FOLDER, RESULTS_FILE = "linattn.json", "maps.safetensors", "lora", "results.json"
+GATES_FILE = "gates.safetensors"
 # config keys that say how a model was loaded or run, not what it computes
 _VOLATILE_CONFIG = ("transformers_version", "dtype", "torch_dtype", "use_cache", "architectures")
 _HASHED_TENSORS = 4  # the first two and last two parameters by name, besides every name and shape
@@ -57,7 +60,7 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
 def _base_parameter_name(name: str) -> str | None:
     """A state-dict name as the base model has it (peft's ``.base_layer`` removed), or None for what linearizing
     and adapters added (feature maps, LoRA A/B)."""
-    if hf.MAP_ATTRIBUTE in name or ".lora_" in name:
+    if hf.MAP_ATTRIBUTE in name or hf.GATES_ATTRIBUTE in name or ".lora_" in name:
         return None
     return name.replace(".base_layer.", ".")
 
@@ -100,11 +103,53 @@ def _maps_entry(maps: Any, directory: Path) -> dict[str, Any]:
     )
 
 
+def _gates_entry(gates: Any, directory: Path) -> dict[str, Any] | None:
+    """Write ``gates`` (one :class:`~linattn.nn.KeyGates` per layer) as ``gates.safetensors``; their settings."""
+    if gates is None:
+        return None
+    from safetensors.torch import save_file
+
+    from ..nn import KeyGates
+
+    gates = list(gates)
+    if not gates or not all(isinstance(module, KeyGates) for module in gates):
+        raise LinearAttentionError("gates: a folder saves linattn.nn.KeyGates, one per layer; got "
+                                   f"{[type(module).__name__ for module in gates]}")
+    tensors = {f"layers.{layer}.{name}": tensor.detach().to("cpu").contiguous()
+               for layer, module in enumerate(gates) for name, tensor in module.state_dict().items()}
+    partial = directory / f".{GATES_FILE}.partial"
+    save_file(tensors, str(partial))
+    os.replace(partial, directory / GATES_FILE)
+    return {"file": GATES_FILE, "kind": "key", "config": gates[0].config(), "layers": len(gates)}
+
+
+def load_gates(directory: str | os.PathLike[str], entry: dict[str, Any] | None) -> list[Any] | None:
+    """The gates a folder's ``linattn.json`` names (``entry["gates"]``), or None."""
+    if not entry:
+        return None
+    from safetensors.torch import load_file
+
+    from ..nn import KeyGates
+
+    if entry.get("kind") != "key" or not isinstance(entry.get("config"), dict):
+        raise LinearAttentionError(f"gates: {entry!r} in {os.fspath(directory)!r} is not a KeyGates entry this "
+                                   "version reads; save the folder again with this version")
+    tensors = load_file(str(Path(directory) / entry["file"]))
+    gates = []
+    for layer in range(int(entry["layers"])):
+        module = KeyGates(**entry["config"])
+        prefix = f"layers.{layer}."
+        module.load_state_dict({name[len(prefix):]: value for name, value in tensors.items()
+                                if name.startswith(prefix)})
+        gates.append(module)
+    return gates
+
+
 def save_linearized(model: Any, directory: str | os.PathLike[str], *, maps: Any = hf.DEFAULT_FEATURE_MAP,
                     options: dict[str, Any] | None = None, base: str | None = None, adapters: Any = None,
-                    results: dict[str, Any] | None = None) -> Path:
+                    results: dict[str, Any] | None = None, gates: Any = None) -> Path:
     """Write the folder of the module docstring for ``model``, linearized by ``hf.linearize(model, maps,
-    **options)`` (with ``adapters``, a :class:`~linattn.train.lora.LoRA`, attached or not).
+    gates=gates, **options)`` (with ``adapters``, a :class:`~linattn.train.lora.LoRA`, attached or not).
 
     ``base``: the name or path the base model loads from offline (``"smollm2"``, a folder; default: the model's
     ``config._name_or_path``). ``options`` must be JSON values (numbers, strings, booleans). Returns the folder.
@@ -125,6 +170,9 @@ def save_linearized(model: Any, directory: str | os.PathLike[str], *, maps: Any 
     entry = {"format": FORMAT, "version": VERSION,
              "base": {"model": base, "fingerprint": fingerprint(model), "class": type(model).__name__},
              "maps": _maps_entry(maps, directory), "options": json.loads(options_text), "adapters": None}
+    gates_entry = _gates_entry(gates, directory)
+    if gates_entry is not None:
+        entry["gates"] = gates_entry
     if adapters is not None:
         adapters.save(directory / ADAPTERS_FOLDER)
         entry["adapters"] = ADAPTERS_FOLDER
@@ -187,7 +235,7 @@ def load_linearized(directory: str | os.PathLike[str], *, base: str | None = Non
     options = dict(entry["options"])
     if sparse_cache is not None:
         options["sparse_cache"] = sparse_cache
-    hf.linearize(model, maps, **options)
+    hf.linearize(model, maps, gates=load_gates(directory, entry.get("gates")), **options)
     if entry.get("adapters"):
         from ..train.lora import load_lora  # peft: only for a folder with adapters
 

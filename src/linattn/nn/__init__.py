@@ -30,9 +30,10 @@ from ..features import FeatureMapLike, resolve_feature_map
 from ..functional import linear_attention
 from ..state import DeltaRuleState, LinearAttentionState, ShortConvState, SparseCache, WindowAttentionState
 from .decoder import LayerDecoder
+from .key_gates import KeyGates
 from .parts import OutputGate, ShortConv, check_layer_update
 
-__all__ = ["LayerDecoder", "LinearAttention"]
+__all__ = ["KeyGates", "LayerDecoder", "LinearAttention"]
 
 # the data-dependent gate, as GLA: logsigmoid of a rank-16 projection, divided by a temperature of 16
 GATE_RANK = 16

@@ -1,0 +1,99 @@
+"""Write strengths and forget gates of a linearized model's attention, computed from the model's own keys.
+
+A pretrained softmax model has no β projection and no gate to learn them with. :class:`KeyGates` reads them off
+the keys the attention already computes, with a handful of new parameters per head (the same idea as Liger's gates
+from the key projection: Lan et al. 2025, "Liger: Linearizing Large Language Models to Gated Recurrent
+Structures"; the descriptor below is this project's own).
+
+**The descriptor is invariant to the rotary embedding.** transformers hands the attention function keys after
+RoPE, which rotates each pair of features (i, i + d/2) by an angle that depends on the position. The length of
+each pair, r_i = ((k_i)² + (k_{i+d/2})²)^½, does not change under the rotation, so the gates see what the key *is*,
+not where it sits: u = log(1 + r) ∈ R^{d/2}, per token and key head. Then, per key head h,
+
+    β_t = sigmoid(u_t · w_β[h] + b_β[h])                      the delta rule's write strength, in (0, 1)
+    g_t = logsigmoid(u_t · w_g[h] + b_g[h])                   a forget gate per token (``gate="token"``)
+    g_t = logsigmoid(u_t W_g[h] + b_g[h])  ∈ R^F               or per feature of the map (``gate="feature"``, KDA)
+
+**Initialisation near the teacher.** The weights start at 0 and the biases at ``beta_bias`` = −3 (β ≈ 0.05: the
+memory writes little, so the model starts close to the softmax window beside it, which a model tolerates with
+little loss) and ``gate_bias`` = 7 (a ≈ 0.9991: a horizon of about a thousand tokens). Training moves them.
+
+Called with keys (B, Hkv, N, d) it returns the per-token arguments of ``linear_attention``: ``{"beta": (B, Hkv, N),
+"log_gate": (B, Hkv, N) or (B, Hkv, N, F)}`` (key heads: ``linear_attention`` repeats them over the query heads).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import LinearAttentionError
+
+GATE_KINDS = (None, "token", "feature")
+
+
+class KeyGates(nn.Module):
+    """β and a forget gate per token from the keys' rotation-invariant pair lengths (module docstring)."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, *, beta: bool = True, gate: str | None = "token",
+                 num_features: int | None = None, beta_bias: float = -3.0, gate_bias: float = 7.0) -> None:
+        super().__init__()
+        if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+            raise LinearAttentionError(f"num_kv_heads: expected an int ≥ 1, got {num_kv_heads!r}")
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+            raise LinearAttentionError(f"head_dim: expected an even int ≥ 2 (RoPE pairs), got {head_dim!r}")
+        if gate not in GATE_KINDS:
+            raise LinearAttentionError(f"gate: expected one of {GATE_KINDS}, got {gate!r}")
+        if gate == "feature" and (not isinstance(num_features, int) or num_features < 1):
+            raise LinearAttentionError(f"num_features: gate='feature' needs the map's feature count, got "
+                                       f"{num_features!r}")
+        if not beta and gate is None:
+            raise LinearAttentionError("beta=False and gate=None: nothing to compute; pass beta=True or a gate")
+        self.num_kv_heads, self.head_dim, self.gate = num_kv_heads, head_dim, gate
+        self.num_features = num_features if gate == "feature" else None
+        half = head_dim // 2
+        self.beta_weight = nn.Parameter(torch.zeros(num_kv_heads, half)) if beta else None
+        self.beta_bias = nn.Parameter(torch.full((num_kv_heads,), float(beta_bias))) if beta else None
+        width = 1 if gate == "token" else (num_features or 0)
+        self.gate_weight = nn.Parameter(torch.zeros(num_kv_heads, half, width)) if gate else None
+        self.gate_bias = nn.Parameter(torch.full((num_kv_heads, width), float(gate_bias))) if gate else None
+
+    def config(self) -> dict[str, Any]:
+        """The constructor's arguments (saved beside the weights; the biases' values are in the weights)."""
+        return {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "beta": self.beta_weight is not None,
+                "gate": self.gate, "num_features": self.num_features}
+
+    def descriptor(self, key: torch.Tensor) -> torch.Tensor:
+        """u = log(1 + r), r the lengths of the RoPE pairs (i, i + d/2): (B, Hkv, N, d/2)."""
+        half = self.head_dim // 2
+        pairs = key[..., :half].square() + key[..., half:].square()
+        return torch.log1p(torch.sqrt(pairs + 1e-12))
+
+    def forward(self, key: torch.Tensor) -> dict[str, torch.Tensor]:
+        if key.dim() != 4 or key.shape[1] != self.num_kv_heads or key.shape[-1] != self.head_dim:
+            raise LinearAttentionError(
+                f"key: expected (B, {self.num_kv_heads}, N, {self.head_dim}) (the attention's keys), got "
+                f"{tuple(key.shape)}"
+            )
+        u = self.descriptor(key.to(self._dtype()))  # (B, Hkv, N, d/2)
+        out: dict[str, torch.Tensor] = {}
+        if self.beta_weight is not None and self.beta_bias is not None:
+            logit = torch.einsum("bhnc,hc->bhn", u, self.beta_weight) + self.beta_bias[:, None]
+            out["beta"] = torch.sigmoid(logit)
+        if self.gate_weight is not None and self.gate_bias is not None:
+            logit = torch.einsum("bhnc,hcf->bhnf", u, self.gate_weight) + self.gate_bias[:, None, :]
+            gate = F.logsigmoid(logit)
+            out["log_gate"] = gate.squeeze(-1) if self.gate == "token" else gate
+        return out
+
+    def _dtype(self) -> torch.dtype:
+        weight = self.beta_weight if self.beta_weight is not None else self.gate_weight
+        assert weight is not None
+        return weight.dtype
+
+    def extra_repr(self) -> str:
+        return (f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, beta={self.beta_weight is not None}, "
+                f"gate={self.gate!r}, num_features={self.num_features}")

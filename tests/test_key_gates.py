@@ -1,0 +1,138 @@
+"""KeyGates: per-token β and forget gates from a linearized model's own keys (linattn.nn.key_gates), and their
+place in linattn.hf (every attention call, the state cache's decoding steps)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from linattn import LinearAttentionError
+from linattn.nn import KeyGates
+
+
+def _rotate(key: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Each feature pair (i, i + d/2) turned by its own angle, written out (Llama's rotate-half layout)."""
+    half = key.shape[-1] // 2
+    x, y = key[..., :half], key[..., half:]
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    return torch.cat([x * cos - y * sin, x * sin + y * cos], dim=-1)
+
+
+def _randomised(gates: KeyGates, seed: int) -> KeyGates:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in gates.parameters():
+            param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    return gates
+
+
+def test_the_descriptor_does_not_see_the_rotary_embedding():
+    torch.manual_seed(0)
+    gates = _randomised(KeyGates(3, 8, gate="feature", num_features=5).double(), 1)
+    key = torch.randn(2, 3, 7, 8, dtype=torch.float64)
+    angles = torch.rand(2, 3, 7, 4, dtype=torch.float64) * 2 * math.pi  # any angle per token and pair
+    plain, turned = gates(key), gates(_rotate(key, angles))
+    for name in ("beta", "log_gate"):
+        torch.testing.assert_close(turned[name], plain[name], rtol=1e-12, atol=1e-12)
+    # and the descriptor is the pair lengths' log1p, computed here from the definition
+    lengths = torch.stack([torch.hypot(key[..., i], key[..., i + 4]) for i in range(4)], dim=-1)
+    # (the 1e-12 under the root, there so that a zero pair has a finite gradient, moves a length by ≤ 1e-6)
+    torch.testing.assert_close(gates.descriptor(key), torch.log1p(lengths), rtol=0, atol=1e-6)
+
+
+def test_initial_values_start_near_the_teacher_and_the_shapes_are_per_key_head():
+    torch.manual_seed(0)
+    key = torch.randn(2, 3, 5, 8) * 4
+    token = KeyGates(3, 8)(key)
+    assert token["beta"].shape == token["log_gate"].shape == (2, 3, 5)
+    torch.testing.assert_close(token["beta"], torch.full((2, 3, 5), 1 / (1 + math.exp(3.0))))
+    torch.testing.assert_close(token["log_gate"], torch.full((2, 3, 5), -math.log1p(math.exp(-7.0))))
+    feature = KeyGates(3, 8, gate="feature", num_features=6, beta=False)(key)
+    assert set(feature) == {"log_gate"} and feature["log_gate"].shape == (2, 3, 5, 6)
+    assert set(KeyGates(3, 8, gate=None)(key)) == {"beta"}
+
+
+@pytest.mark.parametrize("arguments, match", [
+    ({"num_kv_heads": 0, "head_dim": 8}, "num_kv_heads"),
+    ({"num_kv_heads": 2, "head_dim": 7}, "head_dim"),
+    ({"num_kv_heads": 2, "head_dim": 8, "gate": "head"}, "gate"),
+    ({"num_kv_heads": 2, "head_dim": 8, "gate": "feature"}, "num_features"),
+    ({"num_kv_heads": 2, "head_dim": 8, "gate": None, "beta": False}, "nothing to compute"),
+])
+def test_bad_constructions_are_refused(arguments, match):
+    with pytest.raises(LinearAttentionError, match=match):
+        KeyGates(**arguments)
+
+
+def test_a_key_of_another_shape_is_refused():
+    with pytest.raises(LinearAttentionError, match=r"expected \(B, 2, N, 8\)"):
+        KeyGates(2, 8)(torch.randn(1, 3, 4, 8))
+
+
+# --- in a linearized transformers model ---------------------------------------------------------------------------
+
+def _linearized(gate: str | None, window: int | None, seed: int = 5):
+    pytest.importorskip("transformers")
+    import linattn.hf as hf
+    from test_decoder_generate import tiny_llama
+
+    model = tiny_llama()
+    gates = [_randomised(KeyGates(2, 8, gate=gate, num_features=8 if gate == "feature" else None), seed + i)
+             for i in range(2)]
+    options = {} if window is None else {"window": window, "sinks": 2}
+    return hf.linearize(model, "elu", gates=gates, update="delta", **options)
+
+
+@pytest.mark.parametrize("gate, window", [("token", 16), ("feature", 16), (None, 16), ("token", None)],
+                         ids=["gated-delta+window", "kda+window", "delta+window", "gated-delta"])
+def test_generation_with_gates_equals_recompute(gate, window):
+    """The gates are computed from each new key in the decoding step as in the chunked call over the whole
+    sequence: greedy tokens equal, logits within fp32 rounding of sums in another order."""
+    from linattn.decode import ComposedDecodeStep, DeltaDecodeStep
+
+    model = _linearized(gate, window)
+    ids = torch.randint(1, 60, (1, 40), generator=torch.Generator().manual_seed(3))  # past the window of 16
+    with torch.no_grad():
+        cached = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
+                                return_dict_in_generate=True)
+        recomputed = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, use_cache=False,
+                                    output_logits=True, return_dict_in_generate=True)
+    kind = ComposedDecodeStep if window is not None else DeltaDecodeStep
+    assert all(isinstance(layer.stepper, kind) for layer in cached.past_key_values.layers)
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    for ours, full in zip(cached.logits, recomputed.logits, strict=True):
+        torch.testing.assert_close(ours, full, rtol=1e-4, atol=1e-4)
+
+
+def test_the_gates_change_the_model_and_train():
+    """Other gate weights give other logits (the gates are used), and a loss reaches every gate parameter."""
+    model = _linearized("token", 16)
+    ids = torch.randint(1, 60, (1, 40), generator=torch.Generator().manual_seed(3))
+    first = model(input_ids=ids).logits
+    gates = model.model.layers[0].self_attn.linattn_gates
+    with torch.no_grad():
+        gates.beta_bias.add_(2.0)
+    second = model(input_ids=ids).logits
+    assert not torch.allclose(first, second, atol=1e-3)
+    second.logsumexp(-1).mean().backward()
+    for param in gates.parameters():
+        assert param.grad is not None and bool(param.grad.abs().sum() > 0)
+
+
+def test_linearize_checks_the_gates():
+    pytest.importorskip("transformers")
+    import linattn.hf as hf
+    from test_decoder_generate import tiny_llama
+
+    two = [KeyGates(2, 8), KeyGates(2, 8)]
+    with pytest.raises(LinearAttentionError, match="belongs to the delta rule"):
+        hf.linearize(tiny_llama(), "elu", gates=two, window=16)
+    with pytest.raises(LinearAttentionError, match="one module per attention layer"):
+        hf.linearize(tiny_llama(), "elu", gates=two[:1], update="delta")
+    with pytest.raises(LinearAttentionError, match="drop beta="):
+        hf.linearize(tiny_llama(), "elu", gates=two, update="delta", beta=0.5)
+    model = hf.linearize(tiny_llama(), "elu", gates=two, update="delta")
+    hf.linearize(model, "elu", update="delta", beta=0.5)  # linearized again without gates: none left
+    assert not hasattr(model.model.layers[0].self_attn, hf.GATES_ATTRIBUTE)
