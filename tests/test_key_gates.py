@@ -71,6 +71,31 @@ def test_a_key_of_another_shape_is_refused():
         KeyGates(2, 8)(torch.randn(1, 3, 4, 8))
 
 
+def test_the_read_out_weight_gives_the_window_average_plus_lambda_times_the_memory():
+    """λ·(composed route with γ = 1/λ) = A + λ·R, with A (the window's softmax average) and R (the memory's
+    read-out) taken from two plain calls of the composed route: β = 0 writes nothing (out = A), and γ = 1 gives
+    A + R. float64."""
+    import linattn
+    from linattn.hf import readout_options
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, 40, 8, dtype=torch.float64).unbind(0)
+    gates = _randomised(KeyGates(2, 8, readout=True).double(), 3)
+    per_token = gates(k)
+    options = {"window": 8, "sinks": 2, "update": "delta"}
+    average = linattn.linear_attention(q, k, v, causal=True, **options, beta=torch.zeros(1, 2, 40,
+                                       dtype=torch.float64), log_gate=per_token["log_gate"])
+    both = linattn.linear_attention(q, k, v, causal=True, **options, **per_token)
+    weighted, weight = readout_options(gates, 2, options)
+    assert weight is not None and weight.shape == (2,)
+    out = linattn.linear_attention(q, k, v, causal=True, **weighted, **per_token) * weight[:, None, None]
+    lam = weight[:, None, None]
+    torch.testing.assert_close(out, average + lam * (both - average), rtol=1e-10, atol=1e-12)
+    assert float((both - average).detach().abs().max()) > 0.1  # the memory reads something: not vacuous
+    at_start = KeyGates(2, 8, readout=True).readout_weight(4)
+    torch.testing.assert_close(at_start, torch.full((4,), 1 / (1 + math.exp(4.0))))
+
+
 # --- in a linearized transformers model ---------------------------------------------------------------------------
 
 def _linearized(gate: str | None, window: int | None, seed: int = 5):
@@ -79,8 +104,8 @@ def _linearized(gate: str | None, window: int | None, seed: int = 5):
     from test_decoder_generate import tiny_llama
 
     model = tiny_llama()
-    gates = [_randomised(KeyGates(2, 8, gate=gate, num_features=8 if gate == "feature" else None), seed + i)
-             for i in range(2)]
+    gates = [_randomised(KeyGates(2, 8, gate=gate, num_features=8 if gate == "feature" else None,
+                                  readout=window is not None), seed + i) for i in range(2)]
     options = {} if window is None else {"window": window, "sinks": 2}
     return hf.linearize(model, "elu", gates=gates, update="delta", **options)
 
@@ -133,6 +158,11 @@ def test_linearize_checks_the_gates():
         hf.linearize(tiny_llama(), "elu", gates=two[:1], update="delta")
     with pytest.raises(LinearAttentionError, match="drop beta="):
         hf.linearize(tiny_llama(), "elu", gates=two, update="delta", beta=0.5)
+    weighed = [KeyGates(2, 8, readout=True), KeyGates(2, 8, readout=True)]
+    with pytest.raises(LinearAttentionError, match="read-out weight"):
+        hf.linearize(tiny_llama(), "elu", gates=weighed, update="delta")  # no window: nothing to weigh against
+    with pytest.raises(LinearAttentionError, match="read-out weight"):
+        hf.linearize(tiny_llama(), "elu", gates=weighed, update="delta", window=8, window_factor=2.0)
     model = hf.linearize(tiny_llama(), "elu", gates=two, update="delta")
     hf.linearize(model, "elu", update="delta", beta=0.5)  # linearized again without gates: none left
     assert not hasattr(model.model.layers[0].self_attn, hf.GATES_ATTRIBUTE)

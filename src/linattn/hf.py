@@ -154,10 +154,13 @@ def linattn_attention_forward(
         query, key = query * c, key * c
     fmap, options = _feature_map_of(module, head_dim), getattr(module, OPTIONS_ATTRIBUTE, None) or {}
     gates = getattr(module, GATES_ATTRIBUTE, None)  # per-token β / log-gates from the keys (linattn.nn.KeyGates)
+    options, weight = readout_options(gates, query.shape[1], options)
     if layer is not None:
         from .hf_cache import attend
 
-        return attend(layer, fmap, query, key, value, keep, options, gates).transpose(1, 2).contiguous(), None
+        out = attend(layer, fmap, query, key, value, keep, options, gates)
+        out = out if weight is None else out * weight.to(out.dtype)[:, None, None]
+        return out.transpose(1, 2).contiguous(), None
     if causal and num_queries < num_keys:
         # the queries are the last positions (a KV cache): causal attention over all keys with placeholder
         # queries in front; their outputs are discarded, and query t still sees keys ≤ its own position only
@@ -174,7 +177,20 @@ def linattn_attention_forward(
         out = linear_attention(query, key, value, feature_map=fmap, causal=causal, key_padding_mask=keep, **options,
                                **per_token(key))
     out = out[..., -num_queries:, :]  # (B, H, Nq, dv)
+    if weight is not None:
+        out = out * weight.to(out.dtype)[:, None, None]
     return out.transpose(1, 2).contiguous(), None  # (B, Nq, H, dv)
+
+
+def readout_options(gates: Any, heads: int, options: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """The options of a call with ``gates`` that weigh the memory's read-out by λ (:class:`linattn.nn.KeyGates`
+    with ``readout=True``): γ = 1/λ, so that the composed route's γ·A + R times λ is A + λ·R; and λ (H,) to
+    multiply the output by. Without such gates, the options as given and None."""
+    weigh = getattr(gates, "readout_weight", None)
+    weight = None if weigh is None else weigh(heads)
+    if weight is None:
+        return options, None
+    return {**options, "window_factor": 1.0 / weight}, weight
 
 
 def _cache_layer(module: nn.Module, key: torch.Tensor) -> Any:
@@ -286,6 +302,10 @@ def _check_gates(gates: Sequence[nn.Module] | None, layers: int, options: dict[s
                                        "pass update='delta' (or gates without β)")
         if gives_beta and options.get("beta") is not None:
             raise LinearAttentionError("beta: a fixed β beside gates that compute one per token; drop beta=")
+        if getattr(module, "readout", None) is not None and (options.get("window") is None
+                                                             or options.get("window_factor") is not None):
+            raise LinearAttentionError(f"gates[{layer}]: a read-out weight λ weighs the memory beside the window "
+                                       "(γ = 1/λ): pass window= and no window_factor=")
     return list(gates)
 
 

@@ -14,9 +14,18 @@ not where it sits: u = log(1 + r) ∈ R^{d/2}, per token and key head. Then, per
     g_t = logsigmoid(u_t · w_g[h] + b_g[h])                   a forget gate per token (``gate="token"``)
     g_t = logsigmoid(u_t W_g[h] + b_g[h])  ∈ R^F               or per feature of the map (``gate="feature"``, KDA)
 
-**Initialisation near the teacher.** The weights start at 0 and the biases at ``beta_bias`` = −3 (β ≈ 0.05: the
-memory writes little, so the model starts close to the softmax window beside it, which a model tolerates with
-little loss) and ``gate_bias`` = 7 (a ≈ 0.9991: a horizon of about a thousand tokens). Training moves them.
+**The read-out's weight.** Beside the window the delta family's output is γ·A + R (A the softmax average of the
+exact keys, R = Sᵀφ̂(q) the memory's read-out; docs/window.md). The delta rule is an error-correcting filter: even
+a small β drives R towards the stored values, so R is as large as a value from the first few hundred tokens on,
+and an untrained memory adds a value's worth of noise to every output (measured on SmolLM2: held-out perplexity
+45.9 against the window's 20). ``readout=True`` adds a weight λ = sigmoid(ρ) per key head (ρ starting at
+``readout_bias`` = −4, λ ≈ 0.018), so that the layer computes A + λ·R and starts at the window alone. It costs the
+core no new option: with γ = 1/λ the composed route gives γ·A + R, and ``linattn.hf`` multiplies that by λ
+(:meth:`readout_weight`; exact, up to rounding, in every form and in the decoding step).
+
+**Initialisation near the teacher.** The weights start at 0 and the biases at ``beta_bias`` = −3 (β ≈ 0.05) and
+``gate_bias`` = 7 (a ≈ 0.9991: a horizon of about a thousand tokens); with the read-out weight near 0 the model
+starts as the softmax window and sinks alone, which a model tolerates with little loss. Training moves them.
 
 Called with keys (B, Hkv, N, d) it returns the per-token arguments of ``linear_attention``: ``{"beta": (B, Hkv, N),
 "log_gate": (B, Hkv, N) or (B, Hkv, N, F)}`` (key heads: ``linear_attention`` repeats them over the query heads).
@@ -39,7 +48,8 @@ class KeyGates(nn.Module):
     """β and a forget gate per token from the keys' rotation-invariant pair lengths (module docstring)."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, *, beta: bool = True, gate: str | None = "token",
-                 num_features: int | None = None, beta_bias: float = -3.0, gate_bias: float = 7.0) -> None:
+                 num_features: int | None = None, beta_bias: float = -3.0, gate_bias: float = 7.0,
+                 readout: bool = False, readout_bias: float = -4.0) -> None:
         super().__init__()
         if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
             raise LinearAttentionError(f"num_kv_heads: expected an int ≥ 1, got {num_kv_heads!r}")
@@ -60,11 +70,21 @@ class KeyGates(nn.Module):
         width = 1 if gate == "token" else (num_features or 0)
         self.gate_weight = nn.Parameter(torch.zeros(num_kv_heads, half, width)) if gate else None
         self.gate_bias = nn.Parameter(torch.full((num_kv_heads, width), float(gate_bias))) if gate else None
+        self.readout = nn.Parameter(torch.full((num_kv_heads,), float(readout_bias))) if readout else None
 
     def config(self) -> dict[str, Any]:
         """The constructor's arguments (saved beside the weights; the biases' values are in the weights)."""
         return {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "beta": self.beta_weight is not None,
-                "gate": self.gate, "num_features": self.num_features}
+                "gate": self.gate, "num_features": self.num_features, "readout": self.readout is not None}
+
+    def readout_weight(self, num_heads: int) -> torch.Tensor | None:
+        """λ per query head (H,) (each key head's weight repeated over its group), or None without ``readout``."""
+        if self.readout is None:
+            return None
+        if num_heads % self.num_kv_heads:
+            raise LinearAttentionError(f"num_heads: {num_heads} query heads for {self.num_kv_heads} key heads; "
+                                       "expected a multiple")
+        return torch.sigmoid(self.readout).repeat_interleave(num_heads // self.num_kv_heads)
 
     def descriptor(self, key: torch.Tensor) -> torch.Tensor:
         """u = log(1 + r), r the lengths of the RoPE pairs (i, i + d/2): (B, Hkv, N, d/2)."""
@@ -96,4 +116,4 @@ class KeyGates(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, beta={self.beta_weight is not None}, "
-                f"gate={self.gate!r}, num_features={self.num_features}")
+                f"gate={self.gate!r}, num_features={self.num_features}, readout={self.readout is not None}")

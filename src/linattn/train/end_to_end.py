@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from .. import hf
 from ..errors import LinearAttentionError
@@ -276,10 +277,10 @@ def fit_end_to_end(
 
     Args:
         model: a causal LM after ``hf.linearize(model, fitted)``; its own weights are frozen here, its maps trained
-            in place (each attention module's ``linattn_feature_map``, and a ``window_factor`` tensor in its
-            options: the γ form). texts: training sequences (strings, or token ids (N,)), each truncated to
-            ``max_tokens`` tokens; the last
-            ``held_out`` of them are held out for early stopping (every ``eval_every`` steps).
+            in place (each attention module's ``linattn_feature_map``, its ``linattn_gates`` when it has any, and
+            a ``window_factor`` tensor in its options: the γ form). texts: training sequences (strings, or token
+            ids (N,)), each truncated to ``max_tokens`` tokens; the last ``held_out`` of them are held out for
+            early stopping (every ``eval_every`` steps).
         steps, lr: Adam steps (one sequence each) and learning rate.
         heads: None (train every head's map), or a (layers, heads) bool tensor: only the marked heads' map
             parameters (and γ factors) are trained, the others stay exactly as they were.
@@ -308,6 +309,11 @@ def fit_end_to_end(
     if any(fmap is None for fmap in maps) or model.config._attn_implementation != hf.IMPLEMENTATION:
         raise LinearAttentionError("model: not linearized; call linattn.hf.linearize(model, fitted_maps) first")
     params = [param for fmap in maps if fmap is not None for param in fmap.parameters()]
+    gated = [param for module in modules for param in getattr(module, hf.GATES_ATTRIBUTE, nn.Identity()).parameters()]
+    if gated and heads is not None:
+        raise LinearAttentionError("heads: the model's gates (linattn_gates) are per key head, not per head; train "
+                                   "every head (heads=None)")
+    params += gated
     for module in modules:
         factor = getattr(module, hf.OPTIONS_ATTRIBUTE, {}).get("window_factor")
         if isinstance(factor, torch.Tensor):

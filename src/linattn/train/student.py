@@ -1,0 +1,102 @@
+"""The layer-wise fit of a linearized student whose linear part is not the additive state: each attention layer's
+output, computed as the linearized model will compute it (the softmax window and sinks, the linear part beside
+them with its per-token β and gates from :class:`~linattn.nn.KeyGates`), trained to the output of the model's own
+softmax attention on captured sequences.
+
+The Hedgehog fit (:mod:`linattn.train.distill`) matches attention *weights*, which the additive state has and the
+delta rule does not (its read-out is a value, not a sum of weights). Here the loss is on the layer's output: per
+head, the mean squared error over the positions past the window, divided by the teacher output's mean square there
+(so that every head and layer counts alike), averaged. The layers are independent (each sees its captured q, k, v),
+so one step runs every layer on one captured sequence and updates all maps and gates together.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._progress import progress_bar
+from ..errors import LinearAttentionError
+from ..functional import linear_attention
+from ..hf import readout_options
+
+
+def teacher_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal softmax attention (1, H, N, dv) of q (1, H, N, d) over k, v (1, Hkv, N, ·): the fit's target."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                                            enable_gqa=k.shape[1] != q.shape[1])
+
+
+def student_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmap: nn.Module, gates: nn.Module | None,
+                    scaling: float, options: dict[str, Any]) -> torch.Tensor:
+    """The linearized layer's attention output (1, H, N, dv), as :func:`linattn.hf.linattn_attention_forward`
+    computes it (q and k scaled by c = (s·√d)^½, the per-token arguments from the keys)."""
+    c = math.sqrt(scaling * math.sqrt(q.shape[-1]))
+    if c != 1.0:
+        q, k = q * c, k * c
+    per_token = {} if gates is None else gates(k)
+    options, weight = readout_options(gates, q.shape[1], options)
+    out = linear_attention(q, k, v, feature_map=fmap, causal=True, **options, **per_token)
+    return out if weight is None else out * weight.to(out.dtype)[:, None, None]
+
+
+def fit_student(capture: Any, maps: Sequence[nn.Module], gates: Sequence[nn.Module | None], options: dict[str, Any],
+                *, steps: int = 100, lr: float = 0.01, progress: bool = False) -> dict[str, Any]:
+    """Train ``maps`` and ``gates`` (one per layer, in place) so that every layer's linearized output, with the
+    ``linear_attention`` ``options`` (``window``, ``sinks``, ``update``, ...), matches its softmax output on the
+    sequences of ``capture`` (an :class:`~linattn.evaluate.AttentionCapture`). ``steps`` Adam steps, one captured
+    sequence each (in turn). Returns ``{"history": [(step, loss)], "seconds": s}``; the parameters after the last
+    step are kept (the end-to-end stage that follows has a held-out set to choose by)."""
+    layers, window = capture.num_layers, int(options.get("window") or 0)
+    if len(maps) != layers or len(gates) != layers:
+        raise LinearAttentionError(f"maps/gates: one per layer ({layers}), got {len(maps)}/{len(gates)}")
+    if not capture.queries or steps < 0:
+        raise LinearAttentionError(f"capture/steps: need a captured sequence and steps ≥ 0, got "
+                                   f"{len(capture.queries)}/{steps}")
+    if capture.queries[0].shape[-2] <= window:
+        raise LinearAttentionError(f"capture: sequences of {capture.queries[0].shape[-2]} tokens are within the "
+                                   f"window ({window}); capture longer pieces (the fit trains what lies beyond it)")
+    params = [p for module in [*maps, *gates] if module is not None for p in module.parameters()]
+    if not params:
+        raise LinearAttentionError("maps/gates: nothing to train (a named map without parameters and no gates)")
+    optimizer = torch.optim.Adam(params, lr=lr)
+    targets: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def target(sequence: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if (sequence, layer) not in targets:
+            q, k, v = (t[sequence][layer][None] for t in (capture.queries, capture.keys, capture.values))
+            with torch.no_grad():
+                out = teacher_outputs(q, k, v, capture.scaling)[..., window:, :]
+            targets[sequence, layer] = out, out.square().mean(dim=(-1, -2)).clamp_min(1e-12)  # (1, H)
+        return targets[sequence, layer]
+
+    history: list[tuple[int, float]] = []
+    sequences = len(capture.queries)
+    start = time.perf_counter()
+    bar = progress_bar(total=steps, desc="student fit", enabled=progress)
+    for step in range(steps):
+        sequence = step % sequences
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for layer in range(layers):
+            q, k, v = (t[sequence][layer][None] for t in (capture.queries, capture.keys, capture.values))
+            out = student_outputs(q, k, v, maps[layer], gates[layer], capture.scaling, options)[..., window:, :]
+            wanted, scale = target(sequence, layer)
+            loss = ((out - wanted).square().mean(dim=(-1, -2)) / scale).mean() / layers
+            loss.backward()  # layer by layer: one layer's graph alive at a time
+            total += float(loss.detach())
+        if not math.isfinite(total):
+            raise LinearAttentionError(f"fitting: the student loss became non-finite at step {step}; lower lr")
+        optimizer.step()
+        history.append((step, total))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{total:.4f}")
+    if bar is not None:
+        bar.close()
+    return {"history": history, "seconds": time.perf_counter() - start}
