@@ -153,12 +153,14 @@ def training_set(plain: list[torch.Tensor], corpus: list[torch.Tensor], options:
 
 
 def train_end_to_end(model: Any, tokenizer: Any, fitted: FittedFeatureMaps, config: LMCompareConfig, train: str,
-                     plain: list[torch.Tensor], heads: torch.Tensor | None) -> tuple[Any, Any, dict[str, Any]]:
+                     plain: list[torch.Tensor], heads: torch.Tensor | None, *, gates: list[Any] | None = None,
+                     student_options: dict[str, Any] | None = None) -> tuple[Any, Any, dict[str, Any]]:
     """A copy of ``fitted`` trained end to end (:mod:`.end_to_end`) on the sampled sequences ``plain`` (and their
     copying sequences, and the train text with ``--end-to-end-corpus-orders``); only the ``heads`` marked, when
     given (the others with ``--train-other-heads``). ``fitted`` stays as it was. With ``--end-to-end-lora R`` the
     maps stay as they are and rank-R adapters are trained instead (detached from the model on return). Returns the
-    copy, the adapters (or None) and what it took."""
+    copy, the adapters (or None) and what it took. ``gates`` (a student's, :class:`linattn.nn.KeyGates` per layer)
+    are trained in place beside the maps, with the student's ``linear_attention`` options (``update="delta"``)."""
     options = config.end_to_end
     corpus: list[torch.Tensor] = []
     if options.corpus_orders:  # the training text itself, in paragraph orders, beside the samples
@@ -167,7 +169,8 @@ def train_end_to_end(model: Any, tokenizer: Any, fitted: FittedFeatureMaps, conf
     if heads is not None and options.train_other_heads:
         heads = ~heads
     tuned = copy.deepcopy(fitted)
-    hf.linearize(model, tuned, **options.cache_options)  # with --sparse-cache, trained with the cache in place
+    # with --sparse-cache, trained with the cache in place; a student's gates and update rule likewise
+    hf.linearize(model, tuned, gates=gates, **options.cache_options, **(student_options or {}))
     adapters = add_lora(model, rank=options.lora_rank) if options.lora_rank else None
     if adapters is not None:
         heads = None  # every map stays as it is (the retrieval heads' maps may come from --retrieval-maps)

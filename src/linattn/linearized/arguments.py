@@ -7,6 +7,8 @@ import argparse
 
 from ..evaluate.defaults import LM_SINKS, LM_WINDOW
 
+STUDENT_NAMES = ("hedgehog", "gated-delta", "kda")  # linattn.linearized.students defines them
+
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``linattn generate`` (:mod:`linattn.linearized.generate`)."""
@@ -36,6 +38,10 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
         "counts that fit (replaces --fit-steps and --end-to-end-steps) and as many samples as those steps use (up "
         "to --end-to-end-samples)")
     add("--heldout", default=None, help="held-out text file for the measuring stage (default: the shipped corpus)")
+    add("--student", choices=STUDENT_NAMES, default="hedgehog", help="what replaces each attention layer beside "
+        "the window and sinks: hedgehog (Hedgehog maps, the additive state), gated-delta (a gated delta-rule "
+        "memory, β and the gate from the model's keys), kda (the same with a gate per feature); "
+        "docs/linearize.md")
     add("--window", type=int, default=LM_WINDOW, help="softmax window beside the linear part")
     add("--sinks", type=int, default=LM_SINKS, help="sink tokens (the first tokens, always attended)")
     add("--sparse-cache", type=int, default=0, help="a sparse exact cache of N pairs per head beside the window "

@@ -107,6 +107,12 @@ def _gates_entry(gates: Any, directory: Path) -> dict[str, Any] | None:
     """Write ``gates`` (one :class:`~linattn.nn.KeyGates` per layer) as ``gates.safetensors``; their settings."""
     if gates is None:
         return None
+    return {**save_gates(gates, directory / GATES_FILE), "file": GATES_FILE}
+
+
+def save_gates(gates: Any, path: Path) -> dict[str, Any]:
+    """Write ``gates`` (one :class:`~linattn.nn.KeyGates` per layer) to the safetensors file ``path`` (through a
+    temporary name); their settings, as ``linattn.json`` records them (``file`` the path's name)."""
     from safetensors.torch import save_file
 
     from ..nn import KeyGates
@@ -117,10 +123,10 @@ def _gates_entry(gates: Any, directory: Path) -> dict[str, Any] | None:
                                    f"{[type(module).__name__ for module in gates]}")
     tensors = {f"layers.{layer}.{name}": tensor.detach().to("cpu").contiguous()
                for layer, module in enumerate(gates) for name, tensor in module.state_dict().items()}
-    partial = directory / f".{GATES_FILE}.partial"
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
     save_file(tensors, str(partial))
-    os.replace(partial, directory / GATES_FILE)
-    return {"file": GATES_FILE, "kind": "key", "config": gates[0].config(), "layers": len(gates)}
+    os.replace(partial, path)
+    return {"file": path.name, "kind": "key", "config": gates[0].config(), "layers": len(gates)}
 
 
 def load_gates(directory: str | os.PathLike[str], entry: dict[str, Any] | None) -> list[Any] | None:

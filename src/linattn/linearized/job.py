@@ -52,17 +52,24 @@ from ..state import SparseCache
 from ..train.end_to_end import cache_split
 from .card import perplexity_by_position, write_card
 from .folder import atomic_write, save_linearized
+from .students import (
+    attention_options,
+    fit_delta_student,
+    load_stage_gates,
+    save_stage_gates,
+    student,
+)
 
 STAGES = ("fit", "end_to_end", "measure")
 # what --out must have free, beyond the checkpoints' estimate: the card, the plot, the samples, a margin
 DISK_MARGIN = 64 * 2**20
 # options that change what a stage makes (a rerun must pass the same); --quiet and --budget's own value do not
-_PLANNED = ("model", "text", "heldout", "window", "sinks", "fit_steps", "num_features", "fit_max_tokens", "fit_orders",
-            "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "lora", "sparse_cache",
+_PLANNED = ("model", "text", "heldout", "student", "window", "sinks", "fit_steps", "num_features", "fit_max_tokens",
+            "fit_orders", "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "lora", "sparse_cache",
             "sparse_cache_heads", "sparse_cache_floor", "sparse_cache_linear_weight", "budget")
 # what a plan saved before an option existed meant
 _EARLIER_DEFAULTS = {"sparse_cache": 0, "sparse_cache_heads": "uniform", "sparse_cache_floor": None,
-                     "sparse_cache_linear_weight": 1.0}
+                     "sparse_cache_linear_weight": 1.0, "student": "hedgehog"}
 
 
 def prepare_out(out: str) -> Path:
@@ -157,6 +164,13 @@ class Job:
         if args.budget is not None and not args.budget > 0:
             raise LinearAttentionError(f"--budget: need minutes > 0, got {args.budget}")
         _check_cache_heads(args)
+        self.student = student(getattr(args, "student", "hedgehog"))
+        if self.student.delta and (args.sparse_cache or args.budget is not None):
+            raise LinearAttentionError(
+                f"--student {self.student.name}: a sparse cache beside the delta rule is not supported yet, and "
+                "--budget calibrates the Hedgehog fit; drop --sparse-cache/--budget (give --fit-steps and "
+                "--end-to-end-steps) or pass --student hedgehog")
+        self.gates: list[Any] | None = None  # a delta-rule student's KeyGates, one per layer
         self.args, self.folder = args, prepare_out(args.out)
         self.stages = Stages(self.folder, args.quiet)
         saved = self._saved_plan()  # a rerun with other options fails here, before the model loads
@@ -217,11 +231,22 @@ class Job:
         self.stages.log(name, "started", **({"estimate_s": round(estimate)} if estimate is not None else {}))
 
     def fit(self) -> FittedFeatureMaps:
-        if self.stages.done("fit") is not None:
+        if (done := self.stages.done("fit")) is not None:
             self.stages.log("fit", "skipped (finished before)")
+            self.gates = load_stage_gates(self.stages.folder, done.get("gates"))
             return load_feature_maps(str(self.stages.folder / "fit.safetensors"))
         self._starting("fit")
         begin = time.perf_counter()
+        if self.student.delta:
+            fitted, self.gates, info = fit_delta_student(self.model, self.tokenizer, self.name, self.train,
+                                                         self.config, self.student)
+            self.stages.save_maps(fitted, "fit")
+            entry = save_stage_gates(self.gates, self.stages.folder, "fit")
+            self.stages.finish("fit", {"seconds": time.perf_counter() - begin, "steps": self.config.fit.steps,
+                                       **info, "gates": entry, "summary": f"{self.student.summary}: fitted layer by "
+                                       f"layer to the softmax outputs, {self.config.fit.steps} steps on "
+                                       f"{info['captured_tokens']} captured tokens"})
+            return fitted
         caches = self._fit_caches()
         fitted, tokens = fit_hedgehog(self.model, self.tokenizer, self.name, self.train, self.config, with_window=True,
                                       sparse_cache=caches)
@@ -251,8 +276,9 @@ class Job:
             self._ensure_split()  # the measured row has the split the fit had
             return fitted, None
         adapters_folder = self.stages.folder / "lora"
-        if self.stages.done("end_to_end") is not None:
+        if (done := self.stages.done("end_to_end")) is not None:
             self.stages.log("end_to_end", "skipped (finished before)")
+            self.gates = load_stage_gates(self.stages.folder, done.get("gates"))
             self._split_cache(None)
             tuned = load_feature_maps(str(self.stages.folder / "end_to_end.safetensors"))
             return tuned, self._adapters(adapters_folder) if options.lora_rank else None
@@ -262,13 +288,15 @@ class Job:
         plain, _ = training_sequences(self.model, self.tokenizer, self.train, options)
         self._split_cache(plain)
         tuned, adapters, info = train_end_to_end(self.model, self.tokenizer, fitted, self.config, self.train, plain,
-                                                 None)
+                                                 None, gates=self.gates,
+                                                 student_options=attention_options(self.student))
         if adapters is not None:
             partial = self.stages.folder / f".lora.partial-{os.getpid()}"
             adapters.save(partial)
             shutil.rmtree(adapters_folder, ignore_errors=True)
             os.replace(partial, adapters_folder)
         self.stages.save_maps(tuned, "end_to_end")
+        info["gates"] = save_stage_gates(self.gates, self.stages.folder, "end_to_end")
         what = f"LoRA r={options.lora_rank} adapters (fine-tuned)" if adapters is not None else "the maps"
         self.stages.finish("end_to_end", {
             "seconds": time.perf_counter() - begin, **info,
@@ -333,12 +361,12 @@ class Job:
         args, model = self.args, self.model
         rows = []
         positions = min(2048, getattr(model.config, "max_position_embeddings", None) or 2048)
-        cache = self.config.end_to_end.cache_options
+        cache = {**self.config.end_to_end.cache_options, **attention_options(self.student)}
         wide = args.window + args.sparse_cache  # the softmax window of equal memory: W + λ keys
         label = f"window {wide} + {args.sinks} sinks (softmax)"
         for name, switch in (("original (softmax)", lambda: model.set_attn_implementation("sdpa")),
                              (label, lambda: use_window_softmax(model, wide, args.sinks)),
-                             ("linearized", lambda: hf.linearize(model, tuned, **cache))):
+                             ("linearized", lambda: hf.linearize(model, tuned, gates=self.gates, **cache))):
             switch()
             if adapters is not None and name == "linearized":
                 adapters.attach()
@@ -350,7 +378,8 @@ class Job:
                       flush=True)
         stages = {name: info for name in STAGES[:2] if (info := self.stages.done(name)) is not None}
         probes = self.config.probes
-        result = {"model": self.name, "base": args.model, "window": args.window, "sinks": args.sinks,
+        result = {"model": self.name, "base": args.model, "student": self.student.name, "window": args.window,
+                  "sinks": args.sinks,
                   "sparse_cache": args.sparse_cache, "sparse_cache_heads": args.sparse_cache_heads,
                   "sparse_cache_linear_weight": args.sparse_cache_linear_weight,
                   "heldout_source": f"`{args.heldout}`" if args.heldout else "the shipped corpus's held-out text",
@@ -359,7 +388,7 @@ class Job:
                   "threads": torch.get_num_threads(), "rows": rows, "stages": stages,
                   "fine_tuned": adapters is not None}
         save_linearized(model, self.folder, maps=tuned, options=cache, base=args.model, adapters=adapters,
-                        results=result)
+                        results=result, gates=self.gates)
         write_card(result, str(self.folder))
         self.stages.finish("measure", {"seconds": time.perf_counter() - begin})
         return result

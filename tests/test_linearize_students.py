@@ -1,0 +1,103 @@
+"""`linattn linearize --student NAME`: the delta-rule students fitted, trained and measured in place, saved with
+their gates, reloaded with the logits of the measured model, and resumed after an interruption."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from linattn import hf  # noqa: E402
+from linattn.linearized import load_linearized  # noqa: E402
+from test_linearize_job import command, events, tiny  # noqa: E402, F401  (tiny: a fixture)
+from test_linearized import TEXT  # noqa: E402
+
+
+def gates_while_training(monkeypatch):
+    """(gate kind, update) of every attention layer when the end-to-end stage starts training."""
+    from linattn.evaluate import lm_stages
+
+    seen = []
+    real = lm_stages.fit_end_to_end
+
+    def spy(model, *args, **kwargs):
+        seen.extend((getattr(module, hf.GATES_ATTRIBUTE).gate, getattr(module, hf.OPTIONS_ATTRIBUTE)["update"])
+                    for module in hf.attention_modules(model))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", spy)
+    return seen
+
+
+@pytest.mark.parametrize("name, gate", [("gated-delta", "token"), ("kda", "feature")])
+def test_a_delta_student_is_trained_in_place_saved_and_reloaded(tiny, tmp_path, monkeypatch, name, gate):  # noqa: F811
+    from linattn.cli import main
+    from linattn.linearized import job as linearize_job
+
+    seen = gates_while_training(monkeypatch)
+    out = tmp_path / name
+    measured = {}
+    real_measure = linearize_job.Job.measure
+
+    def keep_model(self, *args):
+        result = real_measure(self, *args)
+        measured["model"] = self.model  # linearized as the measured row was
+        return result
+
+    monkeypatch.setattr(linearize_job.Job, "measure", keep_model)
+    assert main(command(tiny, out, "--student", name)) == 0
+    assert seen and all(item == (gate, "delta") for item in seen)
+    entry = json.loads((out / "linattn.json").read_text())
+    assert entry["options"]["update"] == "delta" and entry["gates"]["config"]["gate"] == gate
+    results = json.loads((out / "results.json").read_text())
+    assert results["student"] == name and results["stages"]["fit"]["gates"]["file"] == "fit_gates.safetensors"
+    reloaded, tokenizer = load_linearized(out)
+    ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
+    with torch.no_grad():
+        ours, theirs = reloaded(input_ids=ids).logits, measured["model"](input_ids=ids).logits
+    assert torch.equal(ours, theirs)  # the same weights, maps, gates and operations in one process
+
+
+def test_a_delta_student_resumes_after_the_fit(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """Interrupted in the end-to-end stage, a rerun skips the fit and trains from the fit's saved maps and gates."""
+    from linattn.cli import main
+    from linattn.evaluate import lm_stages
+    from linattn.linearized import students
+
+    out = tmp_path / "resumed"
+    real = lm_stages.fit_end_to_end
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(command(tiny, out, "--student", "gated-delta"))
+    fitted_gates = students.load_stage_gates(out / "stages", json.loads((out / "stages" / "fit.done").read_text())
+                                             ["gates"])
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", real)
+    fits = []
+    monkeypatch.setattr(students, "fit_student", lambda *a, **k: fits.append(1))
+    started = {}
+
+    def spy(model, *args, **kwargs):
+        started["bias"] = hf.attention_modules(model)[0].linattn_gates.beta_bias.detach().clone()
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", spy)
+    assert main(command(tiny, out, "--student", "gated-delta")) == 0
+    assert not fits and ("fit", "skipped (finished before)") in events(out)
+    assert torch.equal(started["bias"], fitted_gates[0].beta_bias.detach())  # the fit's gates, read back
+
+
+def test_what_the_delta_students_do_not_take_is_refused(tiny, tmp_path, capsys):  # noqa: F811
+    from linattn.cli import main
+
+    assert main(command(tiny, tmp_path / "a", "--student", "kda", "--sparse-cache", "4")) == 2
+    assert "not supported yet" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        main(command(tiny, tmp_path / "b", "--student", "rwkv"))
