@@ -19,6 +19,7 @@ from linattn.evaluate.probes import (  # noqa: E402
     passkeys,
     repeat_perplexity,
     repeated_passages,
+    repeats_by_gap,
 )
 
 
@@ -163,3 +164,22 @@ def test_probe_scores_separate_recall_from_no_recall():
     assert repeat_perplexity(amnesia, repeat) == pytest.approx(100.0)  # uniform over 100 tokens
     # the repeat's first token follows gap text and cannot be copied: one miss in 30 tokens keeps it above 1
     assert repeat_perplexity(recall, repeat) < 4.0
+
+
+def test_repeats_by_gap_scores_each_gap_and_marks_the_ones_the_text_cannot_hold():
+    tok = CharTokenizer()
+    text = "".join(random.Random(1).choices("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz", k=300))
+    recall = Copier(100, memory=True)
+    found = repeats_by_gap(recall, tok, text, [50, 200, 280], passage_tokens=30, trials=2)
+    assert list(found) == ["50", "200", "280"]
+    assert found["280"] is None  # 30 + 280 > 300 characters: the gap would hold the passage again
+    assert found["50"] == repeat_perplexity(recall, repeated_passages(tok, text, passage_tokens=30, gap_tokens=50,
+                                                                      trials=2))
+    assert found["200"] is not None and found["200"] < 4.0
+
+
+def test_the_long_held_out_text_holds_a_passage_3072_tokens_back():
+    from linattn.data import load_text
+
+    long = load_text("heldout_long")
+    assert len(long.split()) > 3500 and long not in load_text("heldout")

@@ -94,6 +94,18 @@ def test_the_students_layer_output_is_the_linearized_models(captured):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_sequences_within_the_window_are_left_out_of_the_fit(captured):
+    """A captured piece no longer than the window has no position past it to train on (its loss would be the mean
+    of nothing, NaN): the fit uses the longer pieces only."""
+    model, _ = captured
+    capture = capture_attention(model, char_tokenizer(eos="\n"), [TEXT, TEXT[:40]], max_tokens=200,
+                                model_name="tiny")
+    assert min(q.shape[-2] for q in capture.queries) <= 60 < max(q.shape[-2] for q in capture.queries)
+    maps, gates = _student("token")
+    info = fit_student(capture, maps, gates, {"window": 60, "sinks": 2, "update": "delta"}, steps=4)
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in info["history"])
+
+
 def test_bad_fits_are_refused(captured):
     _, capture = captured
     maps, gates = _student("token")

@@ -15,11 +15,12 @@ from importlib import resources
 
 from ..errors import LinearAttentionError
 
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout", "heldout_long")
 
 
 def load_text(split: str = "train") -> str:
-    """The text of one split: ``"train"`` or ``"heldout"``."""
+    """The text of one split: ``"train"``, ``"heldout"``, or ``"heldout_long"`` (about 5,000 tokens of other
+    prose, for probes that need a passage thousands of tokens back)."""
     if split not in SPLITS:
         raise LinearAttentionError(f"split: expected one of {SPLITS}, got {split!r}")
     return resources.files(__name__).joinpath(f"{split}.txt").read_text(encoding="utf-8")

@@ -168,3 +168,18 @@ def long_range_probes(
         for length in passkey_lengths
     }
     return {"repeat_perplexity": repeat, "passkey": accuracy, "seconds": time.perf_counter() - start}
+
+
+def repeats_by_gap(model: Any, tokenizer: Any, text: str, gaps: list[int] | tuple[int, ...], *,
+                   passage_tokens: int = 128, trials: int = 4) -> dict[str, float | None]:
+    """The repeated passage's perplexity ``gap`` tokens back, for each gap: ``{str(gap): perplexity}``, None where
+    ``text`` is too short for a passage and that gap (the gap must not contain the passage again)."""
+    out: dict[str, float | None] = {}
+    length = len(_ids(tokenizer, text))
+    for gap in gaps:
+        if passage_tokens + gap > length:
+            out[str(gap)] = None
+            continue
+        out[str(gap)] = repeat_perplexity(model, repeated_passages(tokenizer, text, passage_tokens=passage_tokens,
+                                                                   gap_tokens=gap, trials=trials))
+    return out

@@ -68,7 +68,12 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
     add("--lora", type=int, default=0, help="train rank-R LoRA adapters of the attention projections in the "
         "end-to-end stage instead of the maps (fine-tuning: the card says so); 0: none")
     add("--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="passkey filler tokens")
-    add("--passkey-trials", type=int, default=3, help="passkey trials per filler length")
+    add("--passkey-trials", type=int, default=20, help="passkey trials per filler length (the card gives each "
+        "rate with its 95 %% Wilson interval)")
+    add("--repeat-gaps", type=int, nargs="+", default=[512, 1536, 3072], help="the repeated passage measured this "
+        "many tokens back too, on --probe-text (a memory that must hold at any context: each is a column)")
+    add("--probe-text", default=None, help="text for the repeated passage at --repeat-gaps (default: the shipped "
+        "long held-out text, written for the project and seen by no model)")
     add("--repeat-trials", type=int, default=4, help="repeated passages")
     add("--passage-tokens", type=int, default=128, help="tokens of the repeated passage")
     add("--gap-tokens", type=int, default=512, help="tokens between the passage and its repeat")

@@ -83,11 +83,13 @@ def card_lines(result: dict[str, Any], plotted: bool) -> list[str]:
     weighed = f" (the linear part weighed {weight:g} beside it)" if cache and weight != 1 else ""
     kept = (f" and a sparse exact cache of {cache} older key/value pairs per head{per_head} trained and measured in "
             f"place{weighed}" if cache else "")
+    part = result.get("student_summary") or "Hedgehog maps, the additive state beside the softmax window"
+    gaps = list(result["rows"][0].get("repeat_by_gap") or {}) if result["rows"] else []
     lines = [
         f"# {result['model']}, linearized", "",
-        f"Every attention layer of `{result['model']}` is linear attention with learned Hedgehog feature maps beside "
-        f"a softmax window (recent tokens: {result['window']}, sink tokens: {result['sinks']}){kept} "
-        "(linattn's sliding-window hybrid); its memory per layer stays the same at any context length.",
+        f"Every attention layer of `{result['model']}` is linear attention: {part} (recent tokens: "
+        f"{result['window']}, sink tokens: {result['sinks']}){kept}; its memory per layer stays the same at any "
+        "context length.",
         "", "Load it (offline: the base model is loaded from the name or path recorded in `linattn.json`):", "",
         "    model, tokenizer = linattn.evaluate.linearized.load_linearized(\"THIS_FOLDER\")",
         "    linattn generate THIS_FOLDER --prompt \"...\" --compare-softmax", "",
@@ -97,11 +99,15 @@ def card_lines(result: dict[str, Any], plotted: bool) -> list[str]:
         f"{result['repeat_trials']}). Passkey: hits of {trials} trials per filler length, with the 95 % "
         "Wilson interval. The window row is softmax over the same window" + (" widened by the cache's pairs"
                                                                              if cache else "")
-        + " and sinks without a linear part: the softmax model of equal memory.", "",
-        *markdown_table(["model", "perplexity", "repeated passage", *(f"passkey {n}" for n in lengths)],
+        + " and sinks without a linear part: the softmax model of equal memory."
+        + (f" Repeated passage N back: the same probe with a gap of N tokens, on {result.get('probe_source')} "
+           "(— where the text is too short for that gap)." if gaps else ""), "",
+        *markdown_table(["model", "perplexity", "repeated passage", *(f"repeat {n} back" for n in gaps),
+                         *(f"passkey {n}" for n in lengths)],
                         [[row["name"], number(row["perplexity"], 2), number(row["repeat_perplexity"], 2),
+                          *(number((row.get("repeat_by_gap") or {}).get(n), 2) for n in gaps),
                           *(_passkey_cell(v, trials) for v in row["passkey"].values())] for row in result["rows"]],
-                        align="lrr" + "r" * len(lengths)),
+                        align="lrr" + "r" * (len(gaps) + len(lengths))),
         "",
     ]
     if result.get("fine_tuned"):

@@ -46,6 +46,7 @@ from ..evaluate.lm_config import (
 )
 from ..evaluate.lm_stages import RETRIEVAL_SEQUENCES, fit_hedgehog, read_text, train_end_to_end, training_sequences
 from ..evaluate.models import check_model_name, load_model, looks_causal
+from ..evaluate.probes import repeats_by_gap
 from ..evaluate.window_softmax import use_window_softmax
 from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
 from ..state import SparseCache
@@ -61,6 +62,7 @@ from .students import (
 )
 
 STAGES = ("fit", "end_to_end", "measure")
+PROBE_TEXT, PROBE_SOURCE = "heldout_long", "the shipped long held-out text"  # the repeated passage at --repeat-gaps
 # what --out must have free, beyond the checkpoints' estimate: the card, the plot, the samples, a margin
 DISK_MARGIN = 64 * 2**20
 # options that change what a stage makes (a rerun must pass the same); --quiet and --budget's own value do not
@@ -161,6 +163,7 @@ class Job:
                                        "architecture); linattn linearize makes decoders linear, such as smollm2")
         check_text_file(args.text, "text")
         check_text_file(args.heldout, "--heldout")
+        check_text_file(getattr(args, "probe_text", None), "--probe-text")
         if args.budget is not None and not args.budget > 0:
             raise LinearAttentionError(f"--budget: need minutes > 0, got {args.budget}")
         _check_cache_heads(args)
@@ -177,6 +180,7 @@ class Job:
         self.model, self.tokenizer, self.name = load_model(args.model, causal_lm=True)
         check_disk(self.folder, self.model, args.num_features)
         self.train, self.heldout = read_text(args.text, "train"), read_text(args.heldout, "heldout")
+        self.probe_text = read_text(getattr(args, "probe_text", None), PROBE_TEXT)
         self.plan = saved if saved is not None else self._new_plan()
         self.config = _config(args, self.plan, str(self.folder / "stages" / "samples.json"))
 
@@ -371,14 +375,20 @@ class Job:
             if adapters is not None and name == "linearized":
                 adapters.attach()
             row = {"name": name, **score_model(model, self.tokenizer, self.heldout, self.config.probes),
-                   "by_position": perplexity_by_position(model, self.tokenizer, self.heldout, positions)}
+                   "by_position": perplexity_by_position(model, self.tokenizer, self.heldout, positions),
+                   "repeat_by_gap": repeats_by_gap(model, self.tokenizer, self.probe_text,
+                                                   getattr(args, "repeat_gaps", []),
+                                                   passage_tokens=self.config.probes.passage_tokens,
+                                                   trials=self.config.probes.repeat_trials)}
             rows.append(row)
             if not args.quiet:
                 print(f"{name}: perplexity {row['perplexity']:.2f}, repeated passage {row['repeat_perplexity']:.2f}",
                       flush=True)
         stages = {name: info for name in STAGES[:2] if (info := self.stages.done(name)) is not None}
         probes = self.config.probes
-        result = {"model": self.name, "base": args.model, "student": self.student.name, "window": args.window,
+        result = {"model": self.name, "base": args.model, "student": self.student.name,
+                  "student_summary": self.student.summary, "window": args.window,
+                  "probe_source": f"`{args.probe_text}`" if getattr(args, "probe_text", None) else PROBE_SOURCE,
                   "sinks": args.sinks,
                   "sparse_cache": args.sparse_cache, "sparse_cache_heads": args.sparse_cache_heads,
                   "sparse_cache_linear_weight": args.sparse_cache_linear_weight,

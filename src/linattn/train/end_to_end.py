@@ -271,7 +271,7 @@ def fit_end_to_end(
     model: Any, tokenizer: Any, texts: Sequence[str | torch.Tensor], *, max_tokens: int = 1024, steps: int = 40,
     lr: float = 0.003, held_out: int = 2, eval_every: int = 5, seed: int = 0, progress: bool = False,
     heads: torch.Tensor | None = None, weights: Sequence[torch.Tensor | None] | None = None,
-    adapters: LoRA | None = None, adapter_lr: float = 0.0005, train_maps: bool = True,
+    adapters: LoRA | None = None, adapter_lr: float = 0.0005, train_maps: bool = True, gate_lr: float = 0.02,
 ) -> dict[str, Any]:
     """Train the maps of a model linearized by :func:`linattn.hf.linearize` (with learned maps) end to end.
 
@@ -293,6 +293,8 @@ def fit_end_to_end(
             trained too, at ``adapter_lr`` (the teacher is the model with them disabled). This fine-tunes the
             model in effect (LoLCATs' second stage); without adapters the model's weights stay as shipped.
         train_maps: False keeps every map (and γ) as it is, e.g. to train the adapters alone.
+        gate_lr: the learning rate of the gates (``linattn_gates``), whose biases start near the teacher and must
+            travel several units.
 
     Returns ``{"history": [(step, train KL, held-out KL)], "best_held_out": KL, "seconds": s}``; the model keeps
     the parameters of the best held-out evaluation. ``linearize`` installs the very map modules (and γ tensors) of
@@ -363,7 +365,11 @@ def fit_end_to_end(
         return (per_position * scale).sum() / scale.sum()
 
     train, held = list(range(len(ids) - held_out)), list(range(len(ids) - held_out, len(ids)))
-    groups = [{"params": params, "lr": lr}] if params else []
+    gate_ids = {id(p) for p in gated}
+    plain = [p for p in params if id(p) not in gate_ids]
+    groups = [group for group in ({"params": plain, "lr": lr},
+                                  {"params": [p for p in params if id(p) in gate_ids], "lr": gate_lr})
+              if group["params"]]
     optimiser = torch.optim.Adam(groups + ([{"params": extra, "lr": adapter_lr}] if extra else []))
     params = params + extra  # kept at their best evaluation alike
     order = random.Random(seed)

@@ -46,25 +46,33 @@ def student_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmap: nn.
 
 
 def fit_student(capture: Any, maps: Sequence[nn.Module], gates: Sequence[nn.Module | None], options: dict[str, Any],
-                *, steps: int = 100, lr: float = 0.01, progress: bool = False) -> dict[str, Any]:
+                *, steps: int = 100, lr: float = 0.01, gate_lr: float = 0.05,
+                progress: bool = False) -> dict[str, Any]:
     """Train ``maps`` and ``gates`` (one per layer, in place) so that every layer's linearized output, with the
     ``linear_attention`` ``options`` (``window``, ``sinks``, ``update``, ...), matches its softmax output on the
     sequences of ``capture`` (an :class:`~linattn.evaluate.AttentionCapture`). ``steps`` Adam steps, one captured
-    sequence each (in turn). Returns ``{"history": [(step, loss)], "seconds": s}``; the parameters after the last
-    step are kept (the end-to-end stage that follows has a held-out set to choose by)."""
+    sequence longer than the window each (in turn), the maps at ``lr`` and the gates at ``gate_lr`` (their biases
+    must travel several units from a start near the teacher). Returns ``{"history": [(step, loss)], "seconds":
+    s}``; the parameters after the last step are kept (the end-to-end stage that follows has a held-out set to
+    choose by)."""
     layers, window = capture.num_layers, int(options.get("window") or 0)
     if len(maps) != layers or len(gates) != layers:
         raise LinearAttentionError(f"maps/gates: one per layer ({layers}), got {len(maps)}/{len(gates)}")
     if not capture.queries or steps < 0:
         raise LinearAttentionError(f"capture/steps: need a captured sequence and steps ≥ 0, got "
                                    f"{len(capture.queries)}/{steps}")
-    if capture.queries[0].shape[-2] <= window:
-        raise LinearAttentionError(f"capture: sequences of {capture.queries[0].shape[-2]} tokens are within the "
-                                   f"window ({window}); capture longer pieces (the fit trains what lies beyond it)")
-    params = [p for module in [*maps, *gates] if module is not None for p in module.parameters()]
+    usable = [index for index, q in enumerate(capture.queries) if q.shape[-2] > window]  # the loss lies past W
+    if not usable:
+        raise LinearAttentionError(f"capture: every sequence ({max(q.shape[-2] for q in capture.queries)} tokens at "
+                                   f"most) lies within the window ({window}); capture longer pieces (the fit trains "
+                                   "what lies beyond it)")
+    map_params = [p for module in maps for p in module.parameters()]
+    gate_params = [p for module in gates if module is not None for p in module.parameters()]
+    params = map_params + gate_params
     if not params:
         raise LinearAttentionError("maps/gates: nothing to train (a named map without parameters and no gates)")
-    optimizer = torch.optim.Adam(params, lr=lr)
+    optimizer = torch.optim.Adam([group for group in ({"params": map_params, "lr": lr},
+                                                      {"params": gate_params, "lr": gate_lr}) if group["params"]])
     targets: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def target(sequence: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,11 +84,11 @@ def fit_student(capture: Any, maps: Sequence[nn.Module], gates: Sequence[nn.Modu
         return targets[sequence, layer]
 
     history: list[tuple[int, float]] = []
-    sequences = len(capture.queries)
+    sequences = len(usable)
     start = time.perf_counter()
     bar = progress_bar(total=steps, desc="student fit", enabled=progress)
     for step in range(steps):
-        sequence = step % sequences
+        sequence = usable[step % sequences]
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for layer in range(layers):
@@ -88,6 +96,9 @@ def fit_student(capture: Any, maps: Sequence[nn.Module], gates: Sequence[nn.Modu
             out = student_outputs(q, k, v, maps[layer], gates[layer], capture.scaling, options)[..., window:, :]
             wanted, scale = target(sequence, layer)
             loss = ((out - wanted).square().mean(dim=(-1, -2)) / scale).mean() / layers
+            if not torch.isfinite(loss):
+                raise LinearAttentionError(f"fitting: the student loss of layer {layer} became non-finite at step "
+                                           f"{step} (sequence {sequence}); lower lr or gate_lr")
             loss.backward()  # layer by layer: one layer's graph alive at a time
             total += float(loss.detach())
         if not math.isfinite(total):
