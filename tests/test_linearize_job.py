@@ -190,6 +190,10 @@ def test_every_file_a_stage_writes_goes_through_a_temporary_name(tiny, tmp_path,
     assert direct == []
     assert all(mode == "a" for path, mode in written if path == "stages/log.jsonl")
     assert (out / "stages" / "samples.json").is_file() and not list(out.glob("**/*partial*"))
+    # strict JSON: the first end-to-end step has no training loss yet (NaN in memory), written null
+    results = json.loads((out / "results.json").read_text(),
+                         parse_constant=lambda constant: pytest.fail(f"results.json holds {constant}"))
+    assert results["stages"]["end_to_end"]["history"][0][1] is None
 
 
 def test_a_rerun_with_other_options_is_refused(tiny, tmp_path, monkeypatch, capsys):

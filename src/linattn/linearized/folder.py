@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .. import hf
+from .._json import dumps
 from ..errors import LinearAttentionError
 from ..evaluate.models import load_model
 from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
@@ -129,7 +130,7 @@ def save_linearized(model: Any, directory: str | os.PathLike[str], *, maps: Any 
         adapters.save(directory / ADAPTERS_FOLDER)
         entry["adapters"] = ADAPTERS_FOLDER
     if results is not None or not (directory / RESULTS_FILE).exists():
-        atomic_write(directory / RESULTS_FILE, json.dumps(results or {}, indent=2, default=str))
+        atomic_write(directory / RESULTS_FILE, dumps(results or {}, indent=2, default=str))  # strict JSON
     atomic_write(directory / INDEX, json.dumps(entry, indent=2))  # last: the folder is complete
     return directory
 
