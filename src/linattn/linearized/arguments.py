@@ -13,7 +13,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a folder written by `linattn linearize`, or a causal LM (smollm2, a folder, "
                         "a GGUF file, a model in the local Hugging Face cache)")
     parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate after the prompt")
     parser.add_argument("--linear", action="store_true", help="linearize a plain model first: with the maps "
                         "shipped for it (smollm2), else elu+1 beside a softmax window")
     parser.add_argument("--untrained", action="store_true", help="with --linear: elu+1 beside the window even where "
