@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import hf
+from ..data import check_text_file
 from ..errors import LinearAttentionError
 from ..evaluate.models import check_model_name, is_causal_lm, load_model, looks_causal
 from .folder import is_linearized, load_linearized, read_index, shipped
@@ -198,11 +199,25 @@ _ROWS = (
 def _summary(runs: list[Generation]) -> list[str]:
     width = max(24, *(len(run.label) + 2 for run in runs))
     peak = (f"peak memory MiB ({runs[0].peak_kind})", lambda r: f"{r.peak_bytes / 2**20:.1f}",
-            "the most memory the process held (CPU: resident memory, weights included; CUDA: allocated)")
+            "the most memory held so far (CPU: the process's resident memory, every loaded model's weights included, "
+            "so a run's peak includes the runs above it; CUDA: allocated during the run)")
     rows = (*_ROWS, peak)
     lines = [f"{'':<34}" + "".join(f"{run.label:>{width}}" for run in runs)]
     lines += [f"{title:<34}" + "".join(f"{value(run):>{width}}" for run in runs) for title, value, _ in rows]
-    return lines + ["", *(f"{title.split(' (')[0].split(',')[0]}: {meaning}" for title, _, meaning in rows)]
+    lines += ["", *(f"{title.split(' (')[0].split(',')[0]}: {meaning}" for title, _, meaning in rows)]
+    return lines + _break_even(runs)
+
+
+def _break_even(runs: list[Generation]) -> list[str]:
+    """With a run whose cache stayed one size and one whose cache grew: the context at which they hold the same."""
+    fixed = [run for run in runs if len(run.cache_bytes) > 1 and run.cache_bytes[0] == run.cache_bytes[-1]]
+    growing = [run for run in runs if len(run.cache_bytes) > 1 and run.cache_bytes[-1] > run.cache_bytes[0]]
+    if not fixed or not growing:
+        return []
+    per_token = (growing[0].cache_bytes[-1] - growing[0].cache_bytes[0]) / (len(growing[0].cache_bytes) - 1)
+    tokens = fixed[0].cache_bytes[-1] / per_token
+    return [f"break-even: the {fixed[0].label} states hold as many bytes as the {growing[0].label} cache of "
+            f"{tokens:,.0f} tokens ({per_token:,.0f} bytes per token); at longer contexts they are the smaller"]
 
 
 def plot(runs: list[Generation], path: str) -> None:
@@ -228,8 +243,18 @@ def plot(runs: list[Generation], path: str) -> None:
     plt.close(fig)
 
 
+def _shown(prompt: str, tokens: int) -> str:
+    """The prompt as echoed above a run: whole when short, else its two ends and its length in tokens."""
+    flat = " ".join(prompt.split())
+    return flat if len(flat) <= 160 else f"{flat[:70]} … {flat[-70:]} ({tokens:,} tokens)"
+
+
 def cli(args: argparse.Namespace) -> int:
     """``linattn generate`` (options in :func:`linattn.cli`)."""
+    if args.prompt_file is not None:
+        check_text_file(args.prompt_file, "--prompt-file")
+        with open(args.prompt_file, encoding="utf-8") as handle:
+            args.prompt = handle.read().strip()
     if args.max_new_tokens < 1:
         raise LinearAttentionError(f"--max-new-tokens: need ≥ 1, got {args.max_new_tokens}")
     if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
@@ -239,7 +264,7 @@ def cli(args: argparse.Namespace) -> int:
     for run_label, chosen in ((label, model), ("softmax (original)", original)):
         if chosen is None:
             continue
-        print(f"--- {run_label}: {args.prompt}", flush=True)
+        print(f"--- {run_label}: {_shown(args.prompt, len(tokenizer(args.prompt)['input_ids']))}", flush=True)
         runs.append(generate_measured(chosen, tokenizer, args.prompt, args.max_new_tokens, run_label))
         sys.stdout.flush()
     print("\n".join(_summary(runs)))
