@@ -108,8 +108,14 @@ def test_left_padded_batch_equals_each_row_alone(name):
                                        rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("options", [{}, {"update": "delta"}], ids=["add", "delta"])
+@pytest.mark.parametrize("options", [
+    {}, {"update": "delta"}, {"update": "delta", "beta": 0.5, "decay": 0.9}, {"window": 4, "sinks": 1},
+    {"window": 4, "sinks": 1, "sparse_cache": 2}, {"window": 4, "sinks": 1, "decay": 0.9},
+    {"window": 4, "sinks": 1, "update": "delta", "beta": 0.5, "decay": 0.9},
+], ids=["add", "delta", "delta-beta-decay", "window", "sparse-cache", "window-decay", "window-delta"])
 def test_beam_search_reorders_the_states(options):
+    """Every kind of lean step under beam search (the steps' index_select), with options other than the defaults:
+    the tokens of recomputing every prefix."""
     model = hf.linearize(tiny_llama(), "elu", **options)
     ids = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
