@@ -301,13 +301,17 @@ def test_wilson_interval_matches_its_closed_form():
 
 
 @pytest.mark.slow  # ~10 s: the pipeline once, with adapters
-def test_lora_adapters_travel_with_the_folder_and_the_card_says_fine_tuned(tiny, tmp_path):
+def test_lora_adapters_travel_with_the_folder_and_the_card_says_fine_tuned(tiny, tmp_path, monkeypatch):
     pytest.importorskip("peft")
     from linattn.cli import main
     from linattn.evaluate import perplexity
 
     out = tmp_path / "lora"
+    written = written_files(monkeypatch, out)
     assert main(command(tiny, out, "--lora", "2")) == 0
+    assert any(path.endswith("adapter_config.json") for path, _ in written)  # the spy sees the adapters' files
+    assert [path for path, _ in written if path != "stages/log.jsonl"
+            and not any(part.startswith(".") for part in path.split("/"))] == []  # all through temporary names
     index = json.loads((out / "linattn.json").read_text())
     assert index["adapters"] == "lora" and (out / "lora" / "adapter_model.safetensors").is_file()
     assert "**Fine-tuned:**" in (out / "README.md").read_text()

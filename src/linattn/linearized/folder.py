@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -126,8 +127,11 @@ def save_linearized(model: Any, directory: str | os.PathLike[str], *, maps: Any 
     entry = {"format": FORMAT, "version": VERSION,
              "base": {"model": base, "fingerprint": fingerprint(model), "class": type(model).__name__},
              "maps": _maps_entry(maps, directory), "options": json.loads(options_text), "adapters": None}
-    if adapters is not None:
-        adapters.save(directory / ADAPTERS_FOLDER)
+    if adapters is not None:  # through a temporary folder and a rename, as every file here
+        partial = directory / f".{ADAPTERS_FOLDER}.partial-{os.getpid()}"
+        adapters.save(partial)
+        shutil.rmtree(directory / ADAPTERS_FOLDER, ignore_errors=True)
+        os.replace(partial, directory / ADAPTERS_FOLDER)
         entry["adapters"] = ADAPTERS_FOLDER
     if results is not None or not (directory / RESULTS_FILE).exists():
         atomic_write(directory / RESULTS_FILE, dumps(results or {}, indent=2, default=str))  # strict JSON
