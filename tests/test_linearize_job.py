@@ -392,10 +392,13 @@ def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tm
     rerun reads them back rather than scoring again."""
     from linattn import hf
     from linattn.cli import main
+    from linattn.evaluate import lm_stages
     from linattn.linearized import job as linearize_job
 
     seen = caches_while_training(monkeypatch)
     fitting = caches_while_fitting(monkeypatch)
+    calls: dict[str, int] = {}
+    counted(monkeypatch, lm_stages, "sample_texts", calls, "sample")
     out = tmp_path / "split"
     options = ("--sparse-cache", "4", "--sparse-cache-heads", "retrieval", "--sparse-cache-floor", "1",
                "--end-to-end-tokens", "120")  # samples as long as a passage, the gap and the repeat at W = 8
@@ -404,6 +407,7 @@ def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tm
     sizes = torch.tensor(split["sizes"])
     layers, heads = sizes.shape
     assert int(sizes.sum()) == 4 * layers * heads and int(sizes.min()) >= 1
+    assert calls == {"sample": 1}  # sampled for the split in the fit stage, read back by the end-to-end stage
     scores = torch.tensor(split["scores"]).clamp(min=0).flatten()
     assert sizes.flatten()[scores.argmax()] == sizes.max()  # the head that retrieves most keeps most
     assert [cache.size for cache in seen] == [tuple(row) for row in split["sizes"]]
@@ -416,6 +420,7 @@ def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tm
     (out / "stages" / "measure.done").unlink()  # measured again: the sizes are read back, not scored again
     monkeypatch.setattr(linearize_job, "cache_split", None)
     assert main(command(tiny, out, *options)) == 0
+    assert calls == {"sample": 1}
     assert main(command(tiny, tmp_path / "other", "--sparse-cache-heads", "retrieval")) == 2  # no cache to split
 
 
