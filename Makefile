@@ -33,8 +33,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 # The main job in about two minutes: the linearized SmolLM2 shipped with linattn continuing a 1,140-token text beside
 # the original (time per token, the cache's bytes at the first and last token, the break-even), then a small
-# feature-map table on MiniLM (three maps, a short fit). Each printed number has a line saying what it means. The
-# research comparison of every map is `linattn compare` (about 20 minutes).
+# feature-map table on MiniLM (three maps, a short fit). Each printed number has a line saying what it means. 69 s
+# on 2 cores shared with other jobs (load 5, one thread), 88 s when SmolLM2's GGUF is converted on first use. The
+# research comparison of every map is `linattn compare` (3 minutes on 2 quiet cores, 20 when shared).
 DEMO_OUT ?= out/demo
 demo: $(VENV)/.installed
 	$(VENV)/bin/linattn generate smollm2 --linear --compare-softmax --max-new-tokens 32 \
