@@ -112,3 +112,12 @@ def test_compare_help_groups_the_encoder_and_the_causal_lm_options(capsys):
     for flag in ("--maps MAPS", "--window WINDOW", "--out OUT"):
         assert every < text.index(flag) < encoders
     assert "causal LMs: " not in text[lms:]  # the heading says it once
+
+
+def test_demo_says_what_each_column_means(capsys):
+    assert main(["demo", "--sizes", "64"]) == 0
+    printed = capsys.readouterr().out
+    for column in ("rel.err vs softmax: ", "vs parallel: ", "ms: "):
+        assert f"\n  {column}" in printed
+    rows = [line.split() for line in printed.splitlines() if line.strip().startswith("64 ")]
+    assert len(rows) == 4 and all(float(row[4]) < 1e-5 for row in rows)  # the forms agree with the quadratic one
