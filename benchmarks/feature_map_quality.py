@@ -23,7 +23,6 @@ i.i.d.) and FAVOR++ error as the number of features m grows.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -33,6 +32,7 @@ import torch
 
 import linattn
 from linattn import feature_maps
+from linattn._json import dumps
 
 PASSAGE = (
     "The river rose slowly through the night, and by morning the lower fields were under water. Farmers who had "
@@ -234,9 +234,8 @@ def main() -> None:
 
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"tokens": n, "head_dim": head_dim, "threads": torch.get_num_threads(), "maps": rows,
-                       "sweep": sweep,
-                       "kernel_mse": kernel}, handle, indent=2)
+            handle.write(dumps({"tokens": n, "head_dim": head_dim, "threads": torch.get_num_threads(), "maps": rows,
+                                "sweep": sweep, "kernel_mse": kernel}, indent=2))  # strict JSON
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from linattn._json import dumps
 from linattn.nn import LinearAttention
 
 ROWS = ("softmax", "elu", "hedgehog", "retnet", "delta", "gated-delta", "window", "window-elu", "window-delta",
@@ -247,7 +248,7 @@ def load(path: Path) -> dict[str, Any]:
 def save(path: Path, results: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    partial.write_text(dumps(results, indent=1, sort_keys=True) + "\n")  # strict JSON
     os.replace(partial, path)  # atomic: an interrupt never leaves half a file
 
 

@@ -33,6 +33,7 @@ import torch
 
 import linattn.hf
 from linattn import SparseCache
+from linattn._json import dumps
 from linattn.evaluate.lm_stages import read_text
 from linattn.evaluate.probes import key_scores, passkeys
 from linattn.feature_maps import FeatureMap
@@ -135,7 +136,7 @@ def main() -> None:
                 rows.setdefault(name, {})[f"{length}"] = {
                     "hits": hits, "interval": wilson_interval(hits, args.trials), "mean_key_log_prob": log_prob,
                     "seconds": time.perf_counter() - begin}
-                atomic_write(out, json.dumps(done, indent=2))
+                atomic_write(out, dumps(done, indent=2))  # strict JSON: null for a missing number
                 print(f"{name}, filler {length}: {hits}/{args.trials}, key log-prob {log_prob:.2f}", flush=True)
         finally:
             linattn.hf.linear_attention = op

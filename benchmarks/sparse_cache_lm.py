@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from linattn import SparseCache, hf
+from linattn._json import dumps
 from linattn.evaluate.lm_compare import score_model
 from linattn.evaluate.lm_config import ProbeOptions
 from linattn.evaluate.lm_stages import read_text
@@ -153,7 +154,7 @@ def main() -> None:
             for length, rate in row["passkey"].items()
         }
         results[name] = row
-        atomic_write(out, json.dumps(done, indent=2))
+        atomic_write(out, dumps(done, indent=2))  # strict JSON: null for a missing number
         passkey = "/".join(f"{rate:.2f}" for rate in row["passkey"].values())
         print(f"{name}: perplexity {row['perplexity']:.2f}, repeat {row['repeat_perplexity']:.2f}, passkey "
               f"{passkey} ({row['seconds']:.0f} s)", flush=True)

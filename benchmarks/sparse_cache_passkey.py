@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from linattn import SparseCache
+from linattn._json import dumps
 from linattn.evaluate.lm_stages import read_text
 from linattn.evaluate.probes import key_scores, passkeys
 from linattn.feature_maps.fitted import load_feature_maps
@@ -122,7 +123,7 @@ def main() -> None:
     rows = done.setdefault("rows", {})
 
     def save() -> None:
-        atomic_write(out, json.dumps(done, indent=2))
+        atomic_write(out, dumps(done, indent=2))  # strict JSON: null for a missing number
 
     if args.shares:
         found = done.setdefault("far_share", {})

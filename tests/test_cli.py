@@ -40,6 +40,7 @@ def test_compare_end_to_end_on_the_shipped_model(tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "fit on 1065 tokens (2 paragraph orders)" in printed
+    assert "rel.err: ‖linear output − softmax output‖ / ‖softmax output‖" in printed  # each column explained
     result = json.loads((out / "results.json").read_text())
     assert (result["layers"], result["heads"], result["head_dim"], result["fit_orders"]) == (6, 12, 32, 2)
     rows = {(row["name"], row["num_features"]): row for row in result["rows"]}
@@ -75,3 +76,48 @@ def test_cli_errors_are_one_line_with_exit_code_2(argv, pattern, tmp_path, capsy
     assert re.search(pattern, err), err
     with pytest.raises(LinearAttentionError, match=pattern):  # --debug: the error itself, with its traceback
         main(["--debug", *argv])
+
+
+def help_of(verb, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([verb, "--help"])
+    assert exit_.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal's width
+
+
+@pytest.mark.parametrize("verb,shown", [
+    ("bench", ["--heads HEADS heads H (default: 8)", "to time (default: both)"]),
+    ("demo", ["sequence lengths N (default: [256, 1024, 4096])"]),
+    ("generate", ["tokens to generate after the prompt (default: 64)", "the softmax window (default: 64)"]),
+    ("linearize", ["steps of the Hedgehog fit (default: 150)", "tokens sampled per text (default: 1536)"]),
+    ("compare", ["feature counts m for random maps (default: [16, 64, 256])", "filler tokens (default: [1024"]),
+])
+def test_help_shows_the_defaults(verb, shown, capsys):
+    text = help_of(verb, capsys)
+    for piece in shown:
+        assert piece in text
+    assert "(default: None)" not in text and "(default: False)" not in text  # nothing to say: not shown
+
+
+def test_compare_help_groups_the_encoder_and_the_causal_lm_options(capsys):
+    text = help_of("compare", capsys)
+    text = text[text.index("options:"):]  # the usage line above lists every flag
+    every, encoders, lms = (text.index(heading) for heading in (
+        "every model (encoders and causal LMs):", "encoders only (", "causal LMs only ("))
+    assert every < encoders < lms
+    for flag in ("--sweep SWEEP", "--seeds SEEDS", "--long-n LONG_N"):
+        assert encoders < text.index(flag) < lms
+    for flag in ("--passkey-trials PASSKEY_TRIALS", "--end-to-end-steps END_TO_END_STEPS", "--gamma ", "--lm "):
+        assert text.index(flag) > lms
+    for flag in ("--maps MAPS", "--window WINDOW", "--out OUT"):
+        assert every < text.index(flag) < encoders
+    assert "causal LMs: " not in text[lms:]  # the heading says it once
+
+
+def test_demo_says_what_each_column_means(capsys):
+    assert main(["demo", "--sizes", "64"]) == 0
+    printed = capsys.readouterr().out
+    for column in ("rel.err vs softmax: ", "vs parallel: ", "ms: "):
+        assert f"\n  {column}" in printed
+    rows = [line.split() for line in printed.splitlines() if line.strip().startswith("64 ")]
+    assert len(rows) == 4 and all(float(row[4]) < 1e-5 for row in rows)  # the forms agree with the quadratic one

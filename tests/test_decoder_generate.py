@@ -108,8 +108,14 @@ def test_left_padded_batch_equals_each_row_alone(name):
                                        rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("options", [{}, {"update": "delta"}], ids=["add", "delta"])
+@pytest.mark.parametrize("options", [
+    {}, {"update": "delta"}, {"update": "delta", "beta": 0.5, "decay": 0.9}, {"window": 4, "sinks": 1},
+    {"window": 4, "sinks": 1, "sparse_cache": 2}, {"window": 4, "sinks": 1, "decay": 0.9},
+    {"window": 4, "sinks": 1, "update": "delta", "beta": 0.5, "decay": 0.9},
+], ids=["add", "delta", "delta-beta-decay", "window", "sparse-cache", "window-decay", "window-delta"])
 def test_beam_search_reorders_the_states(options):
+    """Every kind of lean step under beam search (the steps' index_select), with options other than the defaults:
+    the tokens of recomputing every prefix."""
     model = hf.linearize(tiny_llama(), "elu", **options)
     ids = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
@@ -145,8 +151,8 @@ def test_decode_step_follows_the_float64_reference(fmap):
 
 
 def test_states_the_step_cannot_reproduce_go_through_linear_attention():
-    _, state = linear_attention(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8),
-                                causal=True, return_state=True)
+    q, k, v = torch.randn(3, 1, 2, 4, 8, generator=torch.Generator().manual_seed(7)).unbind(0)
+    _, state = linear_attention(q, k, v, causal=True, return_state=True)
     assert supports(create("elu"), state, {"eps": 1e-3})
     assert not supports(create("elu"), state, {"min_denom": 1e-3})
     assert not supports(create("elu"), state, {"window": 4})
@@ -157,7 +163,9 @@ def test_linearize_keeps_attention_options_and_passes_them_on():
     model = hf.linearize(tiny_llama(), "elu", eps=0.5, chunk_size=16)
     modules = hf.attention_modules(model)
     assert all(m.linattn_options == {"eps": 0.5, "chunk_size": 16} for m in modules)
-    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    g = torch.Generator().manual_seed(8)
+    q, k, v = torch.randn(1, 4, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g), torch.randn(1, 2, 6, 8,
+                                                                                                      generator=g)
     with torch.no_grad():
         out, _ = hf.linattn_attention_forward(modules[0], q, k, v, None, scaling=8**-0.5, is_causal=True)
     expected = linear_attention(q, k, v, causal=True, eps=0.5)
@@ -168,7 +176,7 @@ def test_linearize_keeps_attention_options_and_passes_them_on():
 def test_the_state_cache_refuses_a_softmax_model():
     model = tiny_llama()  # attention: sdpa, which would see only the current keys
     with pytest.raises(LinearAttentionError, match="not 'linattn'"), torch.no_grad():
-        model(input_ids=torch.randint(1, 60, (1, 5)), cache=LinearAttentionCache(), use_cache=True)
+        model(input_ids=torch.arange(1, 6)[None], cache=LinearAttentionCache(), use_cache=True)
 
 
 @pytest.mark.parametrize("factor", [None, 0.7], ids=["mass", "gamma"])

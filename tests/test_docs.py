@@ -8,8 +8,9 @@ A block is marked by an HTML comment on the line right before its fence (invisib
     <!-- test: models -->            needs the models extra and the packaged MiniLM / SmolLM2 weights: marked
                                      ``models``, skipped when they are not installed; still runs in ``make test``,
                                      so it must take seconds
-    <!-- test: slow -->              takes longer than a few seconds: marked ``slow`` and run only when selected,
-                                     ``pytest -m slow tests/test_docs.py``
+    <!-- test: slow -->              takes longer than a few seconds: marked ``slow`` (``-m "not slow"`` leaves
+                                     it out), still run by a plain ``pytest`` and so by ``make test``: keep it
+                                     small (seconds, not minutes)
     <!-- test: models, slow -->      both
     <!-- test: skip (reason) -->     never run here; the reason is required and shown (e.g. needs several processes)
 
@@ -108,11 +109,9 @@ def test_the_documents_have_python_blocks():
 
 
 @pytest.mark.parametrize("block", [_param(block) for block in BLOCKS])
-def test_block_runs(block: Block, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     if block.skip is not None:
         pytest.skip(f"marked in the document: {block.skip}")
-    if "slow" in block.marks and "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("slow block: run with `pytest -m slow tests/test_docs.py`")
     if "models" in block.marks and _models_missing():
         pytest.skip(f"needs the models extra and the packaged weights: missing {', '.join(_models_missing())}")
     monkeypatch.chdir(tmp_path)  # files a block writes land in a temporary folder

@@ -294,9 +294,9 @@ def test_training_memory_keeps_no_state_per_token():
 
 
 @pytest.mark.parametrize("gate,match", [
-    (-torch.rand(2, 3, 45, 5), "per-feature gate with 5 features"),
-    (torch.rand(2, 3, 45, 8), "≤ 0"),
-    (-torch.rand(2, 3, 44, 8), "per-feature shape"),
+    (torch.full((2, 3, 45, 5), -0.1), "per-feature gate with 5 features"),
+    (torch.full((2, 3, 45, 8), 0.1), "≤ 0"),
+    (torch.full((2, 3, 44, 8), -0.1), "per-feature shape"),
 ])
 def test_bad_gates_say_what_to_do(gate, match):
     q, k, v, beta, _ = inputs()

@@ -74,35 +74,84 @@ def events(out):
     return [(line["stage"], line["event"]) for line in map(json.loads, (out / "stages" / "log.jsonl").open())]
 
 
-@pytest.mark.slow  # ~20 s: the pipeline twice on a tiny Llama
+def counted(monkeypatch, module, name, calls, key=None):
+    """Replace ``module.name`` by a spy that counts its calls in ``calls[key or name]`` and then calls it."""
+    real = getattr(module, name)
+    calls.setdefault(key or name, 0)
+
+    def spy(*args, **kwargs):
+        calls[key or name] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+
+
+def interrupt(monkeypatch, module, name):
+    monkeypatch.setattr(module, name, lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))  # a user's Ctrl-C
+
+
+def written_files(monkeypatch, out):
+    """The paths under ``out`` opened for writing from Python (relative to ``out``), with their modes, as a list."""
+    import builtins
+    import io
+    import os
+
+    real = builtins.open
+    seen = []
+
+    def spy(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and any(flag in mode for flag in "wax+"):
+            path = os.path.abspath(os.fspath(file))
+            if path.startswith(str(out) + os.sep) and not os.path.isdir(path):  # (tempfile opens its folder)
+                seen.append((os.path.relpath(path, out), mode))
+        return real(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    monkeypatch.setattr(io, "open", spy)
+    return seen
+
+
+@pytest.mark.slow  # ~25 s: the pipeline, interrupted in the second and in the third stage, on a tiny Llama
 def test_an_interrupted_run_continues_where_it_stopped(tiny, tmp_path, monkeypatch, capsys):
+    """Each rerun reuses what the stages before saved: the fit, the sampled texts (samples.json: never sampled
+    twice) and the trained maps (counted by spies on sampling, fitting and training)."""
     from linattn.cli import main
+    from linattn.evaluate import lm_stages
 
     out = tmp_path / "lin"
-    real = linearize_job.train_end_to_end
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt  # as a user's Ctrl-C in the second stage
-
-    monkeypatch.setattr(linearize_job, "train_end_to_end", interrupted)
+    calls: dict[str, int] = {}
+    counted(monkeypatch, lm_stages, "sample_texts", calls, "sample")
+    counted(monkeypatch, linearize_job, "fit_hedgehog", calls, "fit")
+    training = linearize_job.train_end_to_end
+    interrupt(monkeypatch, linearize_job, "train_end_to_end")  # in the second stage, after sampling
     with pytest.raises(KeyboardInterrupt):
         main(command(tiny, out))
     fit = out / "stages" / "fit.safetensors"
     assert (out / "stages" / "fit.done").is_file() and not (out / "stages" / "end_to_end.done").exists()
     assert not (out / "linattn.json").exists()  # not a linearized folder until the last stage
+    assert (out / "stages" / "samples.json").is_file() and calls == {"sample": 1, "fit": 1}
     stamp = fit.stat().st_mtime_ns
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(linearize_job, "train_end_to_end", counted)
+    monkeypatch.setattr(linearize_job, "train_end_to_end", training)
+    counted(monkeypatch, linearize_job, "train_end_to_end", calls, "train")
+    interrupt(monkeypatch, linearize_job, "score_model")  # in the third stage
+    with pytest.raises(KeyboardInterrupt):
+        main(command(tiny, out))
+    assert calls == {"sample": 1, "fit": 1, "train": 1}  # the saved texts read back, the fit not run again
+    assert (out / "stages" / "end_to_end.done").is_file() and not (out / "stages" / "measure.done").exists()
+    monkeypatch.undo()
+    calls.clear()
+    counted(monkeypatch, lm_stages, "sample_texts", calls, "sample")
+    counted(monkeypatch, linearize_job, "fit_hedgehog", calls, "fit")
+    counted(monkeypatch, linearize_job, "train_end_to_end", calls, "train")
+    counted(monkeypatch, linearize_job, "score_model", calls, "score")
     assert main(command(tiny, out)) == 0
-    assert fit.stat().st_mtime_ns == stamp and calls == [1]
+    assert calls == {"sample": 0, "fit": 0, "train": 0, "score": 3}  # only the measure runs (three rows)
+    assert fit.stat().st_mtime_ns == stamp
     assert events(out) == [("fit", "started"), ("fit", "finished"), ("end_to_end", "started"),
                            ("fit", "skipped (finished before)"), ("end_to_end", "started"),
-                           ("end_to_end", "finished"), ("measure", "started"), ("measure", "finished")]
+                           ("end_to_end", "finished"), ("measure", "started"),
+                           ("fit", "skipped (finished before)"), ("end_to_end", "skipped (finished before)"),
+                           ("measure", "started"), ("measure", "finished")]
     result = json.loads((out / "results.json").read_text())
     names = [row["name"] for row in result["rows"]]
     assert names == ["original (softmax)", "window 8 + 1 sinks (softmax)", "linearized"]
@@ -117,10 +166,34 @@ def test_an_interrupted_run_continues_where_it_stopped(tiny, tmp_path, monkeypat
     # the measured row ran the same weights and maps on the same text and shapes; rel 1e-6 allows for rounding
     # only (a wrong map or a missing window changes the perplexity by percents)
     assert again.perplexity == pytest.approx(result["rows"][-1]["perplexity"], rel=1e-6)
-    # a third run finds every stage finished and does nothing but log it
+    # a fourth run finds every stage finished and does nothing but log it
     assert main(command(tiny, out)) == 0
+    assert calls == {"sample": 0, "fit": 0, "train": 0, "score": 3}
     assert events(out)[-3:] == [("fit", "skipped (finished before)"), ("end_to_end", "skipped (finished before)"),
                                 ("measure", "skipped (finished before)")]
+
+
+@pytest.mark.slow  # ~10 s: the pipeline once on a tiny Llama
+def test_every_file_a_stage_writes_goes_through_a_temporary_name(tiny, tmp_path, monkeypatch):
+    """An interruption at any moment leaves each file whole or absent under its name: every file written under
+    --out from Python is a temporary one (a name or a folder starting with a dot, renamed after) but the
+    append-only log."""
+    from linattn.cli import main
+
+    out = tmp_path / "atomic"
+    written = written_files(monkeypatch, out)
+    assert main(command(tiny, out)) == 0
+    names = {path for path, _ in written}
+    assert {"stages/log.jsonl"} < names and any("samples.json" in path for path in names)  # the spy sees them
+    direct = [(path, mode) for path, mode in written
+              if path != "stages/log.jsonl" and not any(part.startswith(".") for part in path.split("/"))]
+    assert direct == []
+    assert all(mode == "a" for path, mode in written if path == "stages/log.jsonl")
+    assert (out / "stages" / "samples.json").is_file() and not list(out.glob("**/*partial*"))
+    # strict JSON: the first end-to-end step has no training loss yet (NaN in memory), written null
+    results = json.loads((out / "results.json").read_text(),
+                         parse_constant=lambda constant: pytest.fail(f"results.json holds {constant}"))
+    assert results["stages"]["end_to_end"]["history"][0][1] is None
 
 
 def test_a_rerun_with_other_options_is_refused(tiny, tmp_path, monkeypatch, capsys):
@@ -151,14 +224,39 @@ def test_bad_input_is_refused_before_any_work(tiny, tmp_path, capsys):
     assert "--budget: need minutes > 0" in capsys.readouterr().err
 
 
-def test_a_budget_too_small_is_refused_with_the_least_that_would_do(tiny, tmp_path, capsys):
+def test_a_budget_too_small_is_refused_with_the_least_that_would_do(tiny, tmp_path, monkeypatch, capsys):
+    from linattn.cli import main
+    from linattn.linearized import budget
+
+    # the calibration's timings fixed (measured ones vary with the machine's load): 100 s of fixed costs and
+    # (100 + 10 fitting steps of 1 s / 0.4) / 0.8 = 156 s at least, so 2 min are refused and 3 min are the least
+    costs = {"calibration": 10.0, "fit_fixed": 20.0, "measure": 30.0, "sampling_batch": 40.0, "fit_step": 1.0,
+             "end_to_end_step": 2.0}
+    monkeypatch.setattr(budget, "calibrate", lambda *args, **kwargs: costs)
+    assert main(command(tiny, tmp_path / "b", "--budget", "2")) == 2
+    err = capsys.readouterr().err
+    assert "--budget: 2 min leave room for" in err and "pass --budget 3 or more" in err
+    assert not (tmp_path / "b" / "stages" / "plan.json").exists()
+
+
+def test_a_disk_without_room_for_the_run_is_refused(tiny, tmp_path, monkeypatch, capsys):
+    """The estimate: three sets of maps (layers × heads × head dim × features × 2 sides × 4 bytes) and a margin."""
+    import shutil
+    from collections import namedtuple
+
     from linattn.cli import main
 
-    # 6 ms: far below the tiny model's fixed costs (about 0.28 s measured here). 0.6 s was too close: it left room
-    # for 9 fitting and 4.8 end-to-end steps against the 10 and 5 needed, so a fast calibration let it through
-    assert main(command(tiny, tmp_path / "b", "--budget", "0.0001")) == 2
-    err = capsys.readouterr().err
-    assert "--budget: 0.0001 min leave room for" in err and "pass --budget" in err
+    config = type("Config", (), {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2})()
+    estimate = linearize_job.check_disk(tmp_path, type("Model", (), {"config": config})(), None)
+    assert estimate == 3 * 2 * 4 * 16 * 16 * 2 * 4 + linearize_job.DISK_MARGIN
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30 - estimate + 1, estimate - 1))
+    with pytest.raises(LinearAttentionError, match="needs about 64 MiB; free some space or pass another --out"):
+        linearize_job.check_disk(tmp_path, type("Model", (), {"config": config})(), None)
+    monkeypatch.setattr(linearize_job, "fit_hedgehog", None)  # never reached
+    assert main(command(tiny, tmp_path / "full")) == 2
+    assert "MiB free on the disk of" in capsys.readouterr().err
+    assert not (tmp_path / "full" / "stages" / "plan.json").exists()
 
 
 def test_plan_steps_shares_what_is_left_after_the_fixed_costs():
@@ -203,13 +301,17 @@ def test_wilson_interval_matches_its_closed_form():
 
 
 @pytest.mark.slow  # ~10 s: the pipeline once, with adapters
-def test_lora_adapters_travel_with_the_folder_and_the_card_says_fine_tuned(tiny, tmp_path):
+def test_lora_adapters_travel_with_the_folder_and_the_card_says_fine_tuned(tiny, tmp_path, monkeypatch):
     pytest.importorskip("peft")
     from linattn.cli import main
     from linattn.evaluate import perplexity
 
     out = tmp_path / "lora"
+    written = written_files(monkeypatch, out)
     assert main(command(tiny, out, "--lora", "2")) == 0
+    assert any(path.endswith("adapter_config.json") for path, _ in written)  # the spy sees the adapters' files
+    assert [path for path, _ in written if path != "stages/log.jsonl"
+            and not any(part.startswith(".") for part in path.split("/"))] == []  # all through temporary names
     index = json.loads((out / "linattn.json").read_text())
     assert index["adapters"] == "lora" and (out / "lora" / "adapter_model.safetensors").is_file()
     assert "**Fine-tuned:**" in (out / "README.md").read_text()
@@ -290,10 +392,13 @@ def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tm
     rerun reads them back rather than scoring again."""
     from linattn import hf
     from linattn.cli import main
+    from linattn.evaluate import lm_stages
     from linattn.linearized import job as linearize_job
 
     seen = caches_while_training(monkeypatch)
     fitting = caches_while_fitting(monkeypatch)
+    calls: dict[str, int] = {}
+    counted(monkeypatch, lm_stages, "sample_texts", calls, "sample")
     out = tmp_path / "split"
     options = ("--sparse-cache", "4", "--sparse-cache-heads", "retrieval", "--sparse-cache-floor", "1",
                "--end-to-end-tokens", "120")  # samples as long as a passage, the gap and the repeat at W = 8
@@ -302,6 +407,7 @@ def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tm
     sizes = torch.tensor(split["sizes"])
     layers, heads = sizes.shape
     assert int(sizes.sum()) == 4 * layers * heads and int(sizes.min()) >= 1
+    assert calls == {"sample": 1}  # sampled for the split in the fit stage, read back by the end-to-end stage
     scores = torch.tensor(split["scores"]).clamp(min=0).flatten()
     assert sizes.flatten()[scores.argmax()] == sizes.max()  # the head that retrieves most keeps most
     assert [cache.size for cache in seen] == [tuple(row) for row in split["sizes"]]
@@ -314,6 +420,7 @@ def test_a_cache_split_by_retrieval_score_is_trained_saved_and_reloaded(tiny, tm
     (out / "stages" / "measure.done").unlink()  # measured again: the sizes are read back, not scored again
     monkeypatch.setattr(linearize_job, "cache_split", None)
     assert main(command(tiny, out, *options)) == 0
+    assert calls == {"sample": 1}
     assert main(command(tiny, tmp_path / "other", "--sparse-cache-heads", "retrieval")) == 2  # no cache to split
 
 

@@ -164,7 +164,9 @@ def test_generate_streams_from_a_folder_beside_the_original(fitted_dir, tmp_path
     assert lines["new tokens"][-2:] == ["12", "12"]
     # the linear cache is its states (the window's ring buffer included): a fixed size; the softmax cache holds
     # the keys and values of prompt + 11 fed-back tokens: 2 layers · 2 kv heads · 16 dims · 23 tokens · 2 · 4 bytes
-    assert lines["cache bytes at the end"][-1] == f"{2 * 2 * 16 * (12 + 11) * 2 * 4:,}"
+    # (after the first new token: the prompt's 12 tokens)
+    assert lines["cache bytes, first → last token"][-3:] == [f"{2 * 2 * 16 * 12 * 2 * 4:,}", "→",
+                                                             f"{2 * 2 * 16 * (12 + 11) * 2 * 4:,}"]
     assert plot.stat().st_size > 0
     # what was streamed is greedy generation from the in-memory linearized model
     ids = tokenizer("Rivers carry", return_tensors="pt")["input_ids"]
@@ -216,3 +218,31 @@ def test_generate_with_linear_on_a_plain_model_prints_its_numbers(tiny_base, cap
                  "--window", "4", "--sinks", "1"]) == 0
     out = capsys.readouterr().out
     assert "--- linearized (elu, window 4, sinks 1): The tide" in out and "tokens/s" in out
+
+
+def test_generate_says_what_each_number_means_and_prints_no_nan(tiny_base, tmp_path, capsys):
+    """One new token has no decoding rate: the summary says so (not "nan"); every row of the summary has a line
+    saying what it means; beside softmax (a prompt read from a file), the linear cache stays one size while
+    softmax's grows, and the break-even context is the states' bytes over softmax's bytes per token."""
+    import re
+
+    from linattn.cli import main
+
+    assert main(["generate", str(tiny_base), "--prompt", "The tide", "--max-new-tokens", "1", "--linear"]) == 0
+    out = capsys.readouterr().out
+    assert "n/a (1 token)" in out and "n/a (< 3 tokens)" in out and not re.search(r"\bnan\b", out, re.I)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The tide returns some of it to the shore. " * 8)
+    assert main(["generate", str(tiny_base), "--prompt-file", str(prompt), "--max-new-tokens", "9", "--linear",
+                 "--window", "4", "--sinks", "1", "--compare-softmax"]) == 0
+    out = capsys.readouterr().out
+    table, legend = out.split("new tokens  ")[-1].split("\n\n")
+    for title in ("new tokens", "tokens/s", "ms/token", "prompt ms", "cache bytes", "peak memory MiB"):
+        assert f"\n{title}: " in "\n" + legend  # one line says what it means
+    cache = next(line for line in table.splitlines() if line.startswith("cache bytes"))
+    linear, softmax = re.findall(r"[\d,]+(?: → [\d,]+)?", cache.split("token")[-1])
+    assert "→" not in linear and "→" in softmax  # the states stay one size, the softmax cache grows
+    assert " … " in out and "(335 tokens)" in out.splitlines()[0]  # a long prompt: its ends and length (characters)
+    states = int(linear.replace(",", ""))
+    per_token = 2 * 2 * 16 * 2 * 4  # 2 layers · 2 kv heads · 16 dims · key and value · 4 bytes
+    assert f"cache of {states / per_token:,.0f} tokens ({per_token:,} bytes per token)" in out

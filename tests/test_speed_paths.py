@@ -192,7 +192,8 @@ def test_bench_writes_table_files(tmp_path):
     assert {r.impl for r in results} >= {"linattn chunked elu", "sdpa"}
     assert all(r.median_s > 0 and r.peak_bytes > 0 for r in results)
     files = bench.write(results, decode, config, plot=False)
-    data = json.loads((tmp_path / "bench.json").read_text())
+    # strict JSON: a number not measured is null, never NaN (which is not JSON)
+    data = json.loads((tmp_path / "bench.json").read_text(), parse_constant=lambda c: pytest.fail(f"bench.json: {c}"))
     assert data["meta"]["threads"] == torch.get_num_threads()
     assert len(data["results"]) == len(results) and len(data["decode"]) == len(decode)
     assert (tmp_path / "bench.csv").read_text().count("\n") == len(results) + 1

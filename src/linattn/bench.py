@@ -19,7 +19,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import importlib.util
-import json
 import os
 import platform
 from collections.abc import Callable
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import __version__, feature_maps
+from ._json import dumps
 from .functional import linear_attention
 from .measure import matmul_peak, peak_memory, quartiles, time_calls, useful_flops
 
@@ -314,7 +314,7 @@ def write(results: list[Result], decode: list[DecodeResult], config: BenchConfig
             writer.writerows(records)
     meta = metadata(config)
     payload = {"meta": meta, "results": rows, "decode": [dataclasses.asdict(d) for d in decode]}
-    paths[2].write_text(json.dumps(payload, indent=1))
+    paths[2].write_text(dumps(payload, indent=1))  # strict JSON: null for a missing number
     if plot:
         paths.append(_plot(results, decode, folder / "bench.png", meta))
     return paths

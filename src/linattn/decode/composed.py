@@ -181,3 +181,16 @@ class ComposedDecodeStep:
             self.kept.index_select(-1, ring), self.keys[..., :sunk, :].clone(), self.values[..., :sunk, :].clone(),
             self.kept[..., :sunk].clone(), self.window, self.sinks, self.num_tokens, betas=betas,
         )
+
+    def index_select(self, dim: int, index: torch.Tensor) -> ComposedDecodeStep:
+        """A step on the selected batch rows (beam search), as the state's ``index_select``: the options (β, the
+        decay, the factor) go with it, a factor given per batch row selected too."""
+        if dim != 0:
+            raise LinearAttentionError(f"dim: a decode step selects batch rows (dim 0), got {dim}")
+        new = ComposedDecodeStep(self.fmap, self.state().index_select(dim, index), {**self.options,
+                                                                                    "window_factor": None})
+        new.options = dict(self.options)
+        if self.gamma is not None:
+            new.gamma = self.gamma.index_select(0, index.to(self.gamma.device))
+        return new
+

@@ -16,42 +16,50 @@ DEFAULT_OUT = "out/compare"
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of every ``linattn compare`` run: model, texts, maps, fitting, output."""
-    parser.add_argument("model", nargs="?", default=None,
+    """The options of every ``linattn compare`` run: model, texts, maps, fitting, output (``--help`` shows them in
+    two groups: every model, and the encoders' own)."""
+    every = parser.add_argument_group("every model (encoders and causal LMs)")
+    encoders = parser.add_argument_group("encoders only (attention metrics against softmax, per head)")
+    every.add_argument("model", nargs="?", default=None,
                         help="transformers model name or folder (default: the shipped MiniLM-L6, offline)")
-    parser.add_argument("text", nargs="?", default=None,
+    every.add_argument("text", nargs="?", default=None,
                         help="text file; its paragraphs are split in half into train and held-out parts "
                              "(default: the shipped corpus)")
-    parser.add_argument("--heldout", default=None, help="held-out text file (then TEXT is all train)")
-    parser.add_argument("--maps", nargs="+", default=None, help="registered maps to measure (default: all)")
-    parser.add_argument("--sweep", type=int, nargs="+", default=[16, 64, 256],
+    every.add_argument("--heldout", default=None, help="held-out text file (then TEXT is all train)")
+    every.add_argument("--maps", nargs="+", default=None, help="registered maps to measure (default: all)")
+    encoders.add_argument("--sweep", type=int, nargs="+", default=[16, 64, 256],
                         help="feature counts m for random maps")
-    parser.add_argument("--seeds", type=int, default=2,
+    encoders.add_argument("--seeds", type=int, default=2,
                         help="runs of each random map (each an independent draw per head), averaged")
-    parser.add_argument("--steps", type=int, default=None, help="fitting steps for learned maps")
-    parser.add_argument("--num-features", type=int, default=None, help="m of learned maps (default: the fit's)")
-    parser.add_argument("--long-n", type=int, default=4096, help="sequence length of the timing")
-    parser.add_argument("--max-tokens", type=int, default=384,
+    every.add_argument("--steps", type=int, default=None, help="fitting steps for learned maps")
+    every.add_argument("--num-features", type=int, default=None, help="m of learned maps (default: the fit's)")
+    encoders.add_argument("--long-n", type=int, default=4096, help="sequence length of the timing (causal LMs: unused)")
+    every.add_argument("--max-tokens", type=int, default=384,
                         help="longest held-out sequence (paragraphs are grouped up to it)")
-    parser.add_argument("--fit-max-tokens", type=int, default=None,
+    every.add_argument("--fit-max-tokens", type=int, default=None,
                         help="longest train sequence for fitting (default: the model's limit)")
-    parser.add_argument("--fit-orders", type=int, default=4,
+    every.add_argument("--fit-orders", type=int, default=4,
                         help="capture the train text in this many paragraph orders for fitting (1: as given)")
-    parser.add_argument("--save-maps", default=None,
+    every.add_argument("--save-maps", default=None,
                         help="also write the fitted maps of each learned kind to this folder (safetensors)")
-    parser.add_argument("--window", type=int, default=None,
+    every.add_argument("--window", type=int, default=None,
                         help="also measure the sliding-window hybrid with this window W (docs/window.md; causal "
                              f"LMs: default {LM_WINDOW})")
-    parser.add_argument("--sinks", type=int, default=None,
+    every.add_argument("--sinks", type=int, default=None,
                         help=f"sink tokens kept exact in the hybrid rows (default 0; causal LMs: {LM_SINKS})")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="folder for report.md, results.json and plots")
-    parser.add_argument("--quiet", action="store_true", help="no table or progress bars")
+    every.add_argument("--out", default=DEFAULT_OUT, help="folder for report.md, results.json and plots")
+    every.add_argument("--quiet", action="store_true", help="no table or progress bars")
 
 
-def add_lm_arguments(parser: argparse.ArgumentParser) -> None:
-    """The causal-LM options of ``linattn compare`` (options another part already defines are shared)."""
+def add_lm_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The causal-LM options of ``linattn compare`` (options another part already defines are shared); given an
+    argument group (``linattn compare --help`` shows them under one heading), the help drops its "causal LMs: "."""
+    grouped = isinstance(parser, argparse._ArgumentGroup)
+
     def add(flag: str, **options: Any) -> None:
         if flag not in parser._option_string_actions:
+            if grouped and "help" in options:
+                options["help"] = options["help"].removeprefix("causal LMs: ")
             parser.add_argument(flag, **options)
 
     add("--lm", action="store_true", help="treat MODEL as a causal LM (detected for smollm2, GGUF, *ForCausalLM)")

@@ -189,6 +189,12 @@ def run_compare(
         f"held-out tokens; {result.threads} threads", flush=True)
     say(f"{'map':<22}{'F':>6}{'rel.err':>9}{'KL':>8}{'entropy':>9}{'µs/token':>10}   (softmax: entropy "
         f"{result.softmax_entropy:.2f}, {result.softmax_us_per_token:.2f} µs/token at N={long_n})", flush=True)
+    for line in ("F: features per key (a head's state is F × d numbers)",
+                 "rel.err: ‖linear output − softmax output‖ / ‖softmax output‖, mean over heads (0: exact)",
+                 "KL: from softmax's attention weights to the map's, mean over rows (0: the same weights)",
+                 "entropy: of the map's attention weights, mean over rows (softmax's is above)",
+                 f"µs/token: median time of one attention forward (all heads, random inputs, N={long_n}) per token"):
+        say(f"  {line}", flush=True)
 
     def measure(name: str, fmap: Any, timing_map: Any, *, num_features: int | None = None, default: bool = True,
                 note: str = "", seeds_used: int = 1, metrics: dict[str, Any] | None = None,

@@ -7,11 +7,12 @@ The shared pieces: :func:`number` (every number of a table), :func:`markdown_tab
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
+
+from .._json import dumps
 
 # Why signed maps (identity, trig) are not ranked with the others: printed above their rows on the console and in
 # report.md.
@@ -40,7 +41,7 @@ def write_results(data: dict[str, Any], lines: list[str], out_dir: str) -> list[
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "report.md")]
     with open(paths[0], "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, default=float)
+        handle.write(dumps(data, indent=2, default=float))  # strict JSON: null where a number is missing
     with open(paths[1], "w", encoding="utf-8") as handle:
         handle.write("\n".join(lines) + "\n")
     return paths

@@ -14,8 +14,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``linattn generate`` (:mod:`linattn.linearized.generate`)."""
     parser.add_argument("model", help="a folder written by `linattn linearize`, or a causal LM (smollm2, a folder, "
                         "a GGUF file, a model in the local Hugging Face cache)")
-    parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the text to continue")
+    prompt.add_argument("--prompt-file", help="a UTF-8 text file whose text to continue (a long prompt: the "
+                        "softmax cache grows with it, the linear states do not)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate after the prompt")
     parser.add_argument("--linear", action="store_true", help="linearize a plain model first: with the maps "
                         "shipped for it (smollm2), else elu+1 beside a softmax window")
     parser.add_argument("--untrained", action="store_true", help="with --linear: elu+1 beside the window even where "

@@ -66,8 +66,10 @@ def _plot(result: dict[str, Any], path: str) -> bool:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    partial = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial-{os.getpid()}.png")
+    fig.savefig(partial, dpi=120)  # through a temporary name, as every file of the folder
     plt.close(fig)
+    os.replace(partial, path)
     return True
 
 

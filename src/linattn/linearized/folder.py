@@ -26,12 +26,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import hf
+from .._json import dumps
 from ..errors import LinearAttentionError
 from ..evaluate.models import load_model
 from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
@@ -179,11 +181,14 @@ def save_linearized(model: Any, directory: str | os.PathLike[str], *, maps: Any 
     gates_entry = _gates_entry(gates, directory)
     if gates_entry is not None:
         entry["gates"] = gates_entry
-    if adapters is not None:
-        adapters.save(directory / ADAPTERS_FOLDER)
+    if adapters is not None:  # through a temporary folder and a rename, as every file here
+        partial = directory / f".{ADAPTERS_FOLDER}.partial-{os.getpid()}"
+        adapters.save(partial)
+        shutil.rmtree(directory / ADAPTERS_FOLDER, ignore_errors=True)
+        os.replace(partial, directory / ADAPTERS_FOLDER)
         entry["adapters"] = ADAPTERS_FOLDER
     if results is not None or not (directory / RESULTS_FILE).exists():
-        atomic_write(directory / RESULTS_FILE, json.dumps(results or {}, indent=2, default=str))
+        atomic_write(directory / RESULTS_FILE, dumps(results or {}, indent=2, default=str))  # strict JSON
     atomic_write(directory / INDEX, json.dumps(entry, indent=2))  # last: the folder is complete
     return directory
 

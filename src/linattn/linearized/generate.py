@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import hf
+from ..data import check_text_file
 from ..errors import LinearAttentionError
 from ..evaluate.models import check_model_name, is_causal_lm, load_model, looks_causal
 from .folder import is_linearized, load_linearized, read_index, shipped
@@ -43,10 +44,11 @@ class Generation:
     peak_kind: str = "CUDA allocated"
 
     @property
-    def tokens_per_second(self) -> float:
-        """New tokens after the first over the time they took (the prompt's time excluded)."""
+    def tokens_per_second(self) -> float | None:
+        """New tokens after the first over the time they took (the prompt's time excluded); None with fewer than
+        two new tokens (the first comes with the prompt: there is no decoding time to divide by)."""
         if len(self.times) < 2:
-            return float("nan")
+            return None
         return (len(self.times) - 1) / (self.times[-1] - self.times[0])
 
     @property
@@ -160,16 +162,62 @@ def _cached(args: argparse.Namespace) -> str:
     return f", sparse cache {args.sparse_cache}" if args.sparse_cache else ""
 
 
+def _rate(run: Generation) -> str:
+    rate = run.tokens_per_second
+    return "n/a (1 token)" if rate is None else f"{rate:.1f}"
+
+
+def _ms_ends(run: Generation) -> str:
+    """Mean ms per token over the first and over the last quarter of the new tokens (at least one each)."""
+    ms = run.ms_per_token
+    if len(ms) < 2:
+        return "n/a (< 3 tokens)"
+    part = max(1, len(ms) // 4)
+    return f"{sum(ms[:part]) / part:.1f} → {sum(ms[-part:]) / part:.1f}"
+
+
+def _bytes_ends(run: Generation) -> str:
+    if not run.cache_bytes:
+        return "0"
+    first, last = run.cache_bytes[0], run.cache_bytes[-1]
+    return f"{last:,}" if first == last else f"{first:,} → {last:,}"
+
+
+# each row of the summary: its title, its value for a run, and what the number means (printed under the table)
+_ROWS = (
+    ("new tokens", lambda r: f"{r.new_tokens}", "tokens generated after the prompt (greedy)"),
+    ("tokens/s (after prompt)", _rate, "decoding rate: the new tokens after the first over the time they took "
+     "(the first comes with the prompt)"),
+    ("ms/token, first → last quarter", _ms_ends, "mean time per new token at the start and at the end of the "
+     "generation: flat when each token costs the same however long the context"),
+    ("prompt ms", lambda r: f"{r.prefill_seconds * 1e3:.1f}", "time to read the prompt and make the first token"),
+    ("cache bytes, first → last token", _bytes_ends, "what the model keeps between tokens (linear: fixed-size "
+     "states; softmax: every key and value so far, growing with each token); one number when it never changed"),
+)
+
+
 def _summary(runs: list[Generation]) -> list[str]:
     width = max(24, *(len(run.label) + 2 for run in runs))
-    rows = [("new tokens", lambda r: f"{r.new_tokens}"),
-            ("tokens/s (after prompt)", lambda r: f"{r.tokens_per_second:.1f}"),
-            ("prompt ms", lambda r: f"{r.prefill_seconds * 1e3:.1f}"),
-            ("cache bytes at the end", lambda r: f"{r.cache_bytes[-1] if r.cache_bytes else 0:,}"),
-            (f"peak memory MiB ({runs[0].peak_kind})", lambda r: f"{r.peak_bytes / 2**20:.1f}")]
+    peak = (f"peak memory MiB ({runs[0].peak_kind})", lambda r: f"{r.peak_bytes / 2**20:.1f}",
+            "the most memory held so far (CPU: the process's resident memory, every loaded model's weights included, "
+            "so a run's peak includes the runs above it; CUDA: allocated during the run)")
+    rows = (*_ROWS, peak)
     lines = [f"{'':<34}" + "".join(f"{run.label:>{width}}" for run in runs)]
-    lines += [f"{title:<34}" + "".join(f"{value(run):>{width}}" for run in runs) for title, value in rows]
-    return lines
+    lines += [f"{title:<34}" + "".join(f"{value(run):>{width}}" for run in runs) for title, value, _ in rows]
+    lines += ["", *(f"{title.split(' (')[0].split(',')[0]}: {meaning}" for title, _, meaning in rows)]
+    return lines + _break_even(runs)
+
+
+def _break_even(runs: list[Generation]) -> list[str]:
+    """With a run whose cache stayed one size and one whose cache grew: the context at which they hold the same."""
+    fixed = [run for run in runs if len(run.cache_bytes) > 1 and run.cache_bytes[0] == run.cache_bytes[-1]]
+    growing = [run for run in runs if len(run.cache_bytes) > 1 and run.cache_bytes[-1] > run.cache_bytes[0]]
+    if not fixed or not growing:
+        return []
+    per_token = (growing[0].cache_bytes[-1] - growing[0].cache_bytes[0]) / (len(growing[0].cache_bytes) - 1)
+    tokens = fixed[0].cache_bytes[-1] / per_token
+    return [f"break-even: the {fixed[0].label} states hold as many bytes as the {growing[0].label} cache of "
+            f"{tokens:,.0f} tokens ({per_token:,.0f} bytes per token); at longer contexts they are the smaller"]
 
 
 def plot(runs: list[Generation], path: str) -> None:
@@ -195,8 +243,18 @@ def plot(runs: list[Generation], path: str) -> None:
     plt.close(fig)
 
 
+def _shown(prompt: str, tokens: int) -> str:
+    """The prompt as echoed above a run: whole when short, else its two ends and its length in tokens."""
+    flat = " ".join(prompt.split())
+    return flat if len(flat) <= 160 else f"{flat[:70]} … {flat[-70:]} ({tokens:,} tokens)"
+
+
 def cli(args: argparse.Namespace) -> int:
     """``linattn generate`` (options in :func:`linattn.cli`)."""
+    if args.prompt_file is not None:
+        check_text_file(args.prompt_file, "--prompt-file")
+        with open(args.prompt_file, encoding="utf-8") as handle:
+            args.prompt = handle.read().strip()
     if args.max_new_tokens < 1:
         raise LinearAttentionError(f"--max-new-tokens: need ≥ 1, got {args.max_new_tokens}")
     if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
@@ -206,7 +264,7 @@ def cli(args: argparse.Namespace) -> int:
     for run_label, chosen in ((label, model), ("softmax (original)", original)):
         if chosen is None:
             continue
-        print(f"--- {run_label}: {args.prompt}", flush=True)
+        print(f"--- {run_label}: {_shown(args.prompt, len(tokenizer(args.prompt)['input_ids']))}", flush=True)
         runs.append(generate_measured(chosen, tokenizer, args.prompt, args.max_new_tokens, run_label))
         sys.stdout.flush()
     print("\n".join(_summary(runs)))

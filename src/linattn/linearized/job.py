@@ -288,8 +288,7 @@ class Job:
             return tuned, self._adapters(adapters_folder) if options.lora_rank else None
         self._starting("end_to_end")
         begin = time.perf_counter()
-        _drop_unreadable(Path(str(options.texts)))
-        plain, _ = training_sequences(self.model, self.tokenizer, self.train, options)
+        plain = self._samples()
         self._split_cache(plain)
         tuned, adapters, info = train_end_to_end(self.model, self.tokenizer, fitted, self.config, self.train, plain,
                                                  None, gates=self.gates,
@@ -316,9 +315,20 @@ class Job:
         if (self.stages.folder / "cache_sizes.json").is_file():
             self._split_cache(None)
             return
-        _drop_unreadable(Path(str(self.config.end_to_end.texts)))
-        plain, _ = training_sequences(self.model, self.tokenizer, self.train, self.config.end_to_end)
-        self._split_cache(plain)
+        self._split_cache(self._samples())
+
+    def _samples(self) -> list[torch.Tensor]:
+        """The sampled training texts: read from ``stages/samples.json`` when a run wrote it whole, else sampled
+        into a temporary name that is then renamed (an interrupted run leaves no part of it under the name)."""
+        options = self.config.end_to_end
+        path = Path(str(options.texts))
+        _drop_unreadable(path)
+        if path.is_file():
+            return training_sequences(self.model, self.tokenizer, self.train, options)[0]
+        partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+        plain, _ = training_sequences(self.model, self.tokenizer, self.train, replace(options, texts=str(partial)))
+        os.replace(partial, path)
+        return plain
 
     def _split_cache(self, plain: list[torch.Tensor] | None) -> None:
         """With --sparse-cache-heads retrieval: the per-head sizes, scored once on the first training samples
