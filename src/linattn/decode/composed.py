@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import LinearAttentionError
 from ..features import map_features
 from ..state import DeltaRuleState, LinearAttentionState, WindowAttentionState
-from ._step import _repeat_heads
+from ._step import _repeat_heads, check_memory, check_token, check_token_options
 from .delta import DeltaDecodeStep
 
 
@@ -31,10 +30,7 @@ class ComposedDecodeStep:
 
     def __init__(self, fmap: nn.Module, state: WindowAttentionState, options: dict[str, Any]) -> None:
         linear = state.linear
-        if linear.kv.dim() != 4:
-            raise LinearAttentionError(
-                f"state: a decode step needs a state of batch shape (B, H), got kv of shape {tuple(linear.kv.shape)}"
-            )
+        check_memory(linear.kv)
         self.fmap, self.options = fmap, dict(options)
         self.eps = float(options.get("eps", 1e-6))
         batch, heads, features, values = linear.kv.shape
@@ -88,6 +84,8 @@ class ComposedDecodeStep:
 
         ``beta`` (B, H): this token's write strength (the delta rule; it writes when the token leaves the window);
         ``log_decay`` (B, H) or (B, H, F) ≤ 0: this token's log-decay, on top of a fixed rate."""
+        check_token(q, k, v, keep, self.keys)
+        check_token_options(beta, log_decay)
         batch, heads = self.keys.shape[:2]
         out_dtype, dtype = q.dtype, self.keys.dtype
         q, k, v = q.to(dtype), _repeat_heads(k.to(dtype), heads), _repeat_heads(v.to(dtype), heads)

@@ -13,7 +13,7 @@ from ..capabilities import step_reasons
 from ..errors import LinearAttentionError
 from ..feature_maps import FeatureMap
 from ..state import LinearAttentionState, WindowAttentionState
-from ._step import _repeat_heads, _Step
+from ._step import _repeat_heads, _Step, check_memory, check_token
 
 
 def supports_window(fmap: nn.Module, state: Any, options: dict[str, Any]) -> bool:
@@ -48,10 +48,7 @@ class WindowDecodeStep(_Step):
         softmax_scale: float | None = None, kv_heads: int | None = None,
     ) -> None:
         linear = state.linear
-        if linear.kv.dim() != 4:
-            raise LinearAttentionError(
-                f"state: a decode step needs a state of batch shape (B, H), got kv of shape {tuple(linear.kv.shape)}"
-            )
+        check_memory(linear.kv)
         self.fmap = fmap
         self.features = fmap.features if isinstance(fmap, FeatureMap) else None
         self.eps = float(eps)
@@ -134,6 +131,7 @@ class WindowDecodeStep(_Step):
         """One token's inputs in the buffers' dtype: q (B, H, 1, d); k (B·Hkv, d) and v (B·Hkv, Dv), v zero where
         masked; the features qf (B·H, 1, F) and kf (B·H, F) (zero where masked: per query head, as per-head maps
         give them); the keep flags per query head (B·H,) or None."""
+        check_token(q, k, v, keep, self.kv)
         batch, heads, features, values = self._shape
         dtype = self.kv.dtype
         if q.dtype != dtype or k.dtype != dtype or v.dtype != dtype:
