@@ -9,6 +9,9 @@ is covered as it is added; a kind added later fails :func:`test_every_kind_of_th
 options are listed here. A route that could not keep the promise would refuse such inputs with
 ``check_finite=True``, which every route does (:func:`test_check_finite_refuses_bad_values_on_every_route`).
 
+The lean decoding steps the table chooses (plain, window, sparse, delta, composed) take a masked token with NaN
+or inf in its key and value without a change in any output.
+
 Compared against the same call (same shapes) on finite inputs: BLAS may round calls of different shapes
 differently, a truncated input is not the same computation.
 """
@@ -187,3 +190,57 @@ def test_check_finite_refuses_bad_values_on_every_route(route, name, options):
     k[..., 7, 0] = float("nan")
     with pytest.raises(LinearAttentionError, match="non-finite"):
         _run(route, options, q, k, v, check_finite=True)
+
+
+# ---- the decoding steps: a masked token's NaN or inf never reaches an output ----------------------------------------
+
+STEP_CASES = [(name, options) for route, name, options in CASES if route.form == "recurrent"
+              and not {"cu_seqlens", "log_gate"} & set(options)]  # gates come with each step's call
+
+
+def _with_map(options: dict[str, Any]) -> dict[str, Any]:
+    """The options with the feature map made once (one object for the prefill and the step)."""
+    from linattn.features import resolve_feature_map
+
+    return {**options, "feature_map": resolve_feature_map(options.get("feature_map", "elu"), DIM)}
+
+
+def _step_for(options: dict[str, Any], state: Any) -> Any:
+    from linattn.capabilities import choose_step
+    from linattn.decode import lean_step
+
+    given = {key: value for key, value in options.items() if key != "feature_map"}
+    fmap = options["feature_map"]
+    return choose_step(fmap, state, given), lean_step(fmap, state, given, HEADS)
+
+
+def test_every_kind_of_decoding_step_is_run_below():
+    q, k, v = _inputs()
+    kinds = set()
+    for _, options in STEP_CASES:
+        options = _with_map(options)
+        _, state = linear_attention(q, k, v, causal=True, return_state=True, **options)
+        kinds.add(_step_for(options, state)[0])
+    assert kinds >= {"plain", "window", "sparse", "delta", "composed"}
+
+
+@pytest.mark.parametrize("name,options", STEP_CASES, ids=[name for name, _ in STEP_CASES])
+def test_a_masked_bad_token_leaves_every_step_output_unchanged(name, options):
+    q, k, v = _inputs(2)
+    prefill, options = 5, _with_map(options)
+    _, state = linear_attention(q[..., :prefill, :], k[..., :prefill, :], v[..., :prefill, :], causal=True,
+                                return_state=True, **options)
+    if _step_for(options, state)[1] is None:
+        pytest.skip(f"no lean step continues {name}")
+    runs = []
+    for bad in (False, True):
+        step, outs = _step_for(options, state)[1], []
+        for t in range(prefill, N):
+            token = [x[..., t : t + 1, :].clone() for x in (q, k, v)]
+            keep = torch.tensor([[t not in (9, 12)]])  # two masked tokens
+            if bad and not keep:
+                token[1][..., 0] = float("nan") if t == 9 else float("inf")
+                token[2][..., 1] = float("-inf") if t == 9 else float("nan")
+            outs.append(step(*token, keep))
+        runs.append(torch.cat(outs, dim=-2))
+    assert bool(torch.isfinite(runs[1]).all()) and torch.equal(runs[1], runs[0])

@@ -97,6 +97,8 @@ class ComposedDecodeStep:
             self.live[leaving] = True
         token_keep = torch.ones(batch, heads, dtype=torch.bool, device=q.device) if keep is None else (
             keep.reshape(batch, 1).expand(batch, heads))
+        if keep is not None:  # as linear_attention keeps it: a masked token's value is 0
+            v = v.masked_fill(~token_keep[..., None, None], 0.0)
         strength = None
         if self.delta is not None:
             strength = (beta.reshape(batch, heads).to(dtype) if beta is not None
@@ -126,6 +128,8 @@ class ComposedDecodeStep:
         writes = leaving >= self.sinks
         keep = self.kept[..., slot] if writes else torch.zeros_like(self.kept[..., slot])
         key, value = self.keys[..., slot : slot + 1, :], self.values[..., slot : slot + 1, :]
+        # a masked key is zeroed, not multiplied by 0 (a NaN or inf in padding would stay NaN)
+        key = torch.where(keep[..., None, None], key, torch.zeros((), dtype=key.dtype, device=key.device))
         if self.delta is not None:
             # a masked or absent key writes nothing (β = 0); the decay still applies
             out = self.delta(q, key, value, beta=self.betas[..., slot] * keep, log_decay=log_decay)

@@ -68,6 +68,8 @@ class DeltaDecodeStep:
         out_dtype, dtype = q.dtype, self.kv.dtype
         q, k, v = q.to(dtype), _repeat_heads(k.to(dtype), heads), _repeat_heads(v.to(dtype), heads)
         mask = None if keep is None else keep.reshape(batch, 1, 1)
+        if mask is not None:  # zeroed, not multiplied by β = 0: a NaN or inf in padding would stay NaN
+            k, v = (x.masked_fill(~mask.unsqueeze(-1), 0.0) for x in (k, v))
         qf = unit_features(self.fmap, q, is_query=True, log_space=self.log_space)  # (B, H, 1, F)
         kf = unit_features(self.fmap, k, is_query=False, log_space=self.log_space, keep=mask)
         strength = torch.full((batch, heads, 1), self.beta, dtype=dtype, device=q.device) if beta is None else (
