@@ -327,3 +327,13 @@ def test_a_step_refuses_a_half_precision_state_and_tokens_of_another_kind(index)
     with pytest.raises(LinearAttentionError, match=r"k: expected a floating tensor"):
         step(token[0], token[1].long(), token[2])
     assert bool(torch.isfinite(step(*token, torch.ones(1, 1, dtype=torch.bool))).all())  # the step goes on
+
+
+def test_the_layer_decoder_names_a_dtype_mismatch_too():
+    torch.manual_seed(0)
+    layer = linattn.nn.LinearAttention(32, 4, causal=True)
+    _, state = layer(torch.randn(1, 3, 32), return_state=True)
+    decoder = linattn.nn.LayerDecoder(layer, state)
+    with pytest.raises(LinearAttentionError, match=r"x: dtype torch.float64, the layer's weights torch.float32"):
+        decoder(torch.randn(1, 1, 32, dtype=torch.float64))
+    assert decoder(torch.randn(1, 1, 32)).shape == (1, 1, 32)
