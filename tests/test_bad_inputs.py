@@ -337,3 +337,36 @@ def test_the_layer_decoder_names_a_dtype_mismatch_too():
     with pytest.raises(LinearAttentionError, match=r"x: dtype torch.float64, the layer's weights torch.float32"):
         decoder(torch.randn(1, 1, 32, dtype=torch.float64))
     assert decoder(torch.randn(1, 1, 32)).shape == (1, 1, 32)
+
+
+def test_a_step_refuses_a_state_of_another_kind_tokens_of_another_shape_and_bad_options():
+    from linattn.decode import DecodeStep, WindowDecodeStep
+
+    q, k, v = _qkv()
+    _, plain = linear_attention(q, k, v, causal=True, return_state=True)
+    _, window = linear_attention(q, k, v, causal=True, window=4, return_state=True)
+    elu = create("elu")
+    for make, state, kind in ((lambda s: DecodeStep(elu, s), window, "LinearAttentionState"),
+                              (lambda s: DeltaDecodeStep(elu, s), plain, "DeltaRuleState"),
+                              (lambda s: WindowDecodeStep(elu, s), plain, "WindowAttentionState"),
+                              (lambda s: ComposedDecodeStep(elu, s, {"window": 4, "decay": 0.9}), plain,
+                               "WindowAttentionState")):
+        with pytest.raises(LinearAttentionError, match=rf"state: \w+ continues a {kind}, got"):
+            make(state)
+    step = DecodeStep(elu, plain)
+    with pytest.raises(LinearAttentionError, match=r"q: expected one token, \(B, H, 1, d\) = \(1, 4, 1, d\)"):
+        step(q[..., :2, :], k[..., :2, :], v[..., :2, :])
+    with pytest.raises(LinearAttentionError, match=r"k, v: expected one token each"):
+        step(q[..., :1, :], k[:, :3, :1, :], v[:, :3, :1, :])
+    with pytest.raises(LinearAttentionError, match=r"keep: expected a bool tensor \(B, 1\)"):
+        step(*_token(q, k, v), torch.ones(2, 1, dtype=torch.bool))
+    for bad in ({"eps": float("nan")}, {"eps": -1.0}):
+        with pytest.raises(LinearAttentionError, match=r"eps: expected a number ≥ 0 and finite"):
+            DecodeStep(elu, plain, **bad)
+    for bad, pattern in (({"window_factor": float("nan")}, r"window_factor"),
+                         ({"window_factor": -1.0}, r"window_factor"),
+                         ({"softmax_scale": float("nan")}, r"softmax_scale"), ({"eps": float("inf")}, r"eps")):
+        with pytest.raises(LinearAttentionError, match=pattern):
+            WindowDecodeStep(elu, window, **bad)
+        with pytest.raises(LinearAttentionError, match=pattern):
+            ComposedDecodeStep(elu, window, {"window": 4, "decay": 0.9, **bad})

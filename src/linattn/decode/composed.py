@@ -18,7 +18,7 @@ from torch import nn
 
 from ..features import map_features
 from ..state import DeltaRuleState, LinearAttentionState, WindowAttentionState
-from ._step import _repeat_heads, check_memory, check_token, check_token_options
+from ._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
 from .delta import DeltaDecodeStep
 
 
@@ -29,8 +29,10 @@ class ComposedDecodeStep:
     Per-token write strengths and log-decays (per token (B, H), or per feature (B, H, F)) come with each call."""
 
     def __init__(self, fmap: nn.Module, state: WindowAttentionState, options: dict[str, Any]) -> None:
+        check_memory(state, WindowAttentionState, "ComposedDecodeStep")
+        check_step_options(options.get("eps", 1e-6), state.window, state.sinks, options.get("window_factor"),
+                           options.get("softmax_scale"))
         linear = state.linear
-        check_memory(linear.kv)
         self.fmap, self.options = fmap, dict(options)
         self.eps = float(options.get("eps", 1e-6))
         batch, heads, features, values = linear.kv.shape
@@ -84,7 +86,7 @@ class ComposedDecodeStep:
 
         ``beta`` (B, H): this token's write strength (the delta rule; it writes when the token leaves the window);
         ``log_decay`` (B, H) or (B, H, F) ≤ 0: this token's log-decay, on top of a fixed rate."""
-        check_token(q, k, v, keep, self.keys)
+        check_token(q, k, v, keep, self.keys, (self.keys.shape[0], self.keys.shape[1], self.values.shape[-1]))
         check_token_options(beta, log_decay)
         batch, heads = self.keys.shape[:2]
         out_dtype, dtype = q.dtype, self.keys.dtype

@@ -36,7 +36,7 @@ class DeltaDecodeStep:
 
     def __init__(self, fmap: nn.Module, state: DeltaRuleState, *, beta: float | None = None,
                  decay: Any = None) -> None:
-        check_memory(state.kv)
+        check_memory(state, DeltaRuleState, "DeltaDecodeStep")
         self.fmap = fmap
         self.log_space = is_log_space(fmap)
         self.kv = state.kv.detach().clone(memory_format=torch.contiguous_format)  # owned, updated in place
@@ -62,7 +62,7 @@ class DeltaDecodeStep:
         log-gate on top of the fixed rate, one per head (B, H) or one per feature (B, H, F) (KDA; (B, H, 1, F) is
         taken too). Output in q's dtype; the memory stays in its own (fp32/fp64).
         """
-        check_token(q, k, v, keep, self.kv)
+        check_token(q, k, v, keep, self.kv, (self.kv.shape[0], self.kv.shape[1], self.kv.shape[-1]))
         check_token_options(beta, log_decay)
         batch, heads, features, values = self.kv.shape
         out_dtype, dtype = q.dtype, self.kv.dtype
