@@ -146,6 +146,26 @@ def test_a_bad_key_or_value_leaves_earlier_rows_bitwise_unchanged(route, name, o
             assert not bool(torch.isfinite(out[..., t, :]).all()), "the NaN vanished"
 
 
+CONTINUED = [(route, name, options) for route, name, options in CASES if not {"cu_seqlens", "log_gate"} & set(options)]
+
+
+@pytest.mark.parametrize("route,name,options", CONTINUED, ids=[f"{r.name}-{name}" for r, name, _ in CONTINUED])
+def test_a_continuation_keeps_its_earlier_rows_too(route, name, options):
+    """The same after a state: the call that continues it runs twice when a bad value shows, from the same state."""
+    if not _covered(route, options):
+        pytest.skip(f"{route.name} does not run causal calls")
+    q, k, v = _inputs()
+    _, state = linear_attention(q[..., :10, :], k[..., :10, :], v[..., :10, :], causal=True, return_state=True,
+                                **options)
+    rest = [x[..., 10:, :] for x in (q, k, v)]
+    clean = _run(route, options, *rest, initial_state=state)
+    for which, bad, t in BAD[:3]:
+        k_bad, v_bad = rest[1].clone(), rest[2].clone()
+        (k_bad if which == "k" else v_bad)[..., t, 1] = bad
+        out = _run(route, options, rest[0], k_bad, v_bad, initial_state=state)
+        assert torch.equal(out[..., :t, :], clean[..., :t, :]), f"{which}[{t}] = {bad} reached rows before {t}"
+
+
 @pytest.mark.parametrize("route,name,options", CASES, ids=IDS)
 def test_finite_changes_leave_earlier_rows_bitwise_unchanged(route, name, options):
     """What the repair of bad values rests on: each form is causal to the bit for finite inputs (same shapes), also
