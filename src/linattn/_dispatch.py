@@ -347,10 +347,11 @@ def run_causally(run: Runner, job: Job) -> Result:
     or block. The check is one sum over the output (a NaN or inf in it makes the sum non-finite); only then are the
     bad tokens found and the call run again with them zeroed, its rows before the first bad token (of each
     sequence, when packed) taken. That needs each form to be causal to the bit for finite values, which
-    tests/test_causal_bad_values.py checks for every route of the capability table."""
+    tests/test_causal_bad_values.py checks for every route of the capability table. On a GPU the check reads one
+    value back (a synchronisation a call)."""
     out, final = run(job)
-    # a compiled graph cannot branch on values: under torch.compile the output is as the forms make it
-    if not job.causal or torch.compiler.is_compiling() or bool(torch.isfinite(_total(out))):
+    # a compiled graph or a captured CUDA graph cannot branch on values: there the output is as the forms make it
+    if not job.causal or torch.compiler.is_compiling() or _capturing(out) or bool(torch.isfinite(_total(out))):
         return out, final
     poisoned = _poisoned_rows(job)
     if poisoned is None:  # the inputs are finite: something else (a state, a map's overflow) made it
@@ -358,6 +359,10 @@ def run_causally(run: Runner, job: Job) -> Result:
     zeroed = replace(job, k=_finite_or_zero(job.k), v=_finite_or_zero(job.v))
     clean, _ = run(zeroed)
     return torch.where(poisoned.unsqueeze(-1), out, clean), final
+
+
+def _capturing(out: torch.Tensor) -> bool:
+    return out.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _total(out: torch.Tensor) -> torch.Tensor:

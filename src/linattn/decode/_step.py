@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,25 +91,31 @@ def check_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.T
         raise LinearAttentionError(f"keep: expected a bool tensor (B, 1) where True keeps the token, got {found}")
 
 
+def _require(valid: torch.Tensor, x: torch.Tensor, message: Callable[[str], str]) -> None:
+    """Raise ``message(the values seen)`` unless ``valid`` holds. On a GPU the check is queued with the token's
+    work instead (``torch._assert_async``: it fails at the next synchronisation, as a device-side assert): reading
+    a flag back every token would cost a synchronisation a step, and none can be made while a CUDA graph is
+    captured."""
+    if valid.device.type == "cuda":
+        torch._assert_async(valid, message("values"))
+    elif not bool(valid):
+        raise LinearAttentionError(message(f"values from {float(x.min())} to {float(x.max())}"))
+
+
 def check_token_options(beta: torch.Tensor | None, log_decay: torch.Tensor | None) -> None:
     """A step's per-token β in [0, 2] and log-decay ≤ 0 (finite), as ``linear_attention`` takes them: β > 2 or a
-    positive log-decay would make the memory grow without bound, silently. (Two small reductions a token; on a GPU
-    each reads one value back.)"""
+    positive log-decay would make the memory grow without bound, silently."""
     if beta is not None:
         if not isinstance(beta, torch.Tensor) or not beta.is_floating_point():
             raise LinearAttentionError(f"beta: expected a floating tensor (B, H), got {type(beta).__name__}")
-        if not bool(((beta >= 0) & (beta <= 2)).all()):
-            raise LinearAttentionError(
-                f"beta: values from {float(beta.min())} to {float(beta.max())} (or NaN); the write strength must "
-                "lie in [0, 2] (e.g. torch.sigmoid(x @ w)): beyond it the delta memory grows without bound"
-            )
+        _require(((beta >= 0) & (beta <= 2)).all(), beta, lambda seen: (
+            f"beta: {seen} (or NaN); the write strength must lie in [0, 2] (e.g. torch.sigmoid(x @ w)): beyond it "
+            "the delta memory grows without bound"))
     if log_decay is not None:
         if not isinstance(log_decay, torch.Tensor) or not log_decay.is_floating_point():
             raise LinearAttentionError(
                 f"log_decay: expected a floating tensor (B, H) or (B, H, F), got {type(log_decay).__name__}"
             )
-        if not bool(((log_decay <= 0) & (log_decay > float("-inf"))).all()):
-            raise LinearAttentionError(
-                f"log_decay: values from {float(log_decay.min())} to {float(log_decay.max())} (or NaN); a log-decay "
-                "must be finite and ≤ 0 (e.g. F.logsigmoid(x)), since the state may only shrink"
-            )
+        _require(((log_decay <= 0) & (log_decay > float("-inf"))).all(), log_decay, lambda seen: (
+            f"log_decay: {seen} (or NaN); a log-decay must be finite and ≤ 0 (e.g. F.logsigmoid(x)), since the "
+            "state may only shrink"))
