@@ -27,10 +27,12 @@ import torch.nn.functional as F
 import linattn.functional as functional
 from linattn import LinearAttentionError, linear_attention
 from linattn.capabilities import ROUTES
+from linattn.feature_maps import create
 from linattn.state import SparseCache
 
 BATCH, HEADS, N, DIM, CHUNK, WINDOW = 1, 2, 37, 8, 8, 6  # N not a multiple of the chunk, several chunks
 PACKED = [0, 13, 37]
+FAVOR = create("favor+", head_dim=DIM, seed=0)  # its random projection fixed, whatever ran before
 
 
 def _token_gate() -> torch.Tensor:
@@ -45,11 +47,11 @@ def _feature_gate() -> torch.Tensor:  # elu's features: F = Dk
 KIND_OPTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "plain": [
         ("elu", {}),
-        ("favor+", {"feature_map": "favor+"}),
+        ("favor+", {"feature_map": FAVOR}),
         ("decay", {"decay": 0.9}),
         ("token-gate", {"log_gate": "token"}),
         ("packed", {"cu_seqlens": PACKED}),
-        ("packed-favor+", {"cu_seqlens": PACKED, "feature_map": "favor+"}),
+        ("packed-favor+", {"cu_seqlens": PACKED, "feature_map": FAVOR}),
     ],
     "gated": [
         ("feature-gate", {"log_gate": "feature"}),
@@ -57,7 +59,7 @@ KIND_OPTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     ],
     "window": [
         ("window-sinks", {"window": WINDOW, "sinks": 2}),
-        ("window-favor+", {"window": WINDOW, "feature_map": "favor+"}),
+        ("window-favor+", {"window": WINDOW, "feature_map": FAVOR}),
         ("window-factor", {"window": WINDOW, "sinks": 1, "window_factor": 0.5}),
     ],
     "sparse": [
@@ -74,7 +76,7 @@ KIND_OPTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("delta", {"update": "delta"}),
         ("gated-delta", {"update": "delta", "decay": 0.9, "beta": 0.7}),
         ("kda", {"update": "delta", "log_gate": "feature"}),
-        ("delta-favor+", {"update": "delta", "feature_map": "favor+"}),
+        ("delta-favor+", {"update": "delta", "feature_map": FAVOR}),
         ("delta-packed", {"update": "delta", "cu_seqlens": PACKED}),
     ],
 }
@@ -264,3 +266,24 @@ def test_a_masked_bad_token_leaves_every_step_output_unchanged(name, options):
             outs.append(step(*token, keep))
         runs.append(torch.cat(outs, dim=-2))
     assert bool(torch.isfinite(runs[1]).all()) and torch.equal(runs[1], runs[0])
+
+
+def test_the_chunked_function_reads_no_later_scale():
+    """The chunked Function's rows before t do not move by a bit when the log-scales from t on do (a log-space
+    map's running maximum rises at a large key): its within-chunk factors are re-based to the scale entering the
+    chunk, not to the chunk's end. Scales near 1000 in fp64, so a re-basing to another point rounds differently."""
+    from linattn.forms.chunked import causal_chunked_attention
+
+    generator = torch.Generator().manual_seed(3)
+    qf, kf, v = (torch.rand(2, N, DIM, generator=generator) for _ in range(3))
+    # non-decreasing fp64 scales, as decays and packing make them (their differences do not fit fp32 exactly)
+    ref = 1000.0 + torch.rand(2, N, generator=generator, dtype=torch.float64).cumsum(-1) * 0.37
+    options = {"state": None, "chunk_size": CHUNK, "normalize": True, "eps": 1e-6, "min_denom": None}
+    clean, _ = causal_chunked_attention(qf, kf, v, ref=ref, **options)
+    for t in (3, 13, 22, 30):  # inside chunks
+        later = ref.clone()
+        later[:, t:] += 0.731  # the maximum rises at t
+        keys = kf.clone()
+        keys[:, t] *= 0.5
+        out, _ = causal_chunked_attention(qf, keys, v, ref=later, **options)
+        assert torch.equal(out[:, :t], clean[:, :t]), t
