@@ -36,7 +36,7 @@ SCORES = [SparseCache(size=3, score="recall", block=8), SparseCache(size=3, scor
           SparseCache(size=(2, 5), score="recall", block=4),
           # per-head budgets of other widths: the chunked form decides and weighs each group of heads at its own
           SparseCache(size=(1, 6), score="attention", block=4),
-          SparseCache(size=(0, 3), score="oracle", block=4, keep=(torch.arange(70) % 4 == 1).expand(2, 70)),
+          SparseCache(size=(0, 3), score="oracle", block=4, keep=(torch.arange(80) % 4 == 1).expand(2, 80)),
           # the linear part discounted: one weight, then one per head (0: that head's exact keys alone)
           SparseCache(size=3, score="recall", block=8, linear_weight=0.2),
           SparseCache(size=(2, 5), score="attention", block=4, linear_weight=(0.0, 0.6))]
@@ -449,7 +449,7 @@ def _decay_probe():
     return module
 
 
-@pytest.mark.parametrize("cache", [SparseCache(size=5, score="oracle", block=4, keep=torch.arange(64) < 9),
+@pytest.mark.parametrize("cache", [SparseCache(size=5, score="oracle", block=4, keep=torch.arange(70) < 9),
                                    SparseCache(size=(2, 5, 0, 3), score="recall", block=4, linear_weight=0.3)],
                          ids=["oracle", "recall-split-weighed"])
 def test_the_decay_probe_is_the_op_at_no_decay(cache: SparseCache) -> None:

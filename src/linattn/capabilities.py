@@ -323,6 +323,8 @@ def _sparse_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) -
         found.append("sparse_cache: the options carry no cache (an int or a SparseCache) to continue the state's with")
     elif cache.block_for(state.window) != state.cache.block or not cache.made(state.cache.sizes):
         found.append("sparse_cache: not the cache the state was made with (its block or sizes differ)")
+    elif cache.score_mismatch(state.cache, state.num_tokens):
+        found.append(f"sparse_cache: {cache.score_mismatch(state.cache, state.num_tokens)}")
     found += _step_common(fmap, state.linear.kv, options, SPARSE_STEP_OPTIONS)
     if is_log_space(fmap):
         found.append("a log-space feature map: the sparse step keeps every sum at scale 1 (and the cache takes "

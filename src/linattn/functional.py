@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from . import _packed, _validate
-from ._dispatch import Job, torch_runner
+from ._dispatch import Job, run_causally, torch_runner
 from .backends import select_backend
 from .capabilities import Call, check_window_combination, choose_backend, choose_route
 from .capabilities import chunk_size as route_chunk
@@ -87,7 +87,9 @@ def linear_attention(
         return_state: also return the :class:`LinearAttentionState` after all keys.
         form: ``"auto"``, or force ``"parallel"`` (quadratic definition), ``"global"`` (non-causal, two GEMMs),
             ``"chunked"``, ``"recurrent"`` (causal, token by token).
-        check_finite: raise on NaN/inf inputs instead of propagating them.
+        check_finite: raise on NaN/inf inputs instead of propagating them. Without it, causal calls keep
+            causality under bad values: a NaN/inf key or value at t leaves the rows before t as finite values
+            would (docs/numerics.md); masked keys never reach valid rows.
         decay: causal only; a fixed rate γ ∈ (0, 1], a float or one per query head ``(H,)`` (RetNet, Lightning):
             the state is multiplied by γ before each token, so key j weighs γ^(t−j) at query t.
         log_gate: causal only; per-token log-decays g ``(..., N)`` ≤ 0 (Mamba-2 / simple GLA, e.g.
@@ -219,7 +221,7 @@ def linear_attention(
 
     # under torch.autocast the GEMMs below would run in bf16/fp16 again: the fp32 accumulation is the point
     with torch.autocast(q.device.type, enabled=False) if _autocast_on(q.device.type) else nullcontext():
-        out, final = run(job)
+        out, final = run_causally(run, job)
     out = out.to(out_dtype)
     result: Any = out.detach().numpy() if q_numpy else out
     return (result, final) if return_state else result

@@ -85,10 +85,10 @@ def check_options(
 ) -> None:
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
         raise LinearAttentionError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
-    if not eps >= 0:
-        raise LinearAttentionError(f"eps: expected a number ≥ 0, got {eps!r}")
-    if min_denom is not None and not min_denom > 0:
-        raise LinearAttentionError(f"min_denom: expected a number > 0 or None, got {min_denom!r}")
+    if not 0 <= eps < float("inf"):
+        raise LinearAttentionError(f"eps: expected a number ≥ 0 and finite, got {eps!r}")
+    if min_denom is not None and not 0 < min_denom < float("inf"):
+        raise LinearAttentionError(f"min_denom: expected a number > 0 (finite) or None, got {min_denom!r}")
     if form not in forms:
         raise LinearAttentionError(f"form: unknown form {form!r}; choose one of {', '.join(forms)}")
 

@@ -147,8 +147,8 @@ def check_sparse_cache(cache: SparseCache, q: torch.Tensor, window: int, state: 
     wrong = cache.heads_mismatch(q.shape[-3] if q.dim() >= 3 else 1)
     if wrong is not None:
         raise LinearAttentionError(f"sparse_cache: {wrong} (the inputs' dim −3)")
-    if cache.keep is not None and cache.keep.dtype != torch.bool:
-        raise LinearAttentionError(f"sparse_cache: keep must be a bool tensor over positions, got {cache.keep.dtype}")
+    if cache.keep is not None:
+        _check_oracle(cache.keep, q, state)
     if isinstance(state, WindowAttentionState):
         if state.cache is None and state.num_tokens:
             raise LinearAttentionError(
@@ -160,3 +160,31 @@ def check_sparse_cache(cache: SparseCache, q: torch.Tensor, window: int, state: 
                 f"initial_state: its cache was made with block={held.block} and other per-head sizes (largest "
                 f"{held.slots}); this call has block={block} and sizes {cache.size!r}: pass the same sparse_cache"
             )
+        wrong = cache.score_mismatch(held, state.num_tokens) if held is not None else None
+        if wrong is not None:
+            raise LinearAttentionError(f"initial_state: {wrong}")
+
+
+def _check_oracle(keep: torch.Tensor, q: torch.Tensor, state: object) -> None:
+    """The oracle's ``keep`` (..., P): bool, broadcast against the batch and head dims, over every position reached."""
+    if keep.dtype != torch.bool or keep.dim() < 1:
+        raise LinearAttentionError(
+            f"sparse_cache: keep must be a bool tensor (..., P) over positions, got {keep.dtype} of shape "
+            f"{tuple(keep.shape)}"
+        )
+    batch = q.shape[:-2]
+    try:
+        fits = torch.broadcast_shapes(keep.shape[:-1], batch) == batch
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise LinearAttentionError(
+            f"sparse_cache: keep has shape {tuple(keep.shape)}; its leading dims must broadcast to the batch and "
+            f"head dims {tuple(batch)} (e.g. (P,) for every row, or (H, P) with H = {batch[-1] if batch else 1})"
+        )
+    reached = (state.num_tokens if isinstance(state, WindowAttentionState) else 0) + q.shape[-2]
+    if keep.shape[-1] < reached:
+        raise LinearAttentionError(
+            f"sparse_cache: keep covers positions 0 … {keep.shape[-1] - 1}, but this call reaches position "
+            f"{reached - 1}; pass keep over every position (False where no pair should stay)"
+        )

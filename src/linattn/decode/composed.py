@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import LinearAttentionError
 from ..features import map_features
 from ..state import DeltaRuleState, LinearAttentionState, WindowAttentionState
-from ._step import _repeat_heads
+from ._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
 from .delta import DeltaDecodeStep
 
 
@@ -30,11 +29,10 @@ class ComposedDecodeStep:
     Per-token write strengths and log-decays (per token (B, H), or per feature (B, H, F)) come with each call."""
 
     def __init__(self, fmap: nn.Module, state: WindowAttentionState, options: dict[str, Any]) -> None:
+        check_memory(state, WindowAttentionState, "ComposedDecodeStep")
+        check_step_options(options.get("eps", 1e-6), state.window, state.sinks, options.get("window_factor"),
+                           options.get("softmax_scale"))
         linear = state.linear
-        if linear.kv.dim() != 4:
-            raise LinearAttentionError(
-                f"state: a decode step needs a state of batch shape (B, H), got kv of shape {tuple(linear.kv.shape)}"
-            )
         self.fmap, self.options = fmap, dict(options)
         self.eps = float(options.get("eps", 1e-6))
         batch, heads, features, values = linear.kv.shape
@@ -88,6 +86,8 @@ class ComposedDecodeStep:
 
         ``beta`` (B, H): this token's write strength (the delta rule; it writes when the token leaves the window);
         ``log_decay`` (B, H) or (B, H, F) ≤ 0: this token's log-decay, on top of a fixed rate."""
+        check_token(q, k, v, keep, self.keys, (self.keys.shape[0], self.keys.shape[1], self.values.shape[-1]))
+        check_token_options(beta, log_decay)
         batch, heads = self.keys.shape[:2]
         out_dtype, dtype = q.dtype, self.keys.dtype
         q, k, v = q.to(dtype), _repeat_heads(k.to(dtype), heads), _repeat_heads(v.to(dtype), heads)
@@ -99,6 +99,8 @@ class ComposedDecodeStep:
             self.live[leaving] = True
         token_keep = torch.ones(batch, heads, dtype=torch.bool, device=q.device) if keep is None else (
             keep.reshape(batch, 1).expand(batch, heads))
+        if keep is not None:  # as linear_attention keeps it: a masked token's value is 0
+            v = v.masked_fill(~token_keep[..., None, None], 0.0)
         strength = None
         if self.delta is not None:
             strength = (beta.reshape(batch, heads).to(dtype) if beta is not None
@@ -128,6 +130,8 @@ class ComposedDecodeStep:
         writes = leaving >= self.sinks
         keep = self.kept[..., slot] if writes else torch.zeros_like(self.kept[..., slot])
         key, value = self.keys[..., slot : slot + 1, :], self.values[..., slot : slot + 1, :]
+        # a masked key is zeroed, not multiplied by 0 (a NaN or inf in padding would stay NaN)
+        key = torch.where(keep[..., None, None], key, torch.zeros((), dtype=key.dtype, device=key.device))
         if self.delta is not None:
             # a masked or absent key writes nothing (β = 0); the decay still applies
             out = self.delta(q, key, value, beta=self.betas[..., slot] * keep, log_decay=log_decay)

@@ -21,7 +21,7 @@ from torch import nn
 from ..errors import LinearAttentionError
 from ..features import is_log_space, unit_features
 from ..state import DeltaRuleState
-from ._step import _repeat_heads
+from ._step import _repeat_heads, check_memory, check_token, check_token_options
 
 
 class DeltaDecodeStep:
@@ -36,10 +36,7 @@ class DeltaDecodeStep:
 
     def __init__(self, fmap: nn.Module, state: DeltaRuleState, *, beta: float | None = None,
                  decay: Any = None) -> None:
-        if state.kv.dim() != 4:
-            raise LinearAttentionError(
-                f"state: a decode step needs a state of batch shape (B, H), got kv of shape {tuple(state.kv.shape)}"
-            )
+        check_memory(state, DeltaRuleState, "DeltaDecodeStep")
         self.fmap = fmap
         self.log_space = is_log_space(fmap)
         self.kv = state.kv.detach().clone(memory_format=torch.contiguous_format)  # owned, updated in place
@@ -65,10 +62,14 @@ class DeltaDecodeStep:
         log-gate on top of the fixed rate, one per head (B, H) or one per feature (B, H, F) (KDA; (B, H, 1, F) is
         taken too). Output in q's dtype; the memory stays in its own (fp32/fp64).
         """
+        check_token(q, k, v, keep, self.kv, (self.kv.shape[0], self.kv.shape[1], self.kv.shape[-1]))
+        check_token_options(beta, log_decay)
         batch, heads, features, values = self.kv.shape
         out_dtype, dtype = q.dtype, self.kv.dtype
         q, k, v = q.to(dtype), _repeat_heads(k.to(dtype), heads), _repeat_heads(v.to(dtype), heads)
         mask = None if keep is None else keep.reshape(batch, 1, 1)
+        if mask is not None:  # zeroed, not multiplied by β = 0: a NaN or inf in padding would stay NaN
+            k, v = (x.masked_fill(~mask.unsqueeze(-1), 0.0) for x in (k, v))
         qf = unit_features(self.fmap, q, is_query=True, log_space=self.log_space)  # (B, H, 1, F)
         kf = unit_features(self.fmap, k, is_query=False, log_space=self.log_space, keep=mask)
         strength = torch.full((batch, heads, 1), self.beta, dtype=dtype, device=q.device) if beta is None else (

@@ -9,12 +9,11 @@ from torch import nn
 
 from ..backends import triton as triton_backend
 from ..capabilities import step_kernel_reasons, step_reasons
-from ..errors import LinearAttentionError
 from ..feature_maps import FeatureMap
 from ..feature_maps.elementwise import EluFeatureMap
 from ..features import is_log_space, scale_between, stabilise_queries, stored_at
 from ..state import LinearAttentionState
-from ._step import _repeat_heads, _Step
+from ._step import _repeat_heads, _Step, check_memory, check_step_options, check_token
 
 
 def supports(fmap: nn.Module, state: Any, options: dict[str, Any]) -> bool:
@@ -33,10 +32,8 @@ class DecodeStep(_Step):
     """
 
     def __init__(self, fmap: nn.Module, state: LinearAttentionState, *, eps: float = 1e-6) -> None:
-        if state.kv.dim() != 4:
-            raise LinearAttentionError(
-                f"state: a decode step needs a state of batch shape (B, H), got kv of shape {tuple(state.kv.shape)}"
-            )
+        check_memory(state, LinearAttentionState, "DecodeStep")
+        check_step_options(eps)
         self.fmap = fmap
         self.log_space = is_log_space(fmap)
         self.features = fmap.features if isinstance(fmap, FeatureMap) else None
@@ -57,6 +54,7 @@ class DecodeStep(_Step):
 
         Output in q's dtype; the state stays in its own (fp32 or fp64).
         """
+        check_token(q, k, v, keep, self.kv, (self.kv.shape[0], self.kv.shape[1], self.kv.shape[-1]))
         batch, heads, features, values = self.kv.shape
         out_dtype = q.dtype
         dtype = self.kv.dtype

@@ -91,6 +91,9 @@ class SparseDecodeStep(WindowDecodeStep):
                 f"cache: the state's cache was made with block={carried.block} and {carried.slots} "
                 f"slots; this SparseCache has block={block} and {slots}: pass the same sparse_cache"
             )
+        wrong = cache.score_mismatch(carried, state.num_tokens)
+        if wrong is not None:
+            raise LinearAttentionError(f"cache: {wrong}")
         super().__init__(fmap, state, eps=eps, window_factor=window_factor, softmax_scale=softmax_scale,
                          kv_heads=kv_heads)
         batch, heads, features, values = self._shape

@@ -13,7 +13,7 @@ from ..capabilities import step_reasons
 from ..errors import LinearAttentionError
 from ..feature_maps import FeatureMap
 from ..state import LinearAttentionState, WindowAttentionState
-from ._step import _repeat_heads, _Step
+from ._step import _repeat_heads, _Step, check_memory, check_step_options, check_token
 
 
 def supports_window(fmap: nn.Module, state: Any, options: dict[str, Any]) -> bool:
@@ -47,11 +47,9 @@ class WindowDecodeStep(_Step):
         self, fmap: nn.Module, state: WindowAttentionState, *, eps: float = 1e-6, window_factor: Any = None,
         softmax_scale: float | None = None, kv_heads: int | None = None,
     ) -> None:
+        check_memory(state, WindowAttentionState, type(self).__name__)
+        check_step_options(eps, state.window, state.sinks, window_factor, softmax_scale)
         linear = state.linear
-        if linear.kv.dim() != 4:
-            raise LinearAttentionError(
-                f"state: a decode step needs a state of batch shape (B, H), got kv of shape {tuple(linear.kv.shape)}"
-            )
         self.fmap = fmap
         self.features = fmap.features if isinstance(fmap, FeatureMap) else None
         self.eps = float(eps)
@@ -134,6 +132,7 @@ class WindowDecodeStep(_Step):
         """One token's inputs in the buffers' dtype: q (B, H, 1, d); k (B·Hkv, d) and v (B·Hkv, Dv), v zero where
         masked; the features qf (B·H, 1, F) and kf (B·H, F) (zero where masked: per query head, as per-head maps
         give them); the keep flags per query head (B·H,) or None."""
+        check_token(q, k, v, keep, self.kv, (self._shape[0], self._shape[1], self._shape[3]))
         batch, heads, features, values = self._shape
         dtype = self.kv.dtype
         if q.dtype != dtype or k.dtype != dtype or v.dtype != dtype:

@@ -144,12 +144,17 @@ class _Block:
             self.scale_out = ends[..., -1]  # fp64, carried to the next block
             base = finite(ends)  # (..., b); -inf only while every key so far is masked
             local = (r - base.unsqueeze(-1)).to(q.dtype)  # (..., b, C), ≤ 0
-            entry = (scales - base).to(q.dtype).unsqueeze(-1)  # (..., b, 1), ≤ 0
-            self.masked_decay = scale_between(local.unsqueeze(-2), local.unsqueeze(-1), keep)  # E (..., b, C, C)
+            # E and α from scales re-based to the chunk's entering scale s_c, not to its end: the end depends on
+            # the chunk's later keys (a log-space map's running maximum), and a row before t must not change by a
+            # bit when key t does (the repair of bad values rests on it, _dispatch.py); s_c comes from before the
+            # chunk. Still within a chunk's worth of s_c, so fp32 keeps the differences as precisely.
+            entering = scales.unsqueeze(-1)  # (..., b, 1): s_c
+            causal_local = (r - finite(entering)).to(q.dtype)  # (..., b, C), ≥ 0
+            self.masked_decay = scale_between(causal_local.unsqueeze(-2), causal_local.unsqueeze(-1), keep)  # E
             self.weights = weights * self.masked_decay
             self.key_decay = torch.exp(local).unsqueeze(-1)  # γ (..., b, C, 1)
             self.keys = self.k * self.key_decay
-            self.query_decay = scale_between(entry, local)  # α (..., b, C)
+            self.query_decay = scale_between((entering - finite(entering)).to(q.dtype), causal_local)  # α (..., b, C)
             # update c' (at scale e_c') reaches chunk c > c' at scale s_c, and the block's output at e_{b−1}
             dtype = q.dtype
             self.decay = scale_between(ends.unsqueeze(-2), scales.unsqueeze(-1), earlier).to(dtype)  # (..., b, b)

@@ -41,6 +41,13 @@ GATE_TEMPERATURE = 16.0
 GATE_BIAS = 4.0  # logsigmoid(4)/16 ≈ −0.0011: every gate starts near 1 (a long memory), as GLA's initialisation
 
 
+def _autocast(device_type: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return False
+
+
 class LinearAttention(nn.Module):
     """Multi-head linear attention over a sequence of embeddings.
 
@@ -290,6 +297,7 @@ class LinearAttention(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != self.embed_dim:
             seen = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise LinearAttentionError(f"x: expected a tensor of shape (B, N, {self.embed_dim}) or (N, E), got {seen}")
+        self._check_input(x)
         unbatched = x.dim() == 2
         if unbatched:
             x = x.unsqueeze(0)
@@ -329,6 +337,22 @@ class LinearAttention(nn.Module):
         if unbatched:
             out = out.squeeze(0)
         return (out, new_state) if return_state else out
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        """x in the projections' dtype and on their device (under autocast the projections cast a float32 or
+        half-precision x themselves; autocast leaves float64 as it is)."""
+        weight = self.q_proj.weight
+        if x.device != weight.device:
+            raise LinearAttentionError(
+                f"x: on {x.device}, the layer's weights on {weight.device}; move one to the other (x.to(device) or "
+                "layer.to(device))"
+            )
+        cast = _autocast(x.device.type) and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        if x.dtype != weight.dtype and not cast:
+            raise LinearAttentionError(
+                f"x: dtype {x.dtype}, the layer's weights {weight.dtype}; cast the input (x.to({weight.dtype})) or the "
+                f"layer (layer.to({x.dtype})), or run under torch.autocast"
+            )
 
     def _split_state(self, state: Any) -> tuple[Any, torch.Tensor | None]:
         """(the attention core's state, the convolution's carried inputs) from the state passed to a call."""

@@ -58,6 +58,7 @@ class LayerDecoder:
                 f"x: a decoder takes one token, (B, 1, {layer.embed_dim}) or (1, {layer.embed_dim}), got {seen}; "
                 "run longer inputs through the layer itself with state="
             )
+        layer._check_input(x)
         if self.step is None:
             assert self._state is not None
             state = self._state if self._conv is None else ShortConvState(self._state, self._conv)

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 
 import torch
+
+from ..errors import LinearAttentionError
+
+
+def check_num_tokens(value: object) -> None:
+    """A state's ``num_tokens``: an int ≥ 0 (a symbolic size under torch.compile passes as it is)."""
+    if isinstance(value, torch.SymInt):
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise LinearAttentionError(
+            f"num_tokens: expected an int ≥ 0 (the key positions the state has consumed), got {value!r}"
+        )
 
 
 @dataclass
@@ -25,6 +38,9 @@ class LinearAttentionState:
     k_sum: torch.Tensor
     shift: torch.Tensor
     num_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        check_num_tokens(self.num_tokens)
 
     @property
     def feature_dim(self) -> int:
@@ -92,6 +108,9 @@ class DeltaRuleState:
 
     kv: torch.Tensor
     num_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        check_num_tokens(self.num_tokens)
 
     @property
     def feature_dim(self) -> int:

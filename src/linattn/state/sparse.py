@@ -32,15 +32,20 @@ class SparseCache:
     ``block``  tokens between decisions; ≤ the window (the leaving pairs are in the window at the boundary).
                Default: min(64, W)
     ``keep``   ``"oracle"`` only: bool ``(..., P)`` over absolute positions 0 … P−1, broadcast against the batch
-               and head dimensions (positions ≥ P: not kept)
+               and head dimensions; ``linear_attention`` needs it over every position it reaches (decoding steps
+               past P keep no new pair)
     ``linear_weight``  β ≥ 0, a float or one per head: the linear part's sums enter the output times β (1: as the
                window op). A fitted map gives the keys beyond the window a mass that grows with their number,
                where softmax's stays about constant, so at long contexts it drowns the pairs the cache keeps exact
                (docs/sparse_cache.md); β < 1 discounts it. 0: no linear part (the exact keys alone)
 
     Ties in the score go to the newer pair. Memory per head: (S + W + size)·(Dk + Dv) + F·Dv, and for
-    ``"attention"`` the last block's queries: constant in the sequence length.
+    ``"attention"`` the last block's queries: constant in the sequence length. The slots are allocated at once, so
+    ``size`` is at most :attr:`MAX_SIZE` (2^20) pairs per head: more than a context of a million tokens could put
+    in the cache, where softmax attention over the whole context is cheaper.
     """
+
+    MAX_SIZE = 1 << 20
 
     size: int | tuple[int, ...] | torch.Tensor = 128
     score: str = "recall"
@@ -74,6 +79,12 @@ class SparseCache:
                 raise LinearAttentionError(
                     f"sparse_cache: size must be an int ≥ 0 or one per head, got {self.size!r}"
                 )
+            if value > self.MAX_SIZE:
+                raise LinearAttentionError(
+                    f"sparse_cache: size {value} pairs per head is more than SparseCache.MAX_SIZE = {self.MAX_SIZE} "
+                    "(the slots are allocated at once: ~1M pairs per head is beyond any context the cache serves, "
+                    "and softmax attention is cheaper there); pass a size ≤ MAX_SIZE"
+                )
 
     @property
     def largest(self) -> int:
@@ -92,6 +103,11 @@ class SparseCache:
             raise LinearAttentionError(
                 f"scores, mean, floor: need (layers, heads) scores and 0 ≤ floor ≤ mean, got shape "
                 f"{tuple(scores.shape)}, mean={mean}, floor={floor}"
+            )
+        if not bool(torch.isfinite(scores).all()):
+            raise LinearAttentionError(
+                f"scores: {int((~torch.isfinite(scores)).sum())} NaN or inf among the (layers, heads) scores; pass "
+                "finite scores ≥ 0 (for an even split, equal ones, e.g. torch.ones(layers, heads))"
             )
         weights = scores.double().clamp(min=0).flatten()
         spare = (mean - floor) * weights.numel()
@@ -139,6 +155,16 @@ class SparseCache:
             raise LinearAttentionError(f"sparse_cache: {wrong}")
         beta = torch.as_tensor(self.linear_weight, dtype=den.dtype, device=den.device)
         return num * beta[:, None, None], den * beta[:, None]
+
+    def score_mismatch(self, held: SparseCacheState, num_tokens: int) -> str | None:
+        """Why a cache state ``held`` (after ``num_tokens`` tokens) was made with another score, or None: the
+        attention score keeps the queries since the last boundary (one at least, once a token is seen), the recall
+        and oracle scores none."""
+        if not num_tokens or (held.queries.shape[-2] > 0) == (self.score == "attention"):
+            return None
+        made = "score='attention'" if held.queries.shape[-2] else "score='recall' or 'oracle'"
+        return (f"the state's cache was made with {made}, this one has score={self.score!r}: continue it with the "
+                "same sparse_cache (a cache's score does not change mid-sequence)")
 
     def block_for(self, window: int) -> int:
         """The block between decisions for a window of W."""

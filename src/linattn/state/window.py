@@ -7,7 +7,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from .linear import DeltaRuleState, LinearAttentionState
+from .linear import DeltaRuleState, LinearAttentionState, check_num_tokens
 from .sparse import SparseCacheState
 
 Linear = TypeVar("Linear", LinearAttentionState, DeltaRuleState)
@@ -53,6 +53,9 @@ class WindowAttentionState(Generic[Linear]):
     betas: torch.Tensor | None = None
 
     _TENSORS = ("keys", "values", "sink_keys", "sink_values")
+
+    def __post_init__(self) -> None:
+        check_num_tokens(self.num_tokens)
 
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None

@@ -6,8 +6,6 @@ from typing import Any
 
 import torch
 
-from ...features import NEG_INF
-
 MIN_BAND_BLOCK = 16  # the band's query blocks: B rounded up to a multiple of this
 
 
@@ -63,7 +61,6 @@ class Band:
         if keep is not None:
             kept = self.gather(keep.unsqueeze(-1).to(torch.uint8)).squeeze(-1).bool()  # (..., b, 2C)
             self.mask = self.mask & kept.unsqueeze(-2)  # (..., b, C, 2C)
-        self.bias = torch.zeros(self.mask.shape, dtype=self.keys.dtype, device=device).masked_fill_(~self.mask, NEG_INF)
 
     def gather(self, x: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         """(..., Ny, D) (or its pieces) → (..., b, 2C, D): key blocks b and b+1 side by side."""

@@ -85,7 +85,8 @@ class Hybrid:
         pad = blocks * size - n
         queries = q * self.scale
         qb = torch.nn.functional.pad(queries, (0, 0, 0, pad)).unflatten(-2, (blocks, size))  # (..., b, C, D)
-        scores = (qb @ band.keys.transpose(-1, -2)).add_(band.bias)  # (..., b, C, 2C), −inf outside the band
+        # (..., b, C, 2C), −inf outside the band: filled, not added (a NaN in a padded key stays out of the row)
+        scores = (qb @ band.keys.transpose(-1, -2)).masked_fill_(~band.mask, NEG_INF)
         # the mass form keeps only the softmax *shape* of the exact keys, so the shift cancels exactly: it needs
         # no gradient, and the scores can be turned into probabilities in place (one pass, no copy)
         shape_only = self.factor is None
