@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import LinearAttentionError
 from ..features import map_features
 from ..state import DeltaRuleState, LinearAttentionState, WindowAttentionState
 from ._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
