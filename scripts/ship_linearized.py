@@ -28,9 +28,9 @@ def main() -> None:
     if target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)
-    for file in KEPT:
-        shutil.copy2(source / file, target / file)
     index = json.loads((source / "linattn.json").read_text(encoding="utf-8"))
+    for file in (*KEPT, *([index["gates"]["file"]] if index.get("gates") else [])):  # a delta student's gates
+        shutil.copy2(source / file, target / file)
     maps = index["maps"]["file"]
     with safe_open(str(source / maps), framework="pt") as handle:
         metadata = handle.metadata()

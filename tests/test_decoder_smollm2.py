@@ -61,7 +61,7 @@ def test_smollm2_linearized_generation_with_the_state_cache_equals_recompute(smo
 
 
 def test_the_shipped_linearized_smollm2_loads_and_predicts_the_held_out_text():
-    """The maps shipped in the package (written by `linattn linearize smollm2 --budget 60`, stored in fp16) load on
+    """The maps and gates shipped in the package (written by `linattn linearize smollm2 --student gated-delta`) load on
     the base model (its fingerprint checked) and predict held-out text better than the untrained hybrid (elu + 1
     beside the same window), about as well as their card says."""
     import json
@@ -82,9 +82,9 @@ def test_the_shipped_linearized_smollm2_loads_and_predicts_the_held_out_text():
             return math.exp(torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:]).item())
 
     fitted = perplexity()
-    hf.linearize(model, "elu", window=64, sinks=4)
-    untrained = perplexity()
     card = json.loads((folder / "results.json").read_text(encoding="utf-8"))
+    hf.linearize(model, "elu", window=card["window"], sinks=card["sinks"])
+    untrained = perplexity()
     linear = next(row for row in card["rows"] if row["name"] == "linearized")
     assert fitted < 0.9 * untrained
     # 512 tokens of the held-out text against the card's whole-text figure: the same model, a shorter piece

@@ -101,3 +101,60 @@ def test_what_the_delta_students_do_not_take_is_refused(tiny, tmp_path, capsys):
     assert "not supported yet" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         main(command(tiny, tmp_path / "b", "--student", "rwkv"))
+
+
+def test_the_default_student_is_the_gated_delta_rule_with_its_own_window():
+    """The student measured best on SmolLM2 is the command's default, with its window of 192; an explicit
+    --window is kept; the additive student keeps its 64."""
+    import argparse
+
+    from linattn.linearized.arguments import add_linearize_arguments
+    from linattn.linearized.students import DEFAULT_STUDENT, STUDENTS
+
+    parser = argparse.ArgumentParser()
+    add_linearize_arguments(parser)
+    args = parser.parse_args(["smollm2", "--out", "x"])
+    assert args.student == DEFAULT_STUDENT == "gated-delta" and args.window is None
+    assert STUDENTS["gated-delta"].window == STUDENTS["kda"].window == 192 and STUDENTS["hedgehog"].window == 64
+
+
+def test_a_budget_times_the_delta_students_own_fit_and_training_step(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """--budget with a delta student calibrates that student: its layer-wise fit (1 and 9 steps) and an end-to-end
+    step with its gates taking gradients; the planned run then finishes with the gates saved."""
+    from linattn.cli import main
+    from linattn.linearized import budget
+
+    fits, trained = [], []
+    real_fit = budget.fit_student
+
+    def spy_fit(capture, maps, gates, options, *, steps, **kwargs):
+        fits.append((steps, options.get("update"), len(gates)))
+        return real_fit(capture, maps, gates, options, steps=steps, **kwargs)
+
+    reached, real_calibrate, real_linearize = [], budget.calibrate, hf.linearize
+
+    def spy_linearize(model, maps, gates=None, **kwargs):  # hooks on the gates: does a backward reach them?
+        for module in gates or []:
+            for param in module.parameters():
+                param.register_hook(lambda grad: reached.append(grad.abs().sum().item()))
+        return real_linearize(model, maps, gates=gates, **kwargs)
+
+    def spy_calibrate(*args, **kwargs):
+        monkeypatch.setattr(hf, "linearize", spy_linearize)
+        try:
+            costs = real_calibrate(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(hf, "linearize", real_linearize)
+        trained.append(list(reached))
+        return costs
+
+    monkeypatch.setattr(budget, "fit_student", spy_fit)
+    monkeypatch.setattr(budget, "calibrate", spy_calibrate)
+    out = tmp_path / "budgeted"
+    assert main(command(tiny, out, "--student", "gated-delta", "--budget", "30")) == 0
+    assert [steps for steps, _, _ in fits[:2]] == [1, budget.FIT_PROBE_STEPS + 1]
+    assert all(update == "delta" for _, update, _ in fits[:2])
+    assert trained and trained[0] and max(trained[0]) > 0  # the timed backward reached the gates
+    plan = json.loads((out / "stages" / "plan.json").read_text())
+    assert plan["fit_steps"] >= budget.MIN_FIT_STEPS and plan["options"]["student"] == "gated-delta"
+    assert json.loads((out / "linattn.json").read_text())["gates"]["config"]["gate"] == "token"

@@ -8,6 +8,7 @@ import argparse
 from ..evaluate.defaults import LM_SINKS, LM_WINDOW
 
 STUDENT_NAMES = ("hedgehog", "gated-delta", "kda")  # linattn.linearized.students defines them
+DEFAULT_STUDENT_NAME = "gated-delta"
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,11 +42,12 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
         "counts that fit (replaces --fit-steps and --end-to-end-steps) and as many samples as those steps use (up "
         "to --end-to-end-samples)")
     add("--heldout", default=None, help="held-out text file for the measuring stage (default: the shipped corpus)")
-    add("--student", choices=STUDENT_NAMES, default="hedgehog", help="what replaces each attention layer beside "
-        "the window and sinks: hedgehog (Hedgehog maps, the additive state), gated-delta (a gated delta-rule "
-        "memory, β and the gate from the model's keys), kda (the same with a gate per feature); "
-        "docs/linearize.md")
-    add("--window", type=int, default=LM_WINDOW, help="softmax window beside the linear part")
+    add("--student", choices=STUDENT_NAMES, default=DEFAULT_STUDENT_NAME, help="what replaces each attention "
+        "layer beside the window and sinks: hedgehog (Hedgehog maps, the additive state), gated-delta (a gated "
+        "delta-rule memory, β and the gate from the model's keys; the shipped SmolLM2), kda (the same with a gate "
+        "per feature); docs/linearize.md")
+    add("--window", type=int, default=None, help=f"softmax window beside the linear part (default: {LM_WINDOW} for "
+        "hedgehog, 192 for the delta-rule students)")
     add("--sinks", type=int, default=LM_SINKS, help="sink tokens (the first tokens, always attended)")
     add("--sparse-cache", type=int, default=0, help="a sparse exact cache of N pairs per head beside the window "
         "(docs/sparse_cache.md): in place while the fit and the end-to-end stage train and in the measured row, and "

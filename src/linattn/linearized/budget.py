@@ -1,10 +1,11 @@
 """The step counts of ``linattn linearize --budget MINUTES``: a few steps of each stage timed, then the counts
 that fit.
 
-The fit's cost is measured as one capture, then fits of 1 and 9 steps on it (the difference is eight steps),
-an end-to-end step as one softmax forward pass and one linear forward and backward pass (the maps alone taking
-gradients, as in training) on a sequence as long as the stage's, and the measuring stage from one forward pass over
-256 tokens (every row reads about the same number of tokens).
+The fit's cost is measured as one capture, then fits of 1 and 9 steps on it (the difference is eight steps; the
+student's own fit: Hedgehog maps on attention weights, or a delta-rule student layer by layer with its gates), an
+end-to-end step as one softmax forward pass and one forward and backward pass of the student (its maps and gates
+alone taking gradients, as in training) on a sequence as long as the stage's, and the measuring stage from one
+forward pass over 256 tokens (every row reads about the same number of tokens).
 
 Sampling is timed as 8 tokens generated for one batch of short prompts, plus what a token costs more at the end of
 a sample than at its start: one decoding step of the batch after a prompt as long as a whole sample, against one
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +35,8 @@ from ..evaluate.capture import capture_attention
 from ..evaluate.lm_config import HELD_OUT_SAMPLES, LMCompareConfig
 from ..evaluate.lm_stages import PROMPT_TOKENS
 from ..train.distill import fit_model_feature_maps
+from ..train.student import fit_student
+from .students import STUDENT_LR, STUDENTS, Student, attention_options, new_student
 
 MIN_FIT_STEPS, MIN_END_TO_END_STEPS = 10, 5
 MAX_STEPS = 2000  # a large budget on a small model: beyond this, more steps are not what is missing
@@ -81,21 +85,40 @@ def _decode_step(model: Any, ids: torch.Tensor, batch: int) -> float:
     return best
 
 
+def _fitter(model: Any, name: str, capture: Any, config: LMCompareConfig, chosen: Student
+            ) -> Callable[[int], tuple[Any, list[Any] | None]]:
+    """``steps ↦ (maps, gates)``: the fit stage of ``chosen`` on ``capture`` (new parameters at every call)."""
+    fit = config.fit
+    if not chosen.delta:
+        options: dict[str, Any] = {"progress": False, "window": config.window, "sinks": config.sinks}
+        if fit.num_features is not None:
+            options["num_features"] = fit.num_features
+        return lambda steps: (fit_model_feature_maps(capture, kind="hedgehog", steps=steps, **options), None)
+    layer_options = {"window": config.window, "sinks": config.sinks, **attention_options(chosen)}
+
+    def delta(steps: int) -> tuple[Any, list[Any] | None]:
+        maps, gates = new_student(model, name, chosen, fit.num_features, config.window, config.sinks)
+        fit_student(capture, maps.maps, gates, layer_options, steps=steps, lr=STUDENT_LR)
+        return maps, gates
+
+    return delta
+
+
 def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
-              config: LMCompareConfig) -> dict[str, float]:
+              config: LMCompareConfig, chosen: Student | None = None) -> dict[str, float]:
     """Seconds: ``fit_fixed`` (capture), ``fit_step``, ``end_to_end_step``, ``sampling_batch`` (one batch of
-    :data:`SAMPLING_BATCH` samples), ``measure`` (the three rows), and ``calibration`` (what measuring these took)."""
+    :data:`SAMPLING_BATCH` samples), ``measure`` (the three rows), and ``calibration`` (what measuring these took);
+    for the student ``chosen`` (default: the Hedgehog hybrid): its own fit and its own end-to-end step."""
     begin = time.perf_counter()
+    chosen = chosen or STUDENTS["hedgehog"]
     fit = config.fit
     model.set_attn_implementation("sdpa")
     capture_seconds, capture = _timed(lambda: capture_attention(model, tokenizer, train, max_tokens=fit.max_tokens,
                                                                 model_name=name, orders=fit.orders))
-    options: dict[str, Any] = {"progress": False, "window": config.window, "sinks": config.sinks}
-    if fit.num_features is not None:
-        options["num_features"] = fit.num_features
+    fitter = _fitter(model, name, capture, config, chosen)
     # on one capture, so that the difference is the steps alone (a capture's own time varies more than a step)
-    short, _ = _timed(lambda: fit_model_feature_maps(capture, kind="hedgehog", steps=1, **options))
-    long, maps = _timed(lambda: fit_model_feature_maps(capture, kind="hedgehog", steps=1 + FIT_PROBE_STEPS, **options))
+    short, _ = _timed(lambda: fitter(1))
+    long, (maps, gates) = _timed(lambda: fitter(1 + FIT_PROBE_STEPS))
     fit_step = max((long - short) / FIT_PROBE_STEPS, 1e-4)
     limit = getattr(model.config, "max_position_embeddings", None) or 4096
     length = min(config.end_to_end.tokens + PROMPT_TOKENS, limit)
@@ -103,12 +126,12 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         teacher, _ = _timed(lambda: model(input_ids=ids), repeats=2)
-    hf.linearize(model, maps, **config.end_to_end.cache_options)
+    hf.linearize(model, maps, gates=gates, **config.end_to_end.cache_options, **attention_options(chosen))
     flags = [(param, param.requires_grad) for param in model.parameters()]
     for param, _ in flags:  # as in fit_end_to_end: the model's own weights frozen, gradients for the maps only
         param.requires_grad_(False)
-    for fmap in maps.maps:
-        fmap.requires_grad_(True)
+    for module in [*maps.maps, *(gates or [])]:  # and the gates
+        module.requires_grad_(True)
     try:
         student, _ = _timed(lambda: model(input_ids=ids).logits.float().logsumexp(-1).mean().backward())
     finally:

@@ -93,7 +93,7 @@ def card_lines(result: dict[str, Any], plotted: bool) -> list[str]:
         f"{result['window']}, sink tokens: {result['sinks']}){kept}; its memory per layer stays the same at any "
         "context length.",
         "", "Load it (offline: the base model is loaded from the name or path recorded in `linattn.json`):", "",
-        "    model, tokenizer = linattn.evaluate.linearized.load_linearized(\"THIS_FOLDER\")",
+        "    model, tokenizer = linattn.linearized.load_linearized(\"THIS_FOLDER\")",
         "    linattn generate THIS_FOLDER --prompt \"...\" --compare-softmax", "",
         "## Measured", "",
         f"Held-out text: {result['heldout_source']}. Repeated passage: {result['passage_tokens']} tokens, then "
@@ -122,7 +122,8 @@ def card_lines(result: dict[str, Any], plotted: bool) -> list[str]:
         lines += [f"- {name}: {info.get('summary', '')} ({info.get('seconds', 0):.0f} s)" for name, info in
                   stages.items()]
         lines += [""]
-    lines += [f"{result['threads']} threads. The numbers are in `results.json`."]
+    threads = int(result["threads"])
+    lines += [f"{threads} thread{'s' if threads != 1 else ''}. The numbers are in `results.json`."]
     return lines
 
 

@@ -168,11 +168,13 @@ class Job:
             raise LinearAttentionError(f"--budget: need minutes > 0, got {args.budget}")
         _check_cache_heads(args)
         self.student = student(getattr(args, "student", "hedgehog"))
-        if self.student.delta and (args.sparse_cache or args.budget is not None):
+        if args.window is None:  # the student's own window (an explicit --window is kept, and saved in the plan)
+            args.window = self.student.window
+        if self.student.delta and args.sparse_cache:
             raise LinearAttentionError(
-                f"--student {self.student.name}: a sparse cache beside the delta rule is not supported yet, and "
-                "--budget calibrates the Hedgehog fit; drop --sparse-cache/--budget (give --fit-steps and "
-                "--end-to-end-steps) or pass --student hedgehog")
+                f"--student {self.student.name}: a sparse cache beside the delta rule is not supported yet (pairs "
+                "leave the cache out of order, which an overwriting state does not commute with); drop "
+                "--sparse-cache, or pass --student hedgehog")
         self.gates: list[Any] | None = None  # a delta-rule student's KeyGates, one per layer
         self.args, self.folder = args, prepare_out(args.out)
         self.stages = Stages(self.folder, args.quiet)
@@ -211,7 +213,7 @@ class Job:
             from .budget import calibrate, plan_steps
 
             config = _config(self.args, plan, "")
-            costs = calibrate(self.model, self.tokenizer, self.name, self.train, self.heldout, config)
+            costs = calibrate(self.model, self.tokenizer, self.name, self.train, self.heldout, config, self.student)
             plan = plan_steps(self.args.budget, costs, end_to_end=self.args.end_to_end_steps > 0,
                               samples=self.args.end_to_end_samples)
         plan["options"] = self._options()

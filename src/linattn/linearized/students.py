@@ -21,15 +21,19 @@ from typing import Any, cast
 
 from ..errors import LinearAttentionError
 from ..evaluate.capture import capture_attention
+from ..evaluate.defaults import LM_WINDOW
 from ..evaluate.lm_config import LMCompareConfig
 from ..feature_maps import create
 from ..feature_maps.fitted import FittedFeatureMaps
 from ..feature_maps.learned import LearnedProjectionMap
 from ..nn import KeyGates
 from ..train.student import fit_student
-from .arguments import STUDENT_NAMES
+from .arguments import DEFAULT_STUDENT_NAME, STUDENT_NAMES
 from .folder import load_gates, save_gates
 
+# the delta-rule students' window: 192 + 4 sinks = 196 exact pairs, SmolLM2's measured budget of equal memory; the
+# additive student keeps LoLCATs' 64 (its far keys' mass grows, so a wider window buys less beside it)
+DELTA_WINDOW = 192
 STUDENT_LR = 0.01  # Adam's step in the layer-wise fit of the delta-rule students
 
 
@@ -38,18 +42,20 @@ class Student:
     name: str
     gate: str | None  # KeyGates' gate ("token", "feature"), None without a gate
     delta: bool  # the delta rule's memory (with KeyGates), else the additive state
+    window: int  # the softmax window when --window is not given
     summary: str
 
 
 STUDENTS = {student.name: student for student in (
-    Student("hedgehog", None, False, "Hedgehog maps, the additive state beside the softmax window"),
-    Student("gated-delta", "token", True, "a gated delta-rule memory beside the softmax window: Hedgehog "
-            "features, β and a forget gate per token from the keys, a read-out weight"),
-    Student("kda", "feature", True, "a delta-rule memory with a forget gate per feature (KDA) beside the softmax "
-            "window: Hedgehog features, β and the gates from the keys, a read-out weight"),
+    Student("hedgehog", None, False, LM_WINDOW, "Hedgehog maps, the additive state beside the softmax window"),
+    Student("gated-delta", "token", True, DELTA_WINDOW, "a gated delta-rule memory beside the softmax window: "
+            "Hedgehog features, β and a forget gate per token from the keys, a read-out weight"),
+    Student("kda", "feature", True, DELTA_WINDOW, "a delta-rule memory with a forget gate per feature (KDA) beside "
+            "the softmax window: Hedgehog features, β and the gates from the keys, a read-out weight"),
 )}
-DEFAULT_STUDENT = "hedgehog"
-assert tuple(STUDENTS) == STUDENT_NAMES  # the command line's choices (kept apart so that --help imports no torch)
+DEFAULT_STUDENT = "gated-delta"  # measured best on SmolLM2 (docs/linearize.md, "Students"): the shipped folder
+# the command line's choices, kept apart so that --help imports no torch
+assert tuple(STUDENTS) == STUDENT_NAMES and DEFAULT_STUDENT == DEFAULT_STUDENT_NAME
 
 
 def student(name: str) -> Student:
