@@ -166,3 +166,39 @@ def test_linearize_checks_the_gates():
     model = hf.linearize(tiny_llama(), "elu", gates=two, update="delta")
     hf.linearize(model, "elu", update="delta", beta=0.5)  # linearized again without gates: none left
     assert not hasattr(model.model.layers[0].self_attn, hf.GATES_ATTRIBUTE)
+
+
+@pytest.mark.parametrize("gate", ["token", "feature"])
+def test_decoding_with_key_gates_checks_no_value_per_token_and_the_lean_path_equals_the_general_one(gate,
+                                                                                                  monkeypatch):
+    """KeyGates' β (a sigmoid) and log-gates (a logsigmoid) are in range by construction: the decoding steps do not
+    read them back (no range check per token), and the composed step's lean path for a kept token gives the
+    general path's outputs (fp32: the same sums, but the window's softmax in one call where the general path
+    divides exp(s − max) by its sum; after two layers and the head the logits differ by ~2e-6: 1e-5 allowed)."""
+    import linattn.decode.composed as composed
+    import linattn.decode.delta as delta
+    from linattn.decode import ComposedDecodeStep
+
+    checks = []
+    for module in (composed, delta):
+        real = module.check_token_options
+        monkeypatch.setattr(module, "check_token_options", lambda *a, real=real: checks.append(1) or real(*a))
+    lean_calls, real_lean = [], ComposedDecodeStep._delta_token
+    monkeypatch.setattr(ComposedDecodeStep, "_delta_token",
+                        lambda self, *a: lean_calls.append(1) or real_lean(self, *a))
+    model = _linearized(gate, 16)
+    ids = torch.randint(1, 60, (1, 40), generator=torch.Generator().manual_seed(4))
+    runs = []
+    for lean in (True, False):
+        monkeypatch.setattr(ComposedDecodeStep, "lean", lean)
+        with torch.no_grad():
+            runs.append(model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, output_logits=True,
+                                       return_dict_in_generate=True))
+    assert not checks and len(lean_calls) == 2 * 9  # two layers, the tokens after the first (the prefill's)
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for lean, general in zip(runs[0].logits, runs[1].logits, strict=True):
+        torch.testing.assert_close(lean, general, rtol=1e-5, atol=1e-5)
+    step = runs[0].past_key_values.layers[0].stepper
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8)
+    with pytest.raises(LinearAttentionError, match="beta"):  # a direct call still checks what it is given
+        step(q, k, torch.randn(1, 2, 1, 8), beta=torch.full((1, 4), 5.0))

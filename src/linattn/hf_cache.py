@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ._rows import by_rows, left_pads
-from .decode import WindowDecodeStep, lean_step, supports_window, window_step
+from .decode import ComposedDecodeStep, DeltaDecodeStep, WindowDecodeStep, lean_step, supports_window, window_step
 from .errors import LinearAttentionError
 from .functional import linear_attention
 
@@ -207,7 +207,11 @@ def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: to
             return layer.stepper(q, k, v, keep)
         if isinstance(layer.stepper, RowSteps):
             return layer.stepper(q, k, v, keep, gates=gates)
-        return layer.stepper(q, k, v, keep, **step_arguments(gates(k), q.shape[1]))
+        per_token = step_arguments(gates(k), q.shape[1])
+        if getattr(gates, "bounded", False) and isinstance(layer.stepper, ComposedDecodeStep | DeltaDecodeStep):
+            # β from a sigmoid and log-gates from a logsigmoid: in range by construction, not read back per token
+            return layer.stepper(q, k, v, keep, validate=False, **per_token)
+        return layer.stepper(q, k, v, keep, **per_token)
     if layer.stepper is None and layer.state is None:
         pads = left_pads(keep, options)
         if pads is not None:  # a left-padded prompt and sinks: each row on its own, its sinks its own first tokens

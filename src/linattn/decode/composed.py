@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import LinearAttentionError
-from ..features import map_features
+from ..features import map_features, unit_features
 from ..state import DeltaRuleState, LinearAttentionState, WindowAttentionState
 from ._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
 from .delta import DeltaDecodeStep
@@ -28,6 +28,8 @@ class ComposedDecodeStep:
     :class:`~linattn.WindowAttentionState` such a call returned (batch shape (B, H)); the options as given to
     ``linear_attention`` (``eps``, ``window_factor``, ``softmax_scale``, a fixed ``beta`` and ``decay``).
     Per-token write strengths and log-decays (per token (B, H), or per feature (B, H, F)) come with each call."""
+
+    lean = True  # a kept token of a delta-rule part takes _delta_token (False: the general path, for comparison)
 
     def __init__(self, fmap: nn.Module, state: WindowAttentionState, options: dict[str, Any]) -> None:
         check_memory(state, WindowAttentionState, "ComposedDecodeStep")
@@ -82,13 +84,18 @@ class ComposedDecodeStep:
 
     @torch.no_grad()
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None, *,
-                 beta: torch.Tensor | None = None, log_decay: torch.Tensor | None = None) -> torch.Tensor:
+                 beta: torch.Tensor | None = None, log_decay: torch.Tensor | None = None,
+                 validate: bool = True) -> torch.Tensor:
         """q (B, H, 1, d), k (B, Hkv, 1, d), v (B, Hkv, 1, Dv), keep (B, 1) or None → out (B, H, 1, Dv).
 
         ``beta`` (B, H): this token's write strength (the delta rule; it writes when the token leaves the window);
-        ``log_decay`` (B, H) or (B, H, F) ≤ 0: this token's log-decay, on top of a fixed rate."""
+        ``log_decay`` (B, H) or (B, H, F) ≤ 0: this token's log-decay, on top of a fixed rate. ``validate=False``:
+        the caller vouches for their ranges (as :class:`~linattn.decode.DeltaDecodeStep` takes it)."""
         check_token(q, k, v, keep, self.keys, (self.keys.shape[0], self.keys.shape[1], self.values.shape[-1]))
-        check_token_options(beta, log_decay)
+        if validate:
+            check_token_options(beta, log_decay)
+        if self.lean and self.delta is not None and (keep is None or bool(keep.all())):
+            return self._delta_token(q, k, v, beta, log_decay)
         batch, heads = self.keys.shape[:2]
         out_dtype, dtype = q.dtype, self.keys.dtype
         q, k, v = q.to(dtype), _repeat_heads(k.to(dtype), heads), _repeat_heads(v.to(dtype), heads)
@@ -124,6 +131,41 @@ class ComposedDecodeStep:
             out = self._shared(q, allowed, lin, soft_num, soft_den)
         return out.unsqueeze(-2).to(out_dtype)
 
+    def _delta_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor | None,
+                     log_decay: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`__call__` for a delta-rule linear part and a token that is kept (no padding in this call): the
+        same arithmetic with the fewest operations a token needs — the leaving key's features only when it
+        writes, the window's softmax in one call (the token's own key is always an exact key, so no row is
+        empty), no re-checks inside the memory's step."""
+        delta = self.delta
+        assert delta is not None
+        batch, heads = self.keys.shape[:2]
+        out_dtype, dtype = q.dtype, self.keys.dtype
+        q, k, v = q.to(dtype), _repeat_heads(k.to(dtype), heads), _repeat_heads(v.to(dtype), heads)
+        position = self.num_tokens
+        leaving, ring = position - self.window, self.sinks + position % self.window
+        qf = unit_features(delta.fmap, q, is_query=True, log_space=delta.log_space)
+        kf = value = strength = None
+        if leaving >= self.sinks:  # the key leaving the window writes (β = 0 where it was masked: nothing)
+            kept = self.kept[..., ring]
+            key = torch.where(kept[..., None], self.keys[..., ring, :], 0.0).unsqueeze(-2)
+            kf = unit_features(delta.fmap, key, is_query=False, log_space=delta.log_space)
+            value, strength = self.values[..., ring : ring + 1, :], (self.betas[..., ring] * kept).unsqueeze(-1)
+        lin = delta.advance(qf, kf, value, strength, log_decay).view(batch, heads, 1, -1)
+        if 0 <= leaving < self.sinks:  # a sink leaves the window: from now on a separate exact key
+            self.live[leaving] = True
+        self.keys[..., ring, :], self.values[..., ring, :] = k[..., 0, :], v[..., 0, :]
+        self.kept[..., ring], self.live[ring] = True, True
+        self.betas[..., ring] = delta.beta if beta is None else beta.reshape(batch, heads)
+        if position < self.sinks:  # the token is also a sink: its slot keeps it once the ring moves on
+            self._put(position, k[..., 0, :], v[..., 0, :], self.kept[..., ring], None, live=False)
+        self.num_tokens += 1
+        scores = torch.matmul(q, self.keys.transpose(-1, -2)).mul_(self.scale)  # (B, H, 1, slots)
+        scores.masked_fill_(~(self.kept & self.live).unsqueeze(-2), float("-inf"))
+        average = torch.matmul(torch.softmax(scores, dim=-1), self.values)  # (B, H, 1, Dv)
+        out = lin.add_(average if self.gamma is None else average.mul_(self.gamma.unsqueeze(-1)))
+        return out.to(out_dtype)
+
     def _linear(self, q: torch.Tensor, leaving: int, slot: int, log_decay: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token t's decay, the leaving key's write, the read by q: (num (B, H, Dv), den (B, H) or None)."""
@@ -135,7 +177,7 @@ class ComposedDecodeStep:
         key = torch.where(keep[..., None, None], key, torch.zeros((), dtype=key.dtype, device=key.device))
         if self.delta is not None:
             # a masked or absent key writes nothing (β = 0); the decay still applies
-            out = self.delta(q, key, value, beta=self.betas[..., slot] * keep, log_decay=log_decay)
+            out = self.delta(q, key, value, beta=self.betas[..., slot] * keep, log_decay=log_decay, validate=False)
             return out.squeeze(-2), None
         total = self.log_rate
         if log_decay is not None:

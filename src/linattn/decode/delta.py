@@ -55,15 +55,19 @@ class DeltaDecodeStep:
             self.log_rate = torch.log(rate).expand(heads).reshape(heads, 1).clone()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None, *,
-                 beta: torch.Tensor | None = None, log_decay: torch.Tensor | None = None) -> torch.Tensor:
+                 beta: torch.Tensor | None = None, log_decay: torch.Tensor | None = None,
+                 validate: bool = True) -> torch.Tensor:
         """q (B, H, 1, d), k (B, Hkv, 1, d), v (B, Hkv, 1, Dv), keep (B, 1) bool or None → out (B, H, 1, Dv).
 
         ``beta`` (B, H): this token's write strengths (instead of the fixed one); ``log_decay`` ≤ 0: this token's
         log-gate on top of the fixed rate, one per head (B, H) or one per feature (B, H, F) (KDA; (B, H, 1, F) is
-        taken too). Output in q's dtype; the memory stays in its own (fp32/fp64).
+        taken too). Output in q's dtype; the memory stays in its own (fp32/fp64). ``validate=False``: the caller
+        vouches for β ∈ [0, 2] and log-decays ≤ 0 (e.g. a sigmoid and a logsigmoid computed for this token), so
+        their values are not read back (a comparison, a reduction and a synchronisation per call).
         """
         check_token(q, k, v, keep, self.kv, (self.kv.shape[0], self.kv.shape[1], self.kv.shape[-1]))
-        check_token_options(beta, log_decay)
+        if validate:
+            check_token_options(beta, log_decay)
         batch, heads, features, values = self.kv.shape
         out_dtype, dtype = q.dtype, self.kv.dtype
         q, k, v = q.to(dtype), _repeat_heads(k.to(dtype), heads), _repeat_heads(v.to(dtype), heads)
@@ -76,21 +80,29 @@ class DeltaDecodeStep:
             beta.reshape(batch, heads, 1).to(dtype))
         if mask is not None:  # a masked token writes nothing; its decay still applies
             strength = strength * mask.to(dtype)
+        return self.advance(qf, kf, v, strength, log_decay).view(batch, heads, 1, values).to(out_dtype)
+
+    def advance(self, qf: torch.Tensor, kf: torch.Tensor | None, v: torch.Tensor | None,
+                strength: torch.Tensor | None, log_decay: torch.Tensor | None) -> torch.Tensor:
+        """The memory's arithmetic for one token, in place, from its unit features (B, H, 1, F) (``kf`` None: no
+        write), v (B, H, 1, Dv) and ``strength`` (B, H, 1) in the memory's dtype: the decay, the write, the read
+        Sᵀq̂ (B·H, 1, Dv). Nothing is checked: :meth:`__call__` and the composed step check before they call it."""
+        batch, heads, features, values = self.kv.shape
         total = self.log_rate  # (H, 1)
         if log_decay is not None:
             gate = self._gate(log_decay)
             total = gate if total is None else total + gate  # (B, H, 1) or (B, H, F)
         memory = self.kv.view(self._flat)
         if total is not None:  # diag(a)·S: one factor per row of S, the same for every row without per-feature gates
-            factor = torch.exp(total).to(dtype)
+            factor = torch.exp(total).to(memory.dtype)
             memory.mul_(factor.expand(batch, heads, factor.shape[-1]).reshape(-1, factor.shape[-1], 1))
-        kf = kf.reshape(-1, 1, features)  # (B·H, 1, F)
-        recalled = torch.bmm(kf, memory)  # Sᵀk̂ after the decay, (B·H, 1, Dv)
-        write = strength.reshape(-1, 1, 1) * (v.reshape(-1, 1, values) - recalled)
-        memory.addcmul_(kf.transpose(1, 2), write)  # S += k̂ uᵀ
+        if kf is not None and v is not None and strength is not None:
+            kf = kf.reshape(-1, 1, features)  # (B·H, 1, F)
+            recalled = torch.bmm(kf, memory)  # Sᵀk̂ after the decay, (B·H, 1, Dv)
+            write = strength.reshape(-1, 1, 1) * (v.reshape(-1, 1, values) - recalled)
+            memory.addcmul_(kf.transpose(1, 2), write)  # S += k̂ uᵀ
         self.num_tokens += 1
-        out = torch.bmm(qf.reshape(-1, 1, features), memory)  # (B·H, 1, Dv)
-        return out.view(batch, heads, 1, values).to(out_dtype)
+        return torch.bmm(qf.reshape(-1, 1, features), memory)  # (B·H, 1, Dv)
 
     def _gate(self, log_decay: torch.Tensor) -> torch.Tensor:
         """A token's log-gates as (B, H, 1) per head or (B, H, F) per feature, fp64."""

@@ -47,6 +47,8 @@ GATE_KINDS = (None, "token", "feature")
 class KeyGates(nn.Module):
     """β and a forget gate per token from the keys' rotation-invariant pair lengths (module docstring)."""
 
+    bounded = True  # β = sigmoid(·) ∈ (0, 1), log-gate = logsigmoid(·) ≤ 0: a decoding step need not check them
+
     def __init__(self, num_kv_heads: int, head_dim: int, *, beta: bool = True, gate: str | None = "token",
                  num_features: int | None = None, beta_bias: float = -3.0, gate_bias: float = 7.0,
                  readout: bool = False, readout_bias: float = -4.0) -> None:
@@ -101,10 +103,10 @@ class KeyGates(nn.Module):
         u = self.descriptor(key.to(self._dtype()))  # (B, Hkv, N, d/2)
         out: dict[str, torch.Tensor] = {}
         if self.beta_weight is not None and self.beta_bias is not None:
-            logit = torch.einsum("bhnc,hc->bhn", u, self.beta_weight) + self.beta_bias[:, None]
+            logit = torch.matmul(u, self.beta_weight.unsqueeze(-1)).squeeze(-1) + self.beta_bias[:, None]
             out["beta"] = torch.sigmoid(logit)
         if self.gate_weight is not None and self.gate_bias is not None:
-            logit = torch.einsum("bhnc,hcf->bhnf", u, self.gate_weight) + self.gate_bias[:, None, :]
+            logit = torch.matmul(u, self.gate_weight) + self.gate_bias[:, None, :]
             gate = F.logsigmoid(logit)
             out["log_gate"] = gate.squeeze(-1) if self.gate == "token" else gate
         return out
