@@ -78,6 +78,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.model:  # a linearized causal LM against its original
+        from .linearized import speed
+
+        return speed.cli(args)
     from . import bench  # each verb's job is imported when it runs: `linattn info` and `--help` load none of them
 
     return bench.cli(args)
@@ -100,7 +104,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--dtype", default="float32", help="torch dtype of the inputs")
     bench.add_argument("--device", default="cpu", help="torch device (cuda for a GPU)")
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    bench.add_argument("--out", default="out/bench", help="folder for bench.csv, bench.json, bench.png")
+    bench.add_argument("--out", default="out/bench", help="folder for bench.csv, bench.json, bench.png (with "
+                       "--model: bench_model.*)")
+    model = bench.add_argument_group("a linearized model against its original (--model)")
+    model.add_argument("--model", default=None, help="a causal LM (smollm2): time its prefill and decoding against "
+                       "the linearized folder shipped for it, side by side (the options above but --threads, "
+                       "--out and --no-* are then unused)")
+    model.add_argument("--linearized", default=None, help="with --model: a folder of `linattn linearize` instead "
+                       "of the shipped one")
+    model.add_argument("--contexts", type=int, nargs="+", default=[512, 1536, 4096, 8192], help="prompt lengths")
+    model.add_argument("--new-tokens", type=int, default=32, help="decoding steps timed after each prompt")
+    model.add_argument("--rounds", type=int, default=2, help="rounds, the two models alternating in each")
     bench.add_argument("--decays", nargs="*", default=[], choices=["decay", "gate", "gla"],
                        help="also time causal attention with a RetNet decay, a per-token or a per-feature gate")
     for flag, what in (("backward", "the backward pass"), ("sdpa", "torch's SDPA beside linattn"),

@@ -1,0 +1,61 @@
+"""`linattn bench --model NAME --linearized DIR`: a linearized model against its original, side by side — every
+context measured for both, the ratios computed from the rows, the files written, bad input refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from linattn import LinearAttentionError  # noqa: E402
+from linattn.linearized import speed  # noqa: E402
+from test_linearized import fitted_dir, tiny_base  # noqa: E402, F401  (fixtures)
+
+
+def test_the_bench_times_both_models_at_every_context_and_writes_the_ratios(fitted_dir, tmp_path):  # noqa: F811
+    from linattn.cli import main
+
+    folder, _, _ = fitted_dir
+    base = json.loads((folder / "linattn.json").read_text())["base"]["model"]
+    out = tmp_path / "bench"
+    assert main(["bench", "--model", base, "--linearized", str(folder), "--contexts", "40", "12", "--new-tokens",
+                 "3", "--rounds", "2", "--out", str(out), "--no-plot"]) == 0
+    result = json.loads((out / "bench_model.json").read_text())
+    rows = result["rows"]
+    assert sorted((row["model"], row["context"]) for row in rows) == [
+        ("linearized", 12), ("linearized", 40), ("original", 12), ("original", 40)]
+    assert all(len(row["prefill_ms_all"]) == 2 and row["prefill_ms"] > 0 and row["decode_tokens_per_second"] > 0
+               and row["peak_prefill_bytes"] > 0 for row in rows)
+    by = {(row["model"], row["context"]): row for row in rows}
+    for entry in result["summary"]:  # each ratio is the rows' own
+        n = entry["context"]
+        assert entry["prefill_speedup"] == pytest.approx(by["original", n]["prefill_ms"] / by["linearized", n]
+                                                         ["prefill_ms"])
+        assert entry["decode_speedup"] == pytest.approx(by["linearized", n]["decode_tokens_per_second"]
+                                                        / by["original", n]["decode_tokens_per_second"])
+    # the softmax cache grows with the context, the linear state does not
+    assert by["original", 40]["cache_bytes"] > by["original", 12]["cache_bytes"]
+    assert by["linearized", 40]["cache_bytes"] == by["linearized", 12]["cache_bytes"]
+    assert (out / "bench_model.csv").read_text().count("\n") == 5
+
+
+def test_prompts_repeat_the_long_text_to_any_length(fitted_dir):  # noqa: F811
+    _, _, tokenizer = fitted_dir
+    ids = speed.prompt_ids(tokenizer, 30_000)  # the text is shorter: repeated
+    assert ids.shape == (1, 30_000) and ids[0, :5].tolist() == speed.prompt_ids(tokenizer, 5)[0].tolist()
+
+
+def test_bad_bench_arguments_are_refused(fitted_dir, tmp_path, capsys):  # noqa: F811
+    from linattn.cli import main
+
+    folder, _, _ = fitted_dir
+    base = json.loads((folder / "linattn.json").read_text())["base"]["model"]
+    assert main(["bench", "--model", base, "--contexts", "0", "--out", str(tmp_path)]) == 2
+    assert "--contexts/--new-tokens/--rounds: need ≥ 1" in capsys.readouterr().err
+    assert main(["bench", "--model", base, "--out", str(tmp_path)]) == 2  # no folder ships for a local model
+    assert "no linearized folder ships for it; pass --linearized DIR" in capsys.readouterr().err
+    with pytest.raises(LinearAttentionError):
+        speed.prompt_ids(type("T", (), {"__call__": lambda self, text: {"input_ids": []}})(), 4)
