@@ -246,3 +246,35 @@ def test_generate_says_what_each_number_means_and_prints_no_nan(tiny_base, tmp_p
     states = int(linear.replace(",", ""))
     per_token = 2 * 2 * 16 * 2 * 4  # 2 layers · 2 kv heads · 16 dims · key and value · 4 bytes
     assert f"cache of {states / per_token:,.0f} tokens ({per_token:,} bytes per token)" in out
+
+
+def test_generate_reads_the_prompt_and_decodes_with_their_own_thread_counts(fitted_dir, monkeypatch, capsys):
+    """--threads for the prompt, --decode-threads (default 1) for the tokens after it; the caller's count is back
+    afterwards, and a negative count is refused."""
+    from linattn.cli import main
+    from linattn.linearized import generate as generate_module
+
+    folder, _, _ = fitted_dir
+    seen, real_load = [], generate_module._load
+
+    def load(args):
+        model, *rest = real_load(args)
+        forward = model.forward
+
+        def counted(*a, **k):
+            seen.append(torch.get_num_threads())
+            return forward(*a, **k)
+
+        model.forward = counted
+        return (model, *rest)
+
+    monkeypatch.setattr(generate_module, "_load", load)
+    before = torch.get_num_threads()
+    assert main(["generate", str(folder), "--prompt", "Rivers carry", "--max-new-tokens", "4", "--threads", "2"]) == 0
+    assert seen == [2, 1, 1, 1] and torch.get_num_threads() == before
+    seen.clear()
+    assert main(["generate", str(folder), "--prompt", "Rivers", "--max-new-tokens", "3", "--threads", "2",
+                 "--decode-threads", "0"]) == 0
+    assert seen == [2, 2, 2] and torch.get_num_threads() == before
+    assert main(["generate", str(folder), "--prompt", "x", "--decode-threads", "-1"]) == 2
+    assert "--threads/--decode-threads: need ≥ 0" in capsys.readouterr().err

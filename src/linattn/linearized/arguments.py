@@ -30,6 +30,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         "per head beside the window (docs/sparse_cache.md)")
     parser.add_argument("--compare-softmax", action="store_true", help="also generate with the original model")
     parser.add_argument("--plot", default=None, help="a PNG file: ms/token and cache bytes against position")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for the prompt (0: torch's default)")
+    parser.add_argument("--decode-threads", type=int, default=1, help="torch threads for the tokens after the "
+                        "prompt: one token's work is small, and more threads than free cores make each step wait "
+                        "for the slowest (0: as for the prompt)")
 
 
 def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:

@@ -78,8 +78,9 @@ def _resident_bytes() -> int:
 
 
 def generate_measured(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, label: str,
-                      stream: bool = True) -> Generation:
-    """Greedy generation of ``max_new_tokens`` tokens after ``prompt``, streamed to stdout when ``stream``."""
+                      stream: bool = True, decode_threads: int = 0) -> Generation:
+    """Greedy generation of ``max_new_tokens`` tokens after ``prompt``, streamed to stdout when ``stream``;
+    ``decode_threads`` > 0: torch's threads for the tokens after the first (the prompt keeps the caller's)."""
     from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
     linear = model.config._attn_implementation == hf.IMPLEMENTATION
@@ -102,8 +103,12 @@ def generate_measured(model: Any, tokenizer: Any, prompt: str, max_new_tokens: i
         run.peak_kind = "process RSS"
     start = time.perf_counter()
 
+    prompt_threads = torch.get_num_threads()
+
     class Clock(StoppingCriteria):  # called after each new token: its time, the cache, the memory
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.BoolTensor:
+            if not run.times and decode_threads > 0:  # the prompt is read: the steps from here on
+                torch.set_num_threads(decode_threads)
             run.times.append(time.perf_counter() - start)
             run.cache_bytes.append(cache_bytes(cache))
             if not cuda:
@@ -112,10 +117,13 @@ def generate_measured(model: Any, tokenizer: Any, prompt: str, max_new_tokens: i
 
     streamer = TextStreamer(tokenizer, skip_prompt=True) if stream else None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    with torch.no_grad():
-        out = model.generate(ids, cache=cache, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad, streamer=streamer,
-                             attention_mask=torch.ones_like(ids), stopping_criteria=StoppingCriteriaList([Clock()]))
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, cache=cache, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad, streamer=streamer, attention_mask=torch.ones_like(
+                                     ids), stopping_criteria=StoppingCriteriaList([Clock()]))
+    finally:
+        torch.set_num_threads(prompt_threads)
     if cuda:
         run.peak_bytes = torch.cuda.max_memory_allocated(device)
     run.prefill_seconds = run.times[0] if run.times else 0.0
@@ -257,15 +265,30 @@ def cli(args: argparse.Namespace) -> int:
             args.prompt = handle.read().strip()
     if args.max_new_tokens < 1:
         raise LinearAttentionError(f"--max-new-tokens: need ≥ 1, got {args.max_new_tokens}")
+    threads, decode_threads = getattr(args, "threads", 0), getattr(args, "decode_threads", 0)
+    if threads < 0 or decode_threads < 0:
+        raise LinearAttentionError(f"--threads/--decode-threads: need ≥ 0 (0: torch's default, or as for the "
+                                   f"prompt), got {threads}/{decode_threads}")
     if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
         raise LinearAttentionError(f"--plot: the folder of {args.plot!r} does not exist")
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _generate(args, decode_threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _generate(args: argparse.Namespace, decode_threads: int) -> int:
     model, tokenizer, original, label = _load(args)
     runs = []
     for run_label, chosen in ((label, model), ("softmax (original)", original)):
         if chosen is None:
             continue
         print(f"--- {run_label}: {_shown(args.prompt, len(tokenizer(args.prompt)['input_ids']))}", flush=True)
-        runs.append(generate_measured(chosen, tokenizer, args.prompt, args.max_new_tokens, run_label))
+        runs.append(generate_measured(chosen, tokenizer, args.prompt, args.max_new_tokens, run_label,
+                                      decode_threads=decode_threads))
         sys.stdout.flush()
     print("\n".join(_summary(runs)))
     if args.plot:
