@@ -158,3 +158,17 @@ def test_a_budget_times_the_delta_students_own_fit_and_training_step(tiny, tmp_p
     plan = json.loads((out / "stages" / "plan.json").read_text())
     assert plan["fit_steps"] >= budget.MIN_FIT_STEPS and plan["options"]["student"] == "gated-delta"
     assert json.loads((out / "linattn.json").read_text())["gates"]["config"]["gate"] == "token"
+
+
+def test_the_budget_counts_the_repeats_at_every_gap():
+    """The measuring stage reads each --repeat-gaps probe too: its tokens enter the estimate (a run of the default
+    student measured its stage at ~60 min against an estimate of 42 made without them)."""
+    from linattn.evaluate.lm_config import ProbeOptions
+    from linattn.linearized.budget import _probe_tokens
+
+    probes = ProbeOptions(passage_tokens=128, gap_tokens=512, repeat_trials=4, passkey_lengths=(1024,),
+                          passkey_trials=2)
+    config = type("Config", (), {"probes": probes})()
+    plain = _probe_tokens(config, 1000)
+    assert plain == 1000 + 4 * (256 + 512) + 2 * (1024 + 64)
+    assert _probe_tokens(config, 1000, (1536, 3072)) == plain + 4 * (256 + 1536) + 4 * (256 + 3072)

@@ -58,10 +58,12 @@ def _timed(action: Any, repeats: int = 1) -> tuple[float, Any]:
     return best, result
 
 
-def _probe_tokens(config: LMCompareConfig, heldout_tokens: int) -> int:
-    """Tokens one measured row reads: the held-out text, the repeated passages, the passkeys."""
+def _probe_tokens(config: LMCompareConfig, heldout_tokens: int, repeat_gaps: tuple[int, ...] = ()) -> int:
+    """Tokens one measured row reads: the held-out text, the repeated passages (at the probe's gap and at each of
+    ``repeat_gaps``), the passkeys."""
     probes = config.probes
-    repeats = probes.repeat_trials * (2 * probes.passage_tokens + probes.gap_tokens)
+    repeats = probes.repeat_trials * sum(2 * probes.passage_tokens + gap for gap in (probes.gap_tokens,
+                                                                                    *repeat_gaps))
     keys = probes.passkey_trials * sum(length + 64 for length in probes.passkey_lengths)
     return heldout_tokens + repeats + keys
 
@@ -105,7 +107,8 @@ def _fitter(model: Any, name: str, capture: Any, config: LMCompareConfig, chosen
 
 
 def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
-              config: LMCompareConfig, chosen: Student | None = None) -> dict[str, float]:
+              config: LMCompareConfig, chosen: Student | None = None, repeat_gaps: tuple[int, ...] = ()
+              ) -> dict[str, float]:
     """Seconds: ``fit_fixed`` (capture), ``fit_step``, ``end_to_end_step``, ``sampling_batch`` (one batch of
     :data:`SAMPLING_BATCH` samples), ``measure`` (the three rows), and ``calibration`` (what measuring these took);
     for the student ``chosen`` (default: the Hedgehog hybrid): its own fit and its own end-to-end step."""
@@ -148,7 +151,8 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
     with torch.no_grad():
         forward, _ = _timed(lambda: model(input_ids=ids[:, :256]), repeats=2)
     heldout_tokens = len(tokenizer(heldout)["input_ids"])
-    measure = 3 * 1.5 * forward / min(256, length) * _probe_tokens(config, heldout_tokens)  # linear rows: slower
+    # three rows; the linear rows are the slower
+    measure = 3 * 1.5 * forward / min(256, length) * _probe_tokens(config, heldout_tokens, repeat_gaps)
     return {"fit_fixed": capture_seconds + max(short - fit_step, 0.0), "fit_step": fit_step,
             "end_to_end_step": (teacher + student) * EVAL_OVERHEAD,
             "sampling_batch": (eight / 8 + growth / 2) * config.end_to_end.tokens, "measure": measure,

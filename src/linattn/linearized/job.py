@@ -213,7 +213,8 @@ class Job:
             from .budget import calibrate, plan_steps
 
             config = _config(self.args, plan, "")
-            costs = calibrate(self.model, self.tokenizer, self.name, self.train, self.heldout, config, self.student)
+            costs = calibrate(self.model, self.tokenizer, self.name, self.train, self.heldout, config, self.student,
+                              tuple(getattr(self.args, "repeat_gaps", None) or ()))
             plan = plan_steps(self.args.budget, costs, end_to_end=self.args.end_to_end_steps > 0,
                               samples=self.args.end_to_end_samples)
         plan["options"] = self._options()
