@@ -162,7 +162,7 @@ def test_a_budget_times_the_delta_students_own_fit_and_training_step(tiny, tmp_p
 
 def test_the_budget_counts_the_repeats_at_every_gap():
     """The measuring stage reads each --repeat-gaps probe too: its tokens enter the estimate (a run of the default
-    student measured its stage at ~60 min against an estimate of 42 made without them)."""
+    student measured its stage in 56 min against an estimate of 42 made without them)."""
     from linattn.evaluate.lm_config import ProbeOptions
     from linattn.linearized.budget import _probe_tokens
 
