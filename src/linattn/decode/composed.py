@@ -71,8 +71,8 @@ class ComposedDecodeStep:
             self._put(position, state.sink_keys[..., position, :], state.sink_values[..., position, :],
                       state.sink_keep[..., position], None, live=position < first)
 
-    def _put(self, slot: int, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor, beta: torch.Tensor | None,
-             live: bool = True) -> None:
+    def _put(self, slot: int, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | bool,
+             beta: torch.Tensor | float | None, live: bool = True) -> None:
         self.keys[..., slot, :], self.values[..., slot, :], self.kept[..., slot] = key, value, keep
         if beta is not None:
             self.betas[..., slot] = beta
@@ -154,11 +154,9 @@ class ComposedDecodeStep:
         lin = delta.advance(qf, kf, value, strength, log_decay).view(batch, heads, 1, -1)
         if 0 <= leaving < self.sinks:  # a sink leaves the window: from now on a separate exact key
             self.live[leaving] = True
-        self.keys[..., ring, :], self.values[..., ring, :] = k[..., 0, :], v[..., 0, :]
-        self.kept[..., ring], self.live[ring] = True, True
-        self.betas[..., ring] = delta.beta if beta is None else beta.reshape(batch, heads)
+        self._put(ring, k[..., 0, :], v[..., 0, :], True, delta.beta if beta is None else beta.reshape(batch, heads))
         if position < self.sinks:  # the token is also a sink: its slot keeps it once the ring moves on
-            self._put(position, k[..., 0, :], v[..., 0, :], self.kept[..., ring], None, live=False)
+            self._put(position, k[..., 0, :], v[..., 0, :], True, None, live=False)
         self.num_tokens += 1
         scores = torch.matmul(q, self.keys.transpose(-1, -2)).mul_(self.scale)  # (B, H, 1, slots)
         scores.masked_fill_(~(self.kept & self.live).unsqueeze(-2), float("-inf"))

@@ -8,7 +8,10 @@ import argparse
 from ..evaluate.defaults import LM_SINKS, LM_WINDOW
 
 STUDENT_NAMES = ("hedgehog", "gated-delta", "kda")  # linattn.linearized.students defines them
-DEFAULT_STUDENT_NAME = "gated-delta"
+DEFAULT_STUDENT_NAME = "gated-delta"  # measured best on SmolLM2 (docs/linearize.md, "Students"): the shipped folder
+# the delta-rule students' window: 192 + 4 sinks = 196 exact pairs, SmolLM2's measured budget of equal memory; the
+# additive student keeps LoLCATs' 64 (its far keys' mass grows, so a wider window buys less beside it)
+DELTA_WINDOW = 192
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +54,7 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
         "delta-rule memory, β and the gate from the model's keys; the shipped SmolLM2), kda (the same with a gate "
         "per feature); docs/linearize.md")
     add("--window", type=int, default=None, help=f"softmax window beside the linear part (default: {LM_WINDOW} for "
-        "hedgehog, 192 for the delta-rule students)")
+        f"hedgehog, {DELTA_WINDOW} for the delta-rule students)")
     add("--sinks", type=int, default=LM_SINKS, help="sink tokens (the first tokens, always attended)")
     add("--sparse-cache", type=int, default=0, help="a sparse exact cache of N pairs per head beside the window "
         "(docs/sparse_cache.md): in place while the fit and the end-to-end stage train and in the measured row, and "

@@ -77,20 +77,24 @@ def _resident_bytes() -> int:
         return 0
 
 
+def new_cache(model: Any) -> Any:
+    """An empty cache for ``model``: a LinearAttentionCache when it is linearized, else transformers' own."""
+    if model.config._attn_implementation == hf.IMPLEMENTATION:
+        from ..hf_cache import LinearAttentionCache
+
+        return LinearAttentionCache()
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
 def generate_measured(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, label: str,
                       stream: bool = True, decode_threads: int = 0) -> Generation:
     """Greedy generation of ``max_new_tokens`` tokens after ``prompt``, streamed to stdout when ``stream``;
     ``decode_threads`` > 0: torch's threads for the tokens after the first (the prompt keeps the caller's)."""
-    from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList, TextStreamer
+    from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
-    linear = model.config._attn_implementation == hf.IMPLEMENTATION
-    cache: Any
-    if linear:
-        from ..hf_cache import LinearAttentionCache
-
-        cache = LinearAttentionCache()
-    else:
-        cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     device = next(model.parameters()).device
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
     if ids.shape[1] < 1:

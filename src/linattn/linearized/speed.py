@@ -36,7 +36,7 @@ from ..errors import LinearAttentionError
 from ..evaluate.models import check_model_name, load_model
 from ..measure import peak_memory
 from .folder import atomic_write, load_linearized, shipped
-from .generate import cache_bytes
+from .generate import cache_bytes, new_cache
 
 
 @dataclass
@@ -64,21 +64,9 @@ def prompt_ids(tokenizer: Any, length: int) -> torch.Tensor:
     return torch.tensor([(ids * repeats)[:length]])
 
 
-def _new_cache(model: Any) -> Any:
-    from .. import hf
-
-    if model.config._attn_implementation == hf.IMPLEMENTATION:
-        from ..hf_cache import LinearAttentionCache
-
-        return LinearAttentionCache()
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
-
-
 def run_once(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[float], int]:
     """Seconds of the prefill, seconds of each decoding step, the cache's bytes after the prefill."""
-    cache = _new_cache(model)
+    cache = new_cache(model)
     with torch.no_grad():
         begin = time.perf_counter()
         out = model(input_ids=ids, cache=cache, use_cache=True)
@@ -113,7 +101,7 @@ def measure(models: dict[str, Any], tokenizer: Any, contexts: list[int], new_tok
             if memory:
                 def prefill_call(model: Any = model, ids: torch.Tensor = ids) -> None:
                     with torch.no_grad():
-                        model(input_ids=ids, cache=_new_cache(model), use_cache=True)
+                        model(input_ids=ids, cache=new_cache(model), use_cache=True)
 
                 peak = peak_memory(prefill_call, torch.device("cpu"))
             step = statistics.median(steps[name])

@@ -28,12 +28,9 @@ from ..feature_maps.fitted import FittedFeatureMaps
 from ..feature_maps.learned import LearnedProjectionMap
 from ..nn import KeyGates
 from ..train.student import fit_student
-from .arguments import DEFAULT_STUDENT_NAME, STUDENT_NAMES
+from .arguments import DEFAULT_STUDENT_NAME, DELTA_WINDOW, STUDENT_NAMES
 from .folder import load_gates, save_gates
 
-# the delta-rule students' window: 192 + 4 sinks = 196 exact pairs, SmolLM2's measured budget of equal memory; the
-# additive student keeps LoLCATs' 64 (its far keys' mass grows, so a wider window buys less beside it)
-DELTA_WINDOW = 192
 STUDENT_LR = 0.01  # Adam's step in the layer-wise fit of the delta-rule students
 
 
@@ -53,9 +50,8 @@ STUDENTS = {student.name: student for student in (
     Student("kda", "feature", True, DELTA_WINDOW, "a delta-rule memory with a forget gate per feature (KDA) beside "
             "the softmax window: Hedgehog features, β and the gates from the keys, a read-out weight"),
 )}
-DEFAULT_STUDENT = "gated-delta"  # measured best on SmolLM2 (docs/linearize.md, "Students"): the shipped folder
-# the command line's choices, kept apart so that --help imports no torch
-assert tuple(STUDENTS) == STUDENT_NAMES and DEFAULT_STUDENT == DEFAULT_STUDENT_NAME
+DEFAULT_STUDENT = DEFAULT_STUDENT_NAME
+assert tuple(STUDENTS) == STUDENT_NAMES  # the command line's choices (kept apart so that --help imports no torch)
 
 
 def student(name: str) -> Student:
