@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from linattn.forms.chunked import causal_chunked_attention
+from linattn.kinds.additive.forms.chunked import causal_chunked_attention
 
 
 def measure(fn, repeats: int, cpu_time: bool) -> float:

@@ -5,7 +5,7 @@ B=1, H=8, D=64 (elu features, F = D), one round times, side by side and alternat
 
 - ``linear``: the linear part alone, ``linear_attention(..., causal=True, <its options>)`` (chunked);
 - ``exact``: the window's exact part alone — the banded softmax over the last W keys and S sinks (the chunked form's
-  exact part, :func:`linattn.forms.window.chunked.causal_window_parts` with ``linear_part=False``), which is what the
+  exact part, :func:`linattn.exact.forms.chunked.causal_window_parts` with ``linear_part=False``), which is what the
   composed route runs beside the linear part: the mass form beside an additive part (average and mass both
   differentiated), the softmax average alone beside the delta rule. It maps q and the keys; the composed route's
   linear part reads those features instead of mapping them again;
@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from linattn import linear_attention
+from linattn.exact import Hybrid
+from linattn.exact.forms.chunked import causal_window_parts
+from linattn.exact.forms.composed import softmax_average
 from linattn.feature_maps import create
-from linattn.forms.window import Hybrid
-from linattn.forms.window.chunked import causal_window_parts
-from linattn.forms.window.composed import softmax_average
 
 KINDS = ("gated", "gated-delta", "delta", "feature-gated")
 

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 
 import linattn
-from linattn.distributed._delta import slice_transition
 from linattn.features import resolve_feature_map
+from linattn.kinds.delta.distributed import slice_transition
 from linattn.state import DeltaRuleState
 
 HEADS, DIM = 8, 64

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         call()
         return (time.perf_counter() - began) * 1e3
 
-    from linattn.backends.triton import function, kernels
+    from linattn.kinds.additive.triton import function, kernels
 
     began = time.perf_counter()
     rows, n, dim = args.rows, args.length, args.dim

@@ -36,10 +36,10 @@ from linattn import SparseCache
 from linattn._json import dumps
 from linattn.evaluate.lm_stages import read_text
 from linattn.evaluate.probes import key_scores, passkeys
+from linattn.exact.forms.hybrid import Hybrid
+from linattn.exact.forms.sparse import cache_selections
 from linattn.feature_maps import FeatureMap
 from linattn.features import repeat_kv_heads
-from linattn.forms.window.hybrid import Hybrid
-from linattn.forms.window.sparse import cache_selections
 from linattn.linearized.card import wilson_interval
 from linattn.linearized.folder import atomic_write, load_linearized, shipped
 

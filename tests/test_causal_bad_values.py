@@ -272,7 +272,7 @@ def test_the_chunked_function_reads_no_later_scale():
     """The chunked Function's rows before t do not move by a bit when the log-scales from t on do (a log-space
     map's running maximum rises at a large key): its within-chunk factors are re-based to the scale entering the
     chunk, not to the chunk's end. Scales near 1000 in fp64, so a re-basing to another point rounds differently."""
-    from linattn.forms.chunked import causal_chunked_attention
+    from linattn.kinds.additive.forms.chunked import causal_chunked_attention
 
     generator = torch.Generator().manual_seed(3)
     qf, kf, v = (torch.rand(2, N, DIM, generator=generator) for _ in range(3))

@@ -7,7 +7,7 @@ import torch
 
 import linattn
 from decay_reference import decayed_recurrence
-from linattn.forms import gated
+from linattn.kinds.gated import forms as gated
 from maps_for_tests import DoubledElu, LogExp
 from reference import HALF_ROUNDING_FACTOR, elu_plus_one, plain_dtype_recurrence, rel_error, rounding_error
 

@@ -31,9 +31,9 @@ import torch.nn.functional as F
 
 import linattn
 from linattn.distributed import context_parallel_attention
-from linattn.distributed._delta import prefix_state
 from linattn.feature_maps import create
-from linattn.forms.delta import delta_transition
+from linattn.kinds.delta.distributed import prefix_state
+from linattn.kinds.delta.forms import delta_transition
 
 TOL = 1e-10
 GROUP: Any = None

@@ -73,7 +73,8 @@ def test_roles_become_links_or_code(linattn_api, rewriting: ModuleType):
     decode = linattn_api["decode"].docstring.value
     assert ":class:`" not in decode and ":func:`" not in decode
     # a name relative to the module resolves to the object it names
-    assert '<autoref identifier="linattn.decode.plain.DecodeStep" optional><code>DecodeStep</code></autoref>' in decode
+    assert ('<autoref identifier="linattn.kinds.additive.step.DecodeStep" optional><code>DecodeStep</code></autoref>'
+            in decode)
     module = linattn_api["measure"]
     collection = linattn_api.modules_collection
     text = rewriting.rewrite(module, collection, "See :func:`linattn.linear_attention` and :class:`~torch.Tensor`.")

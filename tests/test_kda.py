@@ -19,7 +19,7 @@ from linattn import DeltaRuleState, LinearAttentionError
 from linattn.capabilities import context_parallel_reasons
 from linattn.decode import DeltaDecodeStep
 from linattn.feature_maps import create
-from linattn.forms import kda
+from linattn.kinds.kda import forms as kda
 from linattn.nn import LinearAttention
 
 FP64 = 1e-10

@@ -175,8 +175,8 @@ def test_decoding_with_key_gates_checks_no_value_per_token_and_the_lean_path_equ
     read them back (no range check per token), and the composed step's lean path for a kept token gives the
     general path's outputs (fp32: the same sums, but the window's softmax in one call where the general path
     divides exp(s − max) by its sum; after two layers and the head the logits differ by ~2e-6: 1e-5 allowed)."""
-    import linattn.decode.composed as composed
-    import linattn.decode.delta as delta
+    import linattn.exact.composed_step as composed
+    import linattn.kinds.delta.step as delta
     from linattn.decode import ComposedDecodeStep
 
     checks = []

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import linattn
-from linattn.forms import causal_fn
+from linattn.kinds.additive.forms import causal_fn
 
 ROWS, D, CHUNK = (1, 2), 64, 8  # F = Dv = D for elu + 1; chunks of 8 make a per-chunk state 2× q, k, v, out
 SAVED_BOUND = 1.1

@@ -333,8 +333,8 @@ def test_split_keeps_the_total_and_follows_the_scores() -> None:
 def test_selections_give_every_query_its_exact_keys(cache: SparseCache) -> None:
     """The caches ``cache_selections`` reports, written as one exact/linear mask per query (the hybrid row that
     fitting with the cache in place trains on), give the op's output: every form decides the same."""
-    from linattn.forms.window.hybrid import Hybrid
-    from linattn.forms.window.sparse import cache_selections
+    from linattn.exact.forms.hybrid import Hybrid
+    from linattn.exact.forms.sparse import cache_selections
 
     q, k, v = _inputs(n=75, seed=3)
     window, sinks, n = 8, 2, q.shape[-2]
@@ -371,8 +371,8 @@ def test_fitting_with_the_cache_in_place_trains_the_rows_the_op_gives(weight) ->
     """The fit's loss with a cache is the cross-entropy of softmax against the very rows of
     ``linear_attention(..., sparse_cache=...)`` (the attention score: its choice does not read the values, so
     identity values give the rows), the linear part weighed per head as the op weighs it."""
-    from linattn.forms.window.hybrid import Hybrid
-    from linattn.forms.window.sparse import cache_selections
+    from linattn.exact.forms.hybrid import Hybrid
+    from linattn.exact.forms.sparse import cache_selections
     from linattn.train.distill import _batch, _cached_masks, _hybrid_loss, _prepare, _window_masks, fit_feature_map
 
     g = torch.Generator().manual_seed(21)

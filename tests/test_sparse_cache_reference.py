@@ -1,5 +1,5 @@
 """The sparse cache's scores and choices against a slow reference written here from the definition alone (the
-docstrings of :class:`linattn.SparseCache` and :mod:`linattn.forms.window.sparse`), apart from the library's
+docstrings of :class:`linattn.SparseCache` and :mod:`linattn.exact.forms.sparse`), apart from the library's
 ``choose``/``scores_for``, which the definition, the chunked form and the decoding step all share (so agreement
 between the forms says nothing about the scores themselves).
 
@@ -73,8 +73,8 @@ def reference_caches(q, k, v, *, window, sinks, size, score, block, keep=None, o
 
 def library_caches(q, k, v, cache: SparseCache, *, window, sinks, keep=None):
     """``cache_selections`` as one list of positions per block, per (batch, head) row."""
-    from linattn.forms.window.hybrid import Hybrid
-    from linattn.forms.window.sparse import cache_selections
+    from linattn.exact.forms.hybrid import Hybrid
+    from linattn.exact.forms.sparse import cache_selections
 
     hybrid = Hybrid(lambda x, is_query: phi(x), log_space=False, window=window, sinks=sinks, factor=None,
                     scale=q.shape[-1] ** -0.5, eps=0.0, min_denom=None)
@@ -177,7 +177,7 @@ def test_ties_go_to_the_newer_pair_under_every_score():
 def test_the_recall_score_reads_the_state_before_the_boundary_and_normalises_by_z():
     """One boundary worked by hand: the recall score of each candidate is ‖v − Sᵀφ(k)/(zᵀφ(k))‖ with S, z the
     sums of the pairs that entered before t0 (not those entering at t0), and the worst recalled stay."""
-    from linattn.forms.window.boundary import recall_scores
+    from linattn.exact.forms.boundary import recall_scores
 
     q, k, v = inputs(n=20, heads=1, seed=4)
     window, block = 4, 4

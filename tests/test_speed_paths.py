@@ -13,7 +13,7 @@ import torch
 
 import linattn
 from linattn import bench, measure
-from linattn.forms import causal_fn
+from linattn.kinds.additive.forms import causal_fn
 from maps_for_tests import LogExp
 from reference import elu_plus_one, reference_attention, rel_error
 

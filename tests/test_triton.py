@@ -94,7 +94,7 @@ def test_launch_retries_without_pipelining_when_shared_memory_runs_out() -> None
     pytest.importorskip("triton")
     from triton.runtime.errors import OutOfResources
 
-    from linattn.backends.triton.function import launch
+    from linattn.kinds.additive.triton.function import launch
 
     calls: list[dict[str, object]] = []
 

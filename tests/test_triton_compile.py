@@ -27,7 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from linattn.backends.triton import function  # noqa: E402
+from linattn.kinds.additive.triton import function  # noqa: E402
 
 ARCHES = (80, 90)
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory a block may use (A100, H100)
@@ -94,7 +94,8 @@ DELTA_CASES = [
     ids=[f"{str(d)[6:]}-{s}-{'aligned' if a else 'any'}" for d, s, a in DELTA_CASES],
 )
 def test_delta_kernels_compile(arch: int, dtype: torch.dtype, size: int, aligned: bool) -> None:
-    from linattn.backends.triton import DELTA_MAX_DIM, delta_function
+    from linattn.backends.triton import DELTA_MAX_DIM
+    from linattn.kinds.delta.triton import function as delta_function
 
     assert size <= DELTA_MAX_DIM
     report = []

@@ -85,7 +85,7 @@ def test_wide_features_are_refused_once_known(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_shared_backward_of_the_torch_form() -> None:
-    """forms/delta.py's chunk_backward (with the torch adjoint sweep; the triton Function runs the same with its
+    """kinds/delta/forms.py's chunk_backward (with the torch adjoint sweep; the triton Function runs the same with its
     kernel) against the token-by-token form's autograd, float64, 3 chunks of 8 and a padded tail, with a gate and an
     initial state: exact to rounding (1e-10 relative)."""
     generator = torch.Generator().manual_seed(3)

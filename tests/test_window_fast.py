@@ -1,4 +1,4 @@
-"""The hybrid's banded exact-part Function (forms/window/fused.py) on the shapes the small cases of test_window.py do
+"""The hybrid's banded exact-part Function (exact/forms/fused.py) on the shapes the small cases of test_window.py do
 not reach: bands over three key blocks, several cache groups with tiles overlapping at their edges, sinks carried in
 a state, and its hand-written backward (gradcheck). The reference is test_window.py's float64 N×N definition."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from linattn import linear_attention
-from linattn.forms.window import fused as window_fast
+from linattn.exact.forms import fused as window_fast
 from test_window import elu1, hybrid_reference, inputs
 
 

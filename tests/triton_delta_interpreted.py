@@ -145,7 +145,7 @@ def test_decoding_steps_match_the_recurrence(dtype: torch.dtype) -> None:
 def test_step_kernel_updates_the_state_in_place() -> None:
     """delta_step with the output state the input state: one token against a DeltaRuleState in place, from
     features that are not normalised (the kernel normalises them; an all-zero key writes nothing)."""
-    from linattn.backends.triton.delta_function import delta_step
+    from linattn.kinds.delta.triton.function import delta_step
 
     data = _inputs(2, torch.float32, seed=8, features=20, values=40)  # F, Dv not powers of two; Dv > one block
     q, k, v = (data[name][..., :1, :].contiguous() for name in ("q", "k", "v"))

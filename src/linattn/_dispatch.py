@@ -16,6 +16,25 @@ from torch import nn
 
 from . import _validate
 from .capabilities import Route
+from .exact import (
+    Hybrid,
+    causal_window_chunked,
+    empty_window_state,
+    noncausal_window_chunked,
+    window_parallel,
+    window_recurrent,
+)
+from .exact.forms.chunked import causal_window_parts
+from .exact.forms.composed import (
+    add_to_average,
+    composed_state,
+    delayed_stream,
+    softmax_average,
+    with_sums,
+    without_sums,
+)
+from .exact.forms.naive import exact_parallel
+from .exact.forms.sparse import sparse_chunked, sparse_parallel, sparse_recurrent
 from .features import check_feature_dims, delta_inputs, key_features, map_features, query_features
 from .forms import (
     causal_chunked_attention,
@@ -24,29 +43,10 @@ from .forms import (
     parallel_attention,
     recurrent_attention,
 )
-from .forms._common import decayed_ref, empty_state
-from .forms.delta import delta_chunked, delta_recurrent
-from .forms.gated import gated_chunked_attention, gated_parallel_attention, gated_recurrent_attention
-from .forms.kda import kda_chunked, kda_recurrent
-from .forms.window import (
-    Hybrid,
-    causal_window_chunked,
-    empty_window_state,
-    noncausal_window_chunked,
-    window_parallel,
-    window_recurrent,
-)
-from .forms.window.chunked import causal_window_parts
-from .forms.window.composed import (
-    add_to_average,
-    composed_state,
-    delayed_stream,
-    softmax_average,
-    with_sums,
-    without_sums,
-)
-from .forms.window.naive import exact_parallel
-from .forms.window.sparse import sparse_chunked, sparse_parallel, sparse_recurrent
+from .kinds.additive.forms._common import decayed_ref, empty_state
+from .kinds.delta.forms import delta_chunked, delta_recurrent
+from .kinds.gated.forms import gated_chunked_attention, gated_parallel_attention, gated_recurrent_attention
+from .kinds.kda.forms import kda_chunked, kda_recurrent
 from .state import DeltaRuleState, LinearAttentionState, SparseCache, WindowAttentionState
 
 AnyState = LinearAttentionState | WindowAttentionState | DeltaRuleState
@@ -113,7 +113,7 @@ def _features(job: Job) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None
 
 
 def _with_scales(job: Job, qf: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor | None:
-    if job.log_decay is not None:  # a decay is a change of log-scale: ref' = r − G (forms/_common.py)
+    if job.log_decay is not None:  # a decay is a change of log-scale: ref' = r − G (kinds/additive/forms/_common.py)
         ref = decayed_ref(ref, job.log_decay)
     if job.segments is not None:  # packed sequences: a jump in log-scale at each start (_packed.py)
         ref = job.segments.expand(qf.shape[:-1]) if ref is None else ref.to(torch.float64) + job.segments
@@ -224,7 +224,7 @@ def run_window(job: Job, form: str) -> Result:
 
 
 def run_sparse(job: Job, form: str) -> Result:
-    """The window op with a sparse exact cache (forms/window/sparse.py); causal, ordinary maps."""
+    """The window op with a sparse exact cache (exact/forms/sparse.py); causal, ordinary maps."""
     hybrid = _hybrid(job, job.window_factor)  # ordinary maps only (the capability table refuses log-space ones)
     state, cache = job.state, job.sparse_cache
     assert (state is None or isinstance(state, WindowAttentionState)) and cache is not None
@@ -240,15 +240,15 @@ def run_sparse(job: Job, form: str) -> Result:
 
 
 def run_delta(job: Job, form: str) -> Result:
-    """The delta rule (forms/delta.py; per-feature gates: forms/kda.py) on unit features: masked tokens write
-    nothing (β = 0), the decay applies."""
+    """The delta rule (kinds/delta/forms.py; per-feature gates: kinds/kda/forms.py) on unit features: masked tokens
+    write nothing (β = 0), the decay applies."""
     state = job.state
     assert job.beta is not None and (state is None or isinstance(state, DeltaRuleState))
     qf, kf, beta = delta_inputs(job.fmap, job.q, job.k, job.keep, job.beta, log_space=job.log_space,
                                 finite=job.check_finite, nonnegative=job.nonnegative)
     _validate.check_state_features(state, kf.shape[-1], job.map_name)
     size = qf.shape[-2] if form == "parallel" else job.chunk_size  # parallel: one chunk, the UT transform over all
-    if job.feature_gate is not None:  # per-feature gates (KDA, forms/kda.py); a decay adds to every feature's
+    if job.feature_gate is not None:  # per-feature gates (KDA, kinds/kda/forms.py); a decay adds to every feature's
         _validate.check_gate_features(job.feature_gate, kf.shape[-1])
         gate = job.feature_gate
         if job.log_decay is not None:
@@ -266,7 +266,7 @@ def run_delta(job: Job, form: str) -> Result:
 def run_composed(job: Job, form: str) -> Result:
     """The window's exact part beside a linear part of another kind (a decay or gate, the delta rule, KDA): the
     exact part alone, the linear op of that kind on the stream delayed by W, one combiner
-    (:mod:`linattn.forms.window.composed`). Causal, ordinary maps."""
+    (:mod:`linattn.exact.forms.composed`). Causal, ordinary maps."""
     if form == "recurrent" and job.q.shape[-2] > 1:  # token by token: each step sees O(W + S) exact keys
         return _token_by_token(job)
     state = job.state

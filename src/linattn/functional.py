@@ -25,7 +25,7 @@ from .features import (  # noqa: F401  (re-exported: the names' old home)
     resolve_feature_map,
 )
 from .forms import FORMS
-from .forms._common import scale_between
+from .kinds.additive.forms._common import scale_between
 from .state import DeltaRuleState, LinearAttentionState, SparseCache, WindowAttentionState
 
 

@@ -8,8 +8,9 @@ token, the feature maps and a handful of in-place ops:
     S ← S·c + φ(k)vᵀ,   z ← z·c + φ(k),   out = φ(q)·S / (φ(q)·z + eps)
 
 (c = exp(shift_old − shift_new) ≤ 1 for log-space maps, whose sums are kept at the running maximum log-feature
-``shift``; no rescaling for ordinary maps). The arithmetic is the recurrent form's (:mod:`linattn.forms.recurrent`),
-so a step agrees with ``linear_attention`` up to fp32 rounding (tests/test_decoder_generate.py).
+``shift``; no rescaling for ordinary maps). The arithmetic is the recurrent form's
+(:mod:`linattn.kinds.additive.forms.recurrent`), so a step agrees with ``linear_attention`` up to fp32 rounding
+(tests/test_decoder_generate.py).
 
 Only the plain state (:class:`~linattn.LinearAttentionState`), ``normalize=True``, no ``min_denom`` and a positive
 map qualify (:func:`supports`). On a CUDA device with triton installed, an ordinary map's step (no padding mask) is
@@ -30,16 +31,16 @@ own first S tokens as sinks.
 
 :class:`SparseDecodeStep` is the window step for the window op with a sparse exact cache (``sparse_cache=``): λ more
 exact slots per query head hold the cached pairs, and every B tokens a boundary scores and chooses them with the
-functions that define the op (:mod:`linattn.forms.window.sparse`); between boundaries a token costs the window
-step's ops on S + W + λ slots and two small ones more (:mod:`linattn.decode.sparse`).
+functions that define the op (:mod:`linattn.exact.forms.sparse`); between boundaries a token costs the window
+step's ops on S + W + λ slots and two small ones more (:mod:`linattn.exact.sparse_step`).
 
 :class:`DeltaDecodeStep` continues a :class:`~linattn.DeltaRuleState` (``update="delta"``, DeltaNet and Gated
 DeltaNet): S ← a·S, u = β(v − Sᵀk̂), S += k̂uᵀ, o = Sᵀq̂ on the preallocated memory, a fixed β and decay from the
-options or per-token ones with each call (:mod:`linattn.decode.delta`).
+options or per-token ones with each call (:mod:`linattn.kinds.delta.step`).
 
 :class:`ComposedDecodeStep` continues the window beside a decayed, gated or delta-rule linear part: the leaving
 key is written with the token's decay (the delta rule through a :class:`DeltaDecodeStep`), the new key takes its
-ring slot, and the window's combiner gives the output (:mod:`linattn.decode.composed`).
+ring slot, and the window's combiner gives the output (:mod:`linattn.exact.composed_step`).
 """
 
 from __future__ import annotations
@@ -51,12 +52,12 @@ from ..capabilities import (
     STEP_OPTIONS,
     WINDOW_STEP_OPTIONS,
 )
+from ..exact.composed_step import ComposedDecodeStep
+from ..exact.sparse_step import SparseDecodeStep, sparse_step
+from ..exact.window_step import WindowDecodeStep, supports_window, window_step
+from ..kinds.additive.step import DecodeStep, supports
+from ..kinds.delta.step import DeltaDecodeStep
 from .choose import lean_step
-from .composed import ComposedDecodeStep
-from .delta import DeltaDecodeStep
-from .plain import DecodeStep, supports
-from .sparse import SparseDecodeStep, sparse_step
-from .window import WindowDecodeStep, supports_window, window_step
 
 __all__ = [
     "COMPOSED_STEP_OPTIONS", "DELTA_STEP_OPTIONS", "SPARSE_STEP_OPTIONS", "STEP_OPTIONS", "WINDOW_STEP_OPTIONS",

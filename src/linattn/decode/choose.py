@@ -9,11 +9,11 @@ from typing import Any
 from torch import nn
 
 from ..capabilities import choose_step
-from .composed import ComposedDecodeStep
-from .delta import DeltaDecodeStep
-from .plain import DecodeStep
-from .sparse import sparse_step
-from .window import WindowDecodeStep, window_step
+from ..exact.composed_step import ComposedDecodeStep
+from ..exact.sparse_step import sparse_step
+from ..exact.window_step import WindowDecodeStep, window_step
+from ..kinds.additive.step import DecodeStep
+from ..kinds.delta.step import DeltaDecodeStep
 
 
 def lean_step(

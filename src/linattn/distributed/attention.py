@@ -20,7 +20,7 @@ all-reduce of the summaries replaces steps 2–3 (backward: one all-reduce of th
 the whole sequence's state.
 
 The delta rule (``update="delta"``) keeps the same steps with another summary: the affine map [A | B] of the slice
-(S_out = A·S_in + B), folded in rank order in step 3 (:mod:`linattn.distributed._delta`).
+(S_out = A·S_in + B), folded in rank order in step 3 (:mod:`linattn.kinds.delta.distributed`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from ..errors import LinearAttentionError
 from ..features import NEG_INF, FeatureMapLike, is_log_space, repeat_kv_heads, resolve_feature_map, scale_between
 from ..forms import FORMS
 from ..functional import linear_attention
+from ..kinds.kda import distributed as _delta
 from ..state import DeltaRuleState, LinearAttentionState
-from . import _delta, _exchange
+from . import _exchange
 
 
 def _after(g: torch.Tensor, dim: int) -> torch.Tensor:
@@ -201,7 +202,7 @@ def context_parallel_attention(
     :func:`linattn.linear_attention` (``decay``/``log_gate`` per token: Gated DeltaNet): the summary of a slice is
     the affine map it applies to the state, S_out = A·S_in + B, A (F×F) and B (F×Dv), so the all-gather and the
     reduce-scatter carry world × B·H·F·(F + Dv) numbers; rank r folds the maps of slices 0..r−1 in order and runs
-    its slice from that state (linattn.distributed._delta). ``normalize`` defaults to True for ``update="add"``
+    its slice from that state (linattn.kinds.delta.distributed). ``normalize`` defaults to True for ``update="add"``
     and False for the delta rule, which refuses True.
 
     Every rank of the group must make the same calls in the same order, and every rank must run backward through

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .chunked import causal_chunked_attention, noncausal_chunked_attention
-from .global_ import global_attention
-from .parallel import parallel_attention
-from .recurrent import recurrent_attention
+from ..kinds.additive.forms.chunked import causal_chunked_attention, noncausal_chunked_attention
+from ..kinds.additive.forms.global_ import global_attention
+from ..kinds.additive.forms.parallel import parallel_attention
+from ..kinds.additive.forms.recurrent import recurrent_attention
 
 FORMS = ("auto", "parallel", "global", "chunked", "recurrent")
 

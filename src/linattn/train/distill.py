@@ -31,10 +31,10 @@ import torch
 
 from .._progress import progress_bar
 from ..errors import LinearAttentionError
+from ..exact.forms.boundary import cache_selections
+from ..exact.forms.hybrid import Hybrid
 from ..feature_maps import LearnedProjectionMap, create
 from ..feature_maps.fitted import FORMAT_VERSION, FittedFeatureMaps, check_head_mask, load_feature_maps
-from ..forms.window.boundary import cache_selections
-from ..forms.window.hybrid import Hybrid
 from ..state import SparseCache
 from .objectives import _batch, _cached_masks, _hybrid_loss, _loss, _prepare, _window_masks
 

@@ -141,7 +141,7 @@ def _cached_masks(batch: dict[str, torch.Tensor], rows: torch.Tensor, selections
 def _hybrid_loss(fmap: LearnedProjectionMap, batch: dict[str, torch.Tensor], mse_weight: float,
                  log_gamma: torch.Tensor | None, linear_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Per head and row (H, R): cross-entropy −Σ_j A_ij log Ĥ_ij against the full hybrid row Ĥ (window and sink
-    keys exact, the others linear; see :mod:`linattn.forms.window`): mass-preserving form when ``log_gamma`` is
+    keys exact, the others linear; see :mod:`linattn.exact`): mass-preserving form when ``log_gamma`` is
     None, else the γ form with γ = exp(log_gamma) (H,); the linear part times ``linear_weight`` (H,) when given
     (a sparse cache's ``linear_weight``)."""
     exact, linear, target = batch["exact"], batch["linear"], batch["weights"]

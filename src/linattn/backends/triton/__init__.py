@@ -44,14 +44,14 @@ def import_error() -> str | None:
 
 def load() -> ModuleType:
     """The kernels' host module (imports triton)."""
-    from . import function
+    from ...kinds.additive.triton import function
 
     return function
 
 
 def load_delta() -> ModuleType:
     """The delta rule's host module (imports triton)."""
-    from . import delta_function
+    from ...kinds.delta.triton import function as delta_function
 
     return delta_function
 

@@ -1,0 +1,241 @@
+"""The lean step of the window beside a linear part of another kind (a decay or gate, the delta rule): one token
+against preallocated buffers, in place.
+
+Per token t (docs/window.md, "Composed linear parts"): the linear state takes token t's decay a_t and the write of
+the key leaving the window (position t − W, unless a sink or padding) — for the delta rule through
+:class:`~linattn.decode.DeltaDecodeStep`, which applies the decay, writes and reads in one call — then the new key
+takes the leaving key's ring slot, and the output is the window's combiner: the shared normaliser for an additive
+linear part (mass or γ form), γ·A + S_tᵀφ̂(q_t) for the delta rule, A the softmax average over the live exact keys
+(the ring and the sinks that have left it). Memory and time per token do not grow with the tokens seen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import LinearAttentionError
+from ..features import map_features, unit_features
+from ..kinds._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
+from ..kinds.delta.step import DeltaDecodeStep
+from ..state import DeltaRuleState, LinearAttentionState, WindowAttentionState
+
+
+class ComposedDecodeStep:
+    """The window op with a decayed, gated or delta-rule linear part, one token at a time, from the
+    :class:`~linattn.WindowAttentionState` such a call returned (batch shape (B, H)); the options as given to
+    ``linear_attention`` (``eps``, ``window_factor``, ``softmax_scale``, a fixed ``beta`` and ``decay``).
+    Per-token write strengths and log-decays (per token (B, H), or per feature (B, H, F)) come with each call."""
+
+    lean = True  # a kept token of a delta-rule part takes _delta_token (False: the general path, for comparison)
+
+    def __init__(self, fmap: nn.Module, state: WindowAttentionState, options: dict[str, Any]) -> None:
+        check_memory(state, WindowAttentionState, "ComposedDecodeStep")
+        check_step_options(options.get("eps", 1e-6), state.window, state.sinks, options.get("window_factor"),
+                           options.get("softmax_scale"))
+        linear = state.linear
+        self.fmap, self.options = fmap, dict(options)
+        self.eps = float(options.get("eps", 1e-6))
+        batch, heads, features, values = linear.kv.shape
+        dtype, device = linear.kv.dtype, linear.kv.device
+        dim = state.keys.shape[-1]
+        self.scale = dim**-0.5 if options.get("softmax_scale") is None else float(options["softmax_scale"])
+        self.window, self.sinks, self.num_tokens = state.window, state.sinks, state.num_tokens
+        factor = options.get("window_factor")
+        self.gamma = None if factor is None else torch.broadcast_to(
+            torch.as_tensor(factor, dtype=dtype, device=device), (batch, heads)).reshape(batch, heads, 1).clone()
+        self.delta: DeltaDecodeStep | None = None
+        self.log_rate: torch.Tensor | None = None
+        if isinstance(linear, DeltaRuleState):
+            self.delta = DeltaDecodeStep(fmap, linear, beta=options.get("beta"), decay=options.get("decay"))
+        else:
+            self.kv = linear.kv.detach().clone(memory_format=torch.contiguous_format)
+            self.k_sum = linear.k_sum.detach().clone()
+            if options.get("decay") is not None:
+                rate = torch.as_tensor(options["decay"], dtype=torch.float64, device=device)
+                self.log_rate = torch.log(rate).expand(heads).reshape(1, heads, 1).clone()
+        slots = self.sinks + self.window  # sink slots first, then the ring: position p in slot S + p mod W
+        self.keys = torch.zeros(batch, heads, slots, dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch, heads, slots, values, dtype=dtype, device=device)
+        self.kept = torch.zeros(batch, heads, slots, dtype=torch.bool, device=device)  # a real (unmasked) key
+        self.live = torch.zeros(slots, dtype=torch.bool, device=device)  # an exact key now
+        self.betas = torch.zeros(batch, heads, slots, dtype=dtype, device=device)
+        first = self.num_tokens - state.keys.shape[-2]  # the oldest buffered position
+        for offset in range(state.keys.shape[-2]):
+            slot = self.sinks + (first + offset) % self.window
+            self._put(slot, state.keys[..., offset, :], state.values[..., offset, :], state.keep[..., offset],
+                      state.betas[..., offset] if state.betas is not None else None)
+        for position in range(state.sink_keys.shape[-2]):
+            self._put(position, state.sink_keys[..., position, :], state.sink_values[..., position, :],
+                      state.sink_keep[..., position], None, live=position < first)
+
+    def _put(self, slot: int, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | bool,
+             beta: torch.Tensor | float | None, live: bool = True) -> None:
+        self.keys[..., slot, :], self.values[..., slot, :], self.kept[..., slot] = key, value, keep
+        if beta is not None:
+            self.betas[..., slot] = beta
+        self.live[slot] = live
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.keys.shape[0])
+
+    @torch.no_grad()
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None, *,
+                 beta: torch.Tensor | None = None, log_decay: torch.Tensor | None = None,
+                 validate: bool = True) -> torch.Tensor:
+        """q (B, H, 1, d), k (B, Hkv, 1, d), v (B, Hkv, 1, Dv), keep (B, 1) or None → out (B, H, 1, Dv).
+
+        ``beta`` (B, H): this token's write strength (the delta rule; it writes when the token leaves the window);
+        ``log_decay`` (B, H) or (B, H, F) ≤ 0: this token's log-decay, on top of a fixed rate. ``validate=False``:
+        the caller vouches for their ranges (as :class:`~linattn.decode.DeltaDecodeStep` takes it)."""
+        check_token(q, k, v, keep, self.keys, (self.keys.shape[0], self.keys.shape[1], self.values.shape[-1]))
+        if validate:
+            check_token_options(beta, log_decay)
+        if self.lean and self.delta is not None and (keep is None or bool(keep.all())):
+            return self._delta_token(q, k, v, beta, log_decay)
+        batch, heads = self.keys.shape[:2]
+        out_dtype, dtype = q.dtype, self.keys.dtype
+        q, k, v = q.to(dtype), _repeat_heads(k.to(dtype), heads), _repeat_heads(v.to(dtype), heads)
+        position = self.num_tokens
+        leaving = position - self.window
+        ring = self.sinks + position % self.window
+        lin = self._linear(q, leaving, ring, log_decay)
+        if 0 <= leaving < self.sinks:  # a sink leaves the window: from now on a separate exact key
+            self.live[leaving] = True
+        token_keep = torch.ones(batch, heads, dtype=torch.bool, device=q.device) if keep is None else (
+            keep.reshape(batch, 1).expand(batch, heads))
+        if keep is not None:  # as linear_attention keeps it: a masked token's value is 0
+            v = v.masked_fill(~token_keep[..., None, None], 0.0)
+        strength = None
+        if self.delta is not None:
+            strength = (beta.reshape(batch, heads).to(dtype) if beta is not None
+                        else torch.full((batch, heads), self.delta.beta, dtype=dtype, device=q.device))
+        self._put(ring, k[..., 0, :], v[..., 0, :], token_keep, strength)
+        if position < self.sinks:  # the token is also a sink: its slot keeps it once the ring moves on
+            self._put(position, k[..., 0, :], v[..., 0, :], token_keep, None, live=False)
+        self.num_tokens += 1
+        allowed = self.kept & self.live  # (B, H, slots): the exact keys
+        scores = (q @ self.keys.transpose(-1, -2)).squeeze(-2) * self.scale  # (B, H, slots)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        top = scores.amax(-1, keepdim=True)
+        weights = torch.exp(scores - torch.where(torch.isinf(top), torch.zeros_like(top), top))
+        soft_num = (weights.unsqueeze(-2) @ self.values).squeeze(-2)  # (B, H, Dv)
+        soft_den = weights.sum(-1, keepdim=True)
+        if self.delta is not None:
+            average = soft_num / torch.where(soft_den == 0, torch.ones_like(soft_den), soft_den)
+            out = (average if self.gamma is None else self.gamma * average) + lin[0]
+        else:
+            out = self._shared(q, allowed, lin, soft_num, soft_den)
+        return out.unsqueeze(-2).to(out_dtype)
+
+    def _delta_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor | None,
+                     log_decay: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`__call__` for a delta-rule linear part and a token that is kept (no padding in this call): the
+        same arithmetic with the fewest operations a token needs — the leaving key's features only when it
+        writes, the window's softmax in one call (the token's own key is always an exact key, so no row is
+        empty), no re-checks inside the memory's step."""
+        delta = self.delta
+        assert delta is not None
+        batch, heads = self.keys.shape[:2]
+        out_dtype, dtype = q.dtype, self.keys.dtype
+        q, k, v = q.to(dtype), _repeat_heads(k.to(dtype), heads), _repeat_heads(v.to(dtype), heads)
+        position = self.num_tokens
+        leaving, ring = position - self.window, self.sinks + position % self.window
+        qf = unit_features(delta.fmap, q, is_query=True, log_space=delta.log_space)
+        kf = value = strength = None
+        if leaving >= self.sinks:  # the key leaving the window writes (β = 0 where it was masked: nothing)
+            kept = self.kept[..., ring]
+            key = torch.where(kept[..., None], self.keys[..., ring, :], 0.0).unsqueeze(-2)
+            kf = unit_features(delta.fmap, key, is_query=False, log_space=delta.log_space)
+            value, strength = self.values[..., ring : ring + 1, :], (self.betas[..., ring] * kept).unsqueeze(-1)
+        lin = delta.advance(qf, kf, value, strength, log_decay).view(batch, heads, 1, -1)
+        if 0 <= leaving < self.sinks:  # a sink leaves the window: from now on a separate exact key
+            self.live[leaving] = True
+        self._put(ring, k[..., 0, :], v[..., 0, :], True, delta.beta if beta is None else beta.reshape(batch, heads))
+        if position < self.sinks:  # the token is also a sink: its slot keeps it once the ring moves on
+            self._put(position, k[..., 0, :], v[..., 0, :], True, None, live=False)
+        self.num_tokens += 1
+        scores = torch.matmul(q, self.keys.transpose(-1, -2)).mul_(self.scale)  # (B, H, 1, slots)
+        scores.masked_fill_(~(self.kept & self.live).unsqueeze(-2), float("-inf"))
+        average = torch.matmul(torch.softmax(scores, dim=-1), self.values)  # (B, H, 1, Dv)
+        out = lin.add_(average if self.gamma is None else average.mul_(self.gamma.unsqueeze(-1)))
+        return out.to(out_dtype)
+
+    def _linear(self, q: torch.Tensor, leaving: int, slot: int, log_decay: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token t's decay, the leaving key's write, the read by q: (num (B, H, Dv), den (B, H) or None)."""
+        batch, heads = self.keys.shape[:2]
+        writes = leaving >= self.sinks
+        keep = self.kept[..., slot] if writes else torch.zeros_like(self.kept[..., slot])
+        key, value = self.keys[..., slot : slot + 1, :], self.values[..., slot : slot + 1, :]
+        # a masked key is zeroed, not multiplied by 0 (a NaN or inf in padding would stay NaN)
+        key = torch.where(keep[..., None, None], key, torch.zeros((), dtype=key.dtype, device=key.device))
+        if self.delta is not None:
+            # a masked or absent key writes nothing (β = 0); the decay still applies
+            out = self.delta(q, key, value, beta=self.betas[..., slot] * keep, log_decay=log_decay, validate=False)
+            return out.squeeze(-2), None
+        total = self.log_rate
+        if log_decay is not None:
+            gate = log_decay.reshape(batch, heads, -1).to(torch.float64)
+            total = gate if total is None else total + gate
+        if total is not None:
+            factor = torch.exp(total).to(self.kv.dtype)  # (B, H, 1) or (B, H, F)
+            self.kv.mul_(factor.unsqueeze(-1))
+            self.k_sum.mul_(factor)
+        if writes:
+            kf = map_features(self.fmap, key, is_query=False).squeeze(-2) * keep.unsqueeze(-1).to(self.kv.dtype)
+            self.kv.add_(kf.unsqueeze(-1) * value)
+            self.k_sum.add_(kf)
+        qf = map_features(self.fmap, q, is_query=True).squeeze(-2)  # (B, H, F)
+        return (qf.unsqueeze(-2) @ self.kv).squeeze(-2), (qf * self.k_sum).sum(-1)
+
+    def _shared(self, q: torch.Tensor, allowed: torch.Tensor, lin: tuple[torch.Tensor, torch.Tensor | None],
+                soft_num: torch.Tensor, soft_den: torch.Tensor) -> torch.Tensor:
+        """The additive part's shared normaliser: mass form, or γ form."""
+        num, den = lin
+        assert den is not None
+        if self.gamma is None:
+            qf = map_features(self.fmap, q, is_query=True)  # (B, H, 1, F)
+            keys = map_features(self.fmap, self.keys, is_query=False)  # (B, H, slots, F)
+            mass = (qf @ keys.transpose(-1, -2)).squeeze(-2).masked_fill(~allowed, 0.0).sum(-1)
+            average = soft_num / torch.where(soft_den == 0, torch.ones_like(soft_den), soft_den)
+            total = den + mass + self.eps
+            return (num + mass.unsqueeze(-1) * average) / torch.where(total == 0, 1.0, total).unsqueeze(-1)
+        total = den + self.gamma.squeeze(-1) * soft_den.squeeze(-1) + self.eps
+        return (num + self.gamma * soft_num) / torch.where(total == 0, 1.0, total).unsqueeze(-1)
+
+    def state(self) -> WindowAttentionState:
+        """The state after every token stepped (new tensors)."""
+        length, sunk = min(self.window, self.num_tokens), min(self.sinks, self.num_tokens)
+        positions = torch.arange(self.num_tokens - length, self.num_tokens)
+        ring = (self.sinks + positions % self.window).to(self.keys.device)
+        linear: LinearAttentionState | DeltaRuleState
+        if self.delta is not None:
+            memory = self.delta.state()
+            linear = DeltaRuleState(memory.kv.clone(), max(0, self.num_tokens - self.window))
+        else:
+            shift = torch.zeros_like(self.kv[..., 0, 0])
+            linear = LinearAttentionState(self.kv.clone(), self.k_sum.clone(), shift,
+                                          max(0, self.num_tokens - self.window))
+        betas = self.betas.index_select(-1, ring).clone() if self.delta is not None else None
+        return WindowAttentionState(
+            linear, self.keys.index_select(-2, ring), self.values.index_select(-2, ring),
+            self.kept.index_select(-1, ring), self.keys[..., :sunk, :].clone(), self.values[..., :sunk, :].clone(),
+            self.kept[..., :sunk].clone(), self.window, self.sinks, self.num_tokens, betas=betas,
+        )
+
+    def index_select(self, dim: int, index: torch.Tensor) -> ComposedDecodeStep:
+        """A step on the selected batch rows (beam search), as the state's ``index_select``: the options (β, the
+        decay, the factor) go with it, a factor given per batch row selected too."""
+        if dim != 0:
+            raise LinearAttentionError(f"dim: a decode step selects batch rows (dim 0), got {dim}")
+        new = ComposedDecodeStep(self.fmap, self.state().index_select(dim, index), {**self.options,
+                                                                                    "window_factor": None})
+        new.options = dict(self.options)
+        if self.gamma is not None:
+            new.gamma = self.gamma.index_select(0, index.to(self.gamma.device))
+        return new
+

@@ -1,0 +1,1 @@
+"""The additive state's Triton kernels and their autograd Function (loaded by :mod:`linattn.backends.triton`)."""
