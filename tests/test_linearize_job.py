@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from linattn import LinearAttentionError  # noqa: E402
+from linattn.linearized import folder as linearized_folder  # noqa: E402
 from linattn.linearized import job as linearize_job  # noqa: E402
 from linattn.linearized import load_linearized  # noqa: E402
 from linattn.linearized.budget import plan_steps  # noqa: E402
@@ -247,12 +248,12 @@ def test_a_disk_without_room_for_the_run_is_refused(tiny, tmp_path, monkeypatch,
     from linattn.cli import main
 
     config = type("Config", (), {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2})()
-    estimate = linearize_job.check_disk(tmp_path, type("Model", (), {"config": config})(), None)
-    assert estimate == 3 * 2 * 4 * 16 * 16 * 2 * 4 + linearize_job.DISK_MARGIN
+    estimate = linearized_folder.check_disk(tmp_path, type("Model", (), {"config": config})(), None)
+    assert estimate == 3 * 2 * 4 * 16 * 16 * 2 * 4 + linearized_folder.DISK_MARGIN
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30 - estimate + 1, estimate - 1))
     with pytest.raises(LinearAttentionError, match="needs about 64 MiB; free some space or pass another --out"):
-        linearize_job.check_disk(tmp_path, type("Model", (), {"config": config})(), None)
+        linearized_folder.check_disk(tmp_path, type("Model", (), {"config": config})(), None)
     monkeypatch.setattr(linearize_job, "fit_hedgehog", None)  # never reached
     assert main(command(tiny, tmp_path / "full")) == 2
     assert "MiB free on the disk of" in capsys.readouterr().err

@@ -38,7 +38,6 @@ decoded by :class:`~linattn.decode.DeltaDecodeStep` in the cache.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -47,15 +46,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _validate
 from ._rows import by_rows, left_pads  # noqa: F401  (re-exported: the names' old home)
-from .capabilities import BACKENDS, check_window_combination
 from .errors import LinearAttentionError
 from .feature_maps import create
 from .feature_maps.fitted import load_feature_maps
-from .forms import FORMS
 from .functional import linear_attention
-from .state import SparseCache
+from .hf_options import cache_from_json, check_attention_options, check_gates, split_options
 
 IMPLEMENTATION = "linattn"
 DEFAULT_FEATURE_MAP = "elu"
@@ -63,8 +59,6 @@ MAP_ATTRIBUTE = "linattn_feature_map"
 OPTIONS_ATTRIBUTE = "linattn_options"
 GATES_ATTRIBUTE = "linattn_gates"
 # linear_attention arguments that linattn.hf sets itself, per call
-_OWN_ARGUMENTS = frozenset({"q", "k", "v", "feature_map", "causal", "key_padding_mask", "initial_state",
-                            "return_state"})
 
 
 def _feature_map_of(module: nn.Module, head_dim: int) -> nn.Module:
@@ -259,72 +253,6 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 FeatureMaps = str | nn.Module | Sequence[nn.Module] | Any
 
 
-def _split_options(options: dict[str, Any], fitted: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(options for linear_attention, options for a named map): by what ``linear_attention`` accepts."""
-    accepted = set(inspect.signature(linear_attention).parameters) - _OWN_ARGUMENTS
-    attention = {name: options.pop(name) for name in list(options) if name in accepted}
-    for name in ("window", "sinks"):
-        carried = getattr(fitted, name, None)  # maps fitted with a window in place carry it
-        if name not in attention and carried is not None:
-            attention[name] = carried
-    return attention, options
-
-
-def _check_attention_options(options: dict[str, Any]) -> None:
-    """The options every attention call will get, checked as ``linear_attention`` would check them."""
-    get = options.get
-    _validate.check_flags(**{name: options[name] for name in ("normalize", "check_finite") if name in options})
-    _validate.check_options(get("chunk_size"), get("eps", 1e-6), get("min_denom"), get("form", "auto"), FORMS)
-    _validate.check_window_options(get("window"), get("sinks", 0), get("window_factor"), get("softmax_scale"))
-    check_window_combination(get("window"), backend=get("backend"))
-    _validate.sparse_cache(get("sparse_cache"), get("window"), get("update", "add"), None)
-    if get("backend", "auto") not in BACKENDS:
-        raise LinearAttentionError(f"backend: unknown backend {get('backend')!r}; choose one of {', '.join(BACKENDS)}")
-    update = get("update", "add")
-    if update != "add" or get("beta") is not None:  # the delta rule's own checks (causal: decoders; no log_gate)
-        normalize = get("normalize", update != "delta")
-        _validate.check_update(update, get("beta"), True, normalize, get("min_denom"), None, torch.empty(0))
-
-
-def _check_gates(gates: Sequence[nn.Module] | None, layers: int, options: dict[str, Any]) -> list[nn.Module] | None:
-    """One gates module per layer, and the options they need: β only with the delta rule, neither with fixed ones."""
-    if gates is None:
-        return None
-    if isinstance(gates, nn.Module) or not isinstance(gates, Sequence) or len(gates) != layers:
-        raise LinearAttentionError(f"gates: expected one module per attention layer ({layers}), got "
-                                   f"{type(gates).__name__}{'' if not isinstance(gates, Sequence) else len(gates)}")
-    for layer, module in enumerate(gates):
-        if not isinstance(module, nn.Module):
-            raise LinearAttentionError(f"gates[{layer}]: expected an nn.Module, got {type(module).__name__}")
-        gives_beta = getattr(module, "beta_weight", None) is not None
-        if gives_beta and options.get("update", "add") != "delta":
-            raise LinearAttentionError(f"gates[{layer}]: gives a write strength β, which belongs to the delta rule; "
-                                       "pass update='delta' (or gates without β)")
-        if gives_beta and options.get("beta") is not None:
-            raise LinearAttentionError("beta: a fixed β beside gates that compute one per token; drop beta=")
-        if getattr(module, "readout", None) is not None and (options.get("window") is None
-                                                             or options.get("window_factor") is not None):
-            raise LinearAttentionError(f"gates[{layer}]: a read-out weight λ weighs the memory beside the window "
-                                       "(γ = 1/λ): pass window= and no window_factor=")
-    return list(gates)
-
-
-def _cache_from_json(cache: Any) -> Any:
-    """A sparse cache as a saved folder's options hold it: a list of per-head sizes, or a dict of
-    :class:`~linattn.SparseCache` fields (``size`` and ``linear_weight`` lists are per head); anything else as given."""
-    if isinstance(cache, list | tuple):
-        return SparseCache(size=tuple(cache))
-    if isinstance(cache, dict):
-        fields = {"size", "score", "block", "linear_weight"}
-        if not set(cache) <= fields:
-            raise LinearAttentionError(f"sparse_cache: unknown fields {sorted(set(cache) - fields)} in {cache!r}; "
-                                       f"a cache as JSON has {', '.join(sorted(fields))}")
-        fields_given: dict[str, Any] = {key: tuple(value) if isinstance(value, list) else value
-                                        for key, value in cache.items()}
-        return SparseCache(**fields_given)
-    return cache
-
-
 def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP, *,
               gates: Sequence[nn.Module] | None = None, **options: Any) -> nn.Module:
     """Install feature maps in every attention layer of a transformers ``model`` and switch it to ``"linattn"``.
@@ -352,7 +280,7 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
     register()
     if isinstance(feature_maps, str | os.PathLike) and os.path.isfile(feature_maps):
         feature_maps = load_feature_maps(os.fspath(feature_maps))  # before the options: a file carries its window
-    attention_options, options = _split_options(dict(options), feature_maps)
+    attention_options, options = split_options(dict(options), feature_maps)
     modules = attention_modules(model)
     if not modules:
         raise LinearAttentionError(
@@ -360,18 +288,18 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
         )
     per_layer_caches = attention_options.get("sparse_cache")
     if isinstance(per_layer_caches, dict):  # one cache for all, as JSON (a saved folder's options)
-        attention_options["sparse_cache"] = _cache_from_json(per_layer_caches)
+        attention_options["sparse_cache"] = cache_from_json(per_layer_caches)
     if isinstance(per_layer_caches, list | tuple):  # one cache per layer (per-head budgets chosen per layer)
         if len(per_layer_caches) != len(modules):
             raise LinearAttentionError(f"sparse_cache: {len(per_layer_caches)} caches for {len(modules)} attention "
                                        "layers; pass one per layer, or one for all")
         # a layer's cache as JSON (a saved folder's options): a list of per-head ints is a per-head budget
-        per_layer_caches = [_cache_from_json(cache) for cache in per_layer_caches]
+        per_layer_caches = [cache_from_json(cache) for cache in per_layer_caches]
         for cache in per_layer_caches:
-            _check_attention_options({**attention_options, "sparse_cache": cache})
+            check_attention_options({**attention_options, "sparse_cache": cache})
     else:
         per_layer_caches = None
-        _check_attention_options(attention_options)  # at the call, not at the model's first forward
+        check_attention_options(attention_options)  # at the call, not at the model's first forward
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     head_dim = getattr(config, "head_dim", None) or (
@@ -396,7 +324,7 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
             f"feature_maps: {len(maps)} maps for {len(modules)} attention layers; pass one per layer "
             "(fitted on this model) or a single map/name"
         )
-    layer_gates = _check_gates(gates, len(modules), attention_options)
+    layer_gates = check_gates(gates, len(modules), attention_options)
     for layer, (module, fmap) in enumerate(zip(modules, maps, strict=True)):
         if hasattr(module, GATES_ATTRIBUTE):
             delattr(module, GATES_ATTRIBUTE)

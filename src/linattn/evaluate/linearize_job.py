@@ -4,15 +4,8 @@
 
 from __future__ import annotations
 
-from ..linearized.job import (
-    DISK_MARGIN,
-    STAGES,
-    Job,
-    Stages,
-    check_disk,
-    cli,
-    prepare_out,
-)
+from ..linearized.folder import DISK_MARGIN, check_disk, prepare_out
+from ..linearized.job import STAGES, Job, Stages, cli
 
 __all__ = [
     "DISK_MARGIN",

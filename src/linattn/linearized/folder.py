@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -286,3 +287,35 @@ def load_linearized(directory: str | os.PathLike[str], *, base: str | None = Non
 
         load_lora(model, directory / entry["adapters"])
     return model.eval(), tokenizer
+
+
+# room a run needs beyond its estimated files
+DISK_MARGIN = 64 * 2**20
+
+
+def prepare_out(out: str) -> Path:
+    """Make ``out`` and check that it can be written (before any model is loaded)."""
+    folder = Path(out)
+    try:
+        (folder / "stages").mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder / "stages", prefix=".probe-"):
+            pass
+    except OSError as error:
+        raise LinearAttentionError(f"--out: cannot write into {out!r} ({error.strerror or error}); pass a folder you "
+                                   "can write to") from error
+    return folder
+
+
+def check_disk(folder: Path, model: Any, num_features: int | None) -> int:
+    """Refuse to start when ``folder``'s disk has less room than the run's files need (an estimate: three sets of
+    maps of every layer and head, a margin); returns the estimate in bytes."""
+    config = model.config
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    features = num_features or head_dim
+    estimate = 3 * int(config.num_hidden_layers) * heads * head_dim * features * 2 * 4 + DISK_MARGIN
+    free = shutil.disk_usage(folder).free
+    if free < estimate:
+        raise LinearAttentionError(f"--out: {free / 2**20:.0f} MiB free on the disk of {str(folder)!r}, the run needs "
+                                   f"about {estimate / 2**20:.0f} MiB; free some space or pass another --out")
+    return estimate

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -52,7 +51,7 @@ from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
 from ..state import SparseCache
 from ..train.end_to_end import cache_split
 from .card import perplexity_by_position, write_card
-from .folder import atomic_write, save_linearized
+from .folder import atomic_write, check_disk, prepare_out, save_linearized
 from .students import (
     attention_options,
     fit_delta_student,
@@ -64,7 +63,6 @@ from .students import (
 STAGES = ("fit", "end_to_end", "measure")
 PROBE_TEXT, PROBE_SOURCE = "heldout_long", "the shipped long held-out text"  # the repeated passage at --repeat-gaps
 # what --out must have free, beyond the checkpoints' estimate: the card, the plot, the samples, a margin
-DISK_MARGIN = 64 * 2**20
 # options that change what a stage makes (a rerun must pass the same); --quiet and --budget's own value do not
 _PLANNED = ("model", "text", "heldout", "student", "window", "sinks", "fit_steps", "num_features", "fit_max_tokens",
             "fit_orders", "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "lora", "sparse_cache",
@@ -72,34 +70,6 @@ _PLANNED = ("model", "text", "heldout", "student", "window", "sinks", "fit_steps
 # what a plan saved before an option existed meant
 _EARLIER_DEFAULTS = {"sparse_cache": 0, "sparse_cache_heads": "uniform", "sparse_cache_floor": None,
                      "sparse_cache_linear_weight": 1.0, "student": "hedgehog"}
-
-
-def prepare_out(out: str) -> Path:
-    """Make ``out`` and check that it can be written (before any model is loaded)."""
-    folder = Path(out)
-    try:
-        (folder / "stages").mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder / "stages", prefix=".probe-"):
-            pass
-    except OSError as error:
-        raise LinearAttentionError(f"--out: cannot write into {out!r} ({error.strerror or error}); pass a folder you "
-                                   "can write to") from error
-    return folder
-
-
-def check_disk(folder: Path, model: Any, num_features: int | None) -> int:
-    """Refuse to start when ``folder``'s disk has less room than the run's files need (an estimate: three sets of
-    maps of every layer and head, a margin); returns the estimate in bytes."""
-    config = model.config
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    features = num_features or head_dim
-    estimate = 3 * int(config.num_hidden_layers) * heads * head_dim * features * 2 * 4 + DISK_MARGIN
-    free = shutil.disk_usage(folder).free
-    if free < estimate:
-        raise LinearAttentionError(f"--out: {free / 2**20:.0f} MiB free on the disk of {str(folder)!r}, the run needs "
-                                   f"about {estimate / 2**20:.0f} MiB; free some space or pass another --out")
-    return estimate
 
 
 class Stages:
