@@ -226,13 +226,12 @@ def backend_reasons(backend: str, call: Call, route: Route, q: torch.Tensor, dty
     if backend == "torch":
         return []
     options = dict(call.options)
-    if route.kind == "delta":  # per-token decays are in the delta kernels, per-feature gates not
-        found = triton_backend.delta_reasons(q, form=route.form, chunk_size=call.chunk_size, dtype=dtype)
-        given = {name: value for name, value in options.items() if name not in ("decay", "log_gate")}
+    if route.kind == "delta":  # per-token decays are in the delta kernels, per-feature gates (KDA) in their own
         gate = options.get("log_gate")
-        if isinstance(gate, torch.Tensor) and gate.dim() == q.dim():
-            found.append("log_gate: per-feature gates (..., N, F) with update='delta' (KDA) are not in the delta "
-                         "kernels, which take one log-decay per token; backend='torch' (or 'auto') runs them")
+        per_feature = isinstance(gate, torch.Tensor) and gate.dim() == q.dim()
+        found = triton_backend.delta_reasons(q, form=route.form, chunk_size=call.chunk_size, dtype=dtype,
+                                             per_feature_gate=per_feature)
+        given = {name: value for name, value in options.items() if name not in ("decay", "log_gate")}
         return found + triton_backend.option_reasons(given)
     found = triton_backend.reasons(
         q, causal=call.causal, form=route.form, log_space=call.log_space, chunk_size=call.chunk_size, dtype=dtype
