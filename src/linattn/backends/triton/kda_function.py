@@ -24,13 +24,33 @@ import triton
 
 from ...forms.kda import chunk_backward
 from . import delta_kernels, kda_kernels
-from .delta_function import STEP_VALUE_BLOCK, STEP_WARPS, Spec, _padded, _rows, adjoint_sweep, kernel_spec, precision
-from .delta_function import tiles as sweep_tiles
+from .delta_function import (
+    STEP_VALUE_BLOCK,
+    STEP_WARPS,
+    Spec,
+    _padded,
+    _rows,
+    adjoint_sweep,
+    kernel_spec,
+    precision,
+    tiles,
+)
 from .function import launch
 
 CHUNK = kda_kernels.CHUNK
 LOCAL_BLOCK = 16  # features (and values) per step of the local kernel: its (C, C, BK) tiles, 4096 fp32 elements
 LOCAL_WARPS = 4
+
+
+def sweep_tiles(rows: int, features: int, values: int) -> tuple[int, int, int]:
+    """(BF, BV, warps) of the forward sweep: the delta rule's tiles (delta_function.py ``tiles``), with the value
+    block halved (down to 16) while the grid has fewer than 128 programs. Each program is one chain of small
+    products through N/16 chunks, bound by latency, so programs (an H100 or H200 has 132 SMs) matter more than
+    their tile size; at B·H = 32, Dv = 64 this gives 16 values per program (not timed on a GPU)."""
+    block_f, block_v, warps = tiles(features, values)
+    while block_v > 16 and rows * triton.cdiv(values, block_v) < 128:
+        block_v //= 2
+    return block_f, block_v, warps
 
 
 class TritonKdaFunction(torch.autograd.Function):
@@ -67,7 +87,7 @@ class TritonKdaFunction(torch.autograd.Function):
         out = torch.empty(rows, n, values, dtype=dtype, device=q.device)
         final = torch.empty_like(s0)
         states = torch.empty(rows, chunks if save else 1, features, values, device=device, dtype=torch.float32)
-        block_f, block_v, warps = sweep_tiles(features, values)
+        block_f, block_v, warps = sweep_tiles(rows, features, values)
         launch(
             kda_kernels.kda_forward_kernel, (rows, triton.cdiv(values, block_v)),
             w_k, written, bq, k_out, last, scores, s0, out, final, states, n, features, values,
@@ -117,20 +137,22 @@ def kda_chunked(
     return out[..., :n, :], final
 
 
-def compile_specs(dtype: torch.dtype, features: int, values: int, aligned: bool) -> list[Spec]:
-    """(name, kernel, signature, constexprs, attrs, launch options) of each kernel a KDA call launches, as the
-    launches above and delta_function.py's specialise them (saving for backward, per-feature gates), for
-    ``triton.compile`` (tests/test_triton_compile.py)."""
-    block_f, block_v, warps = sweep_tiles(features, values)
+def compile_specs(dtype: torch.dtype, features: int, values: int, aligned: bool, rows: int = 32) -> list[Spec]:
+    """(name, kernel, signature, constexprs, attrs, launch options) of each kernel a KDA call on ``rows`` rows
+    launches, as the launches above and delta_function.py's specialise them (saving for backward, per-feature
+    gates), for ``triton.compile`` (tests/test_triton_compile.py)."""
+    block_f, block_v, warps = sweep_tiles(rows, features, values)
     constants = {"C": CHUNK, "BF": block_f, "BV": block_v, "BK": LOCAL_BLOCK, "HAS_DECAY": True, "SAVE": True,
                  "PRECISION": precision(dtype), "PER_FEATURE": True}
     typed = {"Q", "K", "V", "O"}  # in the kernel dtype; every other pointer is fp32
     sweep = {"num_warps": warps, "num_stages": 1}
+    _, adjoint_block, _ = tiles(features, values)
     return [
         kernel_spec("kda_local", kda_kernels.kda_local_kernel, constants, typed, dtype, aligned,
                     {"num_warps": LOCAL_WARPS, "num_stages": 1}),
         kernel_spec("kda_forward", kda_kernels.kda_forward_kernel, constants, typed, dtype, aligned, sweep),
-        kernel_spec("kda_adjoint", delta_kernels.delta_adjoint_kernel, constants, set(), dtype, aligned, sweep),
+        kernel_spec("kda_adjoint", delta_kernels.delta_adjoint_kernel, {**constants, "BV": adjoint_block}, set(),
+                    dtype, aligned, sweep),
         kernel_spec("kda_step", delta_kernels.delta_step_kernel, {**constants, "BV": STEP_VALUE_BLOCK}, typed, dtype,
                     aligned, {"num_warps": STEP_WARPS}),
     ]
