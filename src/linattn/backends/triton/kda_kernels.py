@@ -15,10 +15,10 @@ Within a chunk entered with state S, G_t = Σ_{i≤t} g_i the chunk's own cumula
 are not one product (e^{−G} overflows fp32 for strong gates, and a reference point between t and j differs per
 pair). With C = 16 each feature block's pairwise factors e^{G_tf − G_jf} are formed in registers as a (C, C, BK)
 tile, the exponent masked to ≤ 0 (−∞ above the diagonal): nothing positive is exponentiated, a factor below fp32's
-range is a term below it too, and the sum over f is exact to fp32 rounding whatever the gates. Every other factor,
-e^{G}, e^{G_C − G}, e^{G_C}, has an exponent ≤ 0 as well. G is summed in fp32 over at most 16 tokens: a factor's
-relative error is about |G|·2^−24 (2e-6 at |G| = 30; where |G| is larger, the factors of any pair whose difference
-is not as large are ≤ e^{−30}·…).
+range is a term below it too, and the sum over f is exact to fp32 rounding whatever the gates (C²·F exponentials
+per chunk, as many as the pair weights' multiply-adds). Every other factor, e^{G}, e^{G_C − G}, e^{G_C}, has an
+exponent ≤ 0 as well. G is summed in fp32 over at most 16 tokens (the torch form sums in fp64): a factor's relative
+error is about |G|·2^−24, |G| the cumulative log-gate's size within the chunk (1e-6 at |G| = 16).
 
     local     grid (R, N/C), one chunk per program (no state: all chunks at once):
               A and P by feature blocks, T = (I + A)⁻¹ by forward substitution (row by row),
