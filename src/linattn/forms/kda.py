@@ -33,7 +33,8 @@ Two forms, one definition:
   memory O(N·(F + Dv + C) + (N/C)·F·Dv), never a state per token. Its backward is written out: the adjoint of the
   state recurrence (:func:`linattn.forms.delta.adjoint_sweep`, shared with the delta rule), then the chunk-local
   gradients tile by tile (:func:`_local_grads`), every gate factor's gradient reaching g through a reversed
-  cumulative sum in fp64.
+  cumulative sum in fp64. :func:`chunk_backward` is that backward from the saved tensors; the Triton backend runs
+  it around its adjoint kernel (backends/triton/kda_function.py).
 """
 
 from __future__ import annotations
