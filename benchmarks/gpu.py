@@ -320,7 +320,8 @@ def _write(path: str, rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768, 65536],
+                        help="N of the attention table (none: skip it)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--dim", type=int, default=128)
