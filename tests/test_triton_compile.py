@@ -5,7 +5,8 @@ bundled ptxas) without a device, so a kernel that cannot be built for an A100/H1
 bf16 kernels of every size class (every tile configuration) are compiled for both targets as launches with
 pointers and sizes that are multiples of 16 specialise them (vector loads), and the 128 class also without;
 LINATTN_COMPILE_ALL=1 adds fp16 and fp32 (other MMA instructions; fp32 is the slowest to build), a few minutes.
-The delta rule's three kernels are built likewise (bf16, F = Dv = 64 and 128; about 20 s from a cold cache).
+The delta rule's three kernels are built likewise (bf16, F = Dv = 64 and 128; about 20 s from a cold cache), and
+the four a KDA call launches (its local and sweep kernels, the delta rule's adjoint and step with per-feature gates).
 Triton caches what it compiled (~/.triton/cache): a second run costs seconds.
 """
 
