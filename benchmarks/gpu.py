@@ -13,7 +13,9 @@ warm-up call), so that clocks and neighbours affect all alike. Candidates:
 
 The delta rule (Gated DeltaNet, --delta-lengths, default N = 8192 at B=4, H=8, D=64, bf16): the Triton backend
 against the torch chunked form, end to end, forward and forward+backward (and fla's chunk_gated_delta_rule when
-importable); the ratio column then reads torch/this.
+importable); the ratio column then reads torch/this. KDA (per-feature gates, --kda-lengths, the same shape): its
+Triton kernels beside the gated delta rule's on the same inputs (one gate per token), and KDA's torch form (and
+fla's chunk_kda when importable); the ratio column reads gated_delta/this.
 
 Also the decoding step (B=1, H=32, D=128: one token against the carried state) through linear_attention, through
 the fused kernel alone, and through DecodeStep (fused kernel, state in place; and in torch ops), eager and as the
@@ -32,8 +34,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
+import gpu_delta  # the delta rule's and KDA's sections (benchmarks/gpu_delta.py, beside this script)
 import torch
 import torch.nn.functional as F
 
@@ -213,65 +217,6 @@ def time_length(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _fla_delta() -> Callable[..., Any] | None:
-    if DEVICE != "cuda":
-        return None
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore[import-not-found]
-    except Exception:
-        return None
-
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        # (B, N, H, ·) layout, made outside the timing; L2-normalised q and k in its kernel, as linattn's
-        return chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0, use_qk_l2norm_in_kernel=True)[0]
-
-    return run
-
-
-def time_delta(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The delta rule with a per-token gate (Gated DeltaNet: identity features, L2-normalised; β = σ(·),
-    g = logsigmoid(·)), B=4, H=8, D=64 by default: the triton backend against the torch chunked form (both chunk
-    64, end to end through linear_attention) and fla's chunk_gated_delta_rule when importable."""
-    shape = (args.batch, args.delta_heads, n, args.delta_dim)
-    inputs = [torch.randn(shape, device=DEVICE, dtype=args.dtype) for _ in range(3)]
-    inputs += [torch.rand(shape[:-1], device=DEVICE) * 0.9 + 0.05, -torch.rand(shape[:-1], device=DEVICE) * 0.1]
-    grad = torch.randn(shape, device=DEVICE, dtype=args.dtype)
-    runs: dict[str, Callable[..., torch.Tensor]] = {
-        f"delta_{backend}": lambda q, k, v, beta, g, backend=backend: linattn.linear_attention(
-            q, k, v, causal=True, update="delta", beta=beta, log_gate=g, feature_map="identity", backend=backend)
-        for backend in ("triton", "torch")
-    }
-    fla = _fla_delta()
-    if fla is not None:
-        runs["fla_gated_delta"] = fla
-    calls: dict[tuple[str, str], Call] = {}
-    for name, fn in runs.items():
-        token_major = name.startswith("fla")  # (B, N, H, ·)
-        base = [x.transpose(1, 2).contiguous() for x in inputs] if token_major else inputs
-        upstream = grad.transpose(1, 2).contiguous() if token_major else grad
-        leaves = [x.detach().requires_grad_() for x in base]
-
-        def forward(fn: Callable[..., torch.Tensor] = fn, base: list[torch.Tensor] = base) -> None:
-            with torch.no_grad():
-                fn(*base)
-
-        def training(fn: Callable[..., torch.Tensor] = fn, leaves: list[torch.Tensor] = leaves,
-                     upstream: torch.Tensor = upstream) -> None:
-            fn(*leaves).backward(upstream)
-            for leaf in leaves:
-                leaf.grad = None
-
-        calls[(name, "fwd")], calls[(name, "fwd+bwd")] = forward, training
-    with torch.no_grad():  # the timed calls compute the same
-        fast, slow = runs["delta_triton"](*inputs).float(), runs["delta_torch"](*inputs).float()
-    print(f"  delta N={n}: triton vs torch rel. difference {((fast - slow).norm() / slow.norm()).item():.2e}")
-    rows = _time_calls(calls, n, args.rounds)
-    torch_ms = {r["mode"]: r["ms"] for r in rows if r["candidate"] == "delta_torch"}
-    for row in rows:  # the column holds torch-form/this for the delta rows
-        row["flash/this"] = torch_ms.get(row["mode"], float("nan")) / row["ms"]
-    return rows
-
-
 LAYERS = 32  # decoding steps of as many layers captured in one CUDA graph (a model's step is one graph)
 
 
@@ -361,7 +306,7 @@ def _lengths(rows: list[dict[str, Any]], lengths: list[int], timer: Callable[...
         print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-        if ratio == "torch":  # the delta rule's section comes last: its rows are saved as they come
+        if ratio != "flash":  # the delta rule's and KDA's sections come last: their rows are saved as they come
             _write(args.csv, rows)
 
 
@@ -375,7 +320,8 @@ def _write(path: str, rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768, 65536],
+                        help="N of the attention table (none: skip it)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--dim", type=int, default=128)
@@ -389,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delta-lengths", type=int, nargs="*", default=[8192], help="the delta rule's N (none: skip)")
     parser.add_argument("--delta-heads", type=int, default=8)
     parser.add_argument("--delta-dim", type=int, default=64)
+    parser.add_argument("--kda-lengths", type=int, nargs="*", default=[8192],
+                        help="KDA's N, at the delta rule's heads and dim (none: skip)")
     args = parser.parse_args(argv)
     args.dtype = torch.bfloat16
     global DEVICE
@@ -396,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         DEVICE, args.dtype = "cpu", torch.float16  # the interpreter has no bf16
         args.lengths, args.batch, args.heads, args.dim, args.rounds = [80], 1, 2, 16, 2
         args.prompt, args.steps, args.torch_max = 70, 2, 80
-        args.delta_lengths, args.delta_heads, args.delta_dim = [80], 2, 16
+        args.delta_lengths, args.kda_lengths, args.delta_heads, args.delta_dim = [80], [80], 2, 16
     elif not torch.cuda.is_available():
         print("no CUDA device")
         return 1
@@ -411,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"decode {row['candidate']:>20} {row['ms'] * 1e3:8.1f} us per step [{row['spread']}]", flush=True)
     _write(args.csv, rows)  # before the delta rule's section, whose first launches compile (and fla autotunes)
-    _lengths(rows, [] if args.decode_only else args.delta_lengths, time_delta, "torch", args)
+    for timer, lengths, ratio in ((gpu_delta.time_delta, args.delta_lengths, "torch"),
+                                  (gpu_delta.time_kda, args.kda_lengths, "gated_delta")):
+        timed = partial(timer, device=DEVICE, time_calls=_time_calls)
+        _lengths(rows, [] if args.decode_only else lengths, timed, ratio, args)
     broken = [f"{row['candidate']} {row['mode']}: {row['note']}" for row in rows if row["note"]]
     if broken:
         print("failed:\n  " + "\n  ".join(broken))

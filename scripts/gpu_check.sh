@@ -15,12 +15,13 @@ python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', to
 torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$results/gpu.txt"
 
 # 1. correctness on the device (plain runner: the image may have no pytest); ~1 minute with compilation for the plain
-#    kernels, plus the delta rule's (three dtypes, forward, adjoint and step kernels: not yet timed on a GPU)
+#    kernels, plus the delta rule's (three dtypes, forward, adjoint and step kernels) and KDA's (bf16 and fp32; last,
+#    check_kda_rule and check_kda_long_and_decoding: est. 30 s) — neither yet timed on a GPU
 timeout 210 python3 tests/gpu_checks.py 2>&1 | tee "$results/gpu_checks.txt"
 checks=${PIPESTATUS[0]}
 
-# 2. timing: B=4, H=32, D=128, bf16, N = 2k … 64k; the delta rule at B=4, H=8, D=64, N = 8k; the decoding step;
-#    table on stdout, CSV beside it
+# 2. timing: B=4, H=32, D=128, bf16, N = 2k … 64k; the decoding step; the delta rule at B=4, H=8, D=64, N = 8k, then
+#    KDA beside it (each section's rows saved as they come); table on stdout, CSV beside it
 # shellcheck disable=SC2086
 timeout 240 python3 benchmarks/gpu.py --csv "$results/gpu_benchmark.csv" ${LENGTHS:+--lengths $LENGTHS} 2>&1 \
     | tee "$results/gpu_benchmark.txt"

@@ -206,6 +206,72 @@ def check_delta_decoding() -> None:
     assert error < TOL[torch.bfloat16], f"delta decoding: chained rel. error {error:.2e}"
 
 
+def _kda_inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int, strong: int) -> list[torch.Tensor]:
+    """q, k, v (B, H, N, D) in ``dtype``; β (B, H, N), per-feature log-gates (B, H, N, D) with ``strong`` features
+    at g ≈ −20, the initial state (B, H, D, D), fp32."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    inputs = _inputs(shape, shape[-1], dtype, seed=seed)
+    gate = torch.rand(*shape, generator=generator, device="cuda").mul(-0.3)
+    gate[..., :strong] -= 20.0
+    inputs += [torch.rand(shape[:-1], generator=generator, device="cuda").mul(2).requires_grad_(),
+               gate.requires_grad_(),
+               torch.randn(*shape[:-2], shape[-1], shape[-1], generator=generator, device="cuda").mul(0.3)
+               .requires_grad_()]
+    return inputs
+
+
+def check_kda_rule() -> None:
+    """KDA (the delta rule with per-feature gates, 4 of them strong) on its kernels against the token-by-token
+    torch form in float64: output, final state and every gradient, nothing NaN or inf; N around the chunk (16),
+    F = Dv = 64 and 128; and "auto" picks triton for KDA on CUDA."""
+    call = Call("delta", True, "auto", 10, 10, normalize=False, options=(("log_gate", torch.zeros(1, 2, 10, 16)),))
+    q0 = torch.randn(1, 2, 10, 16, device="cuda")
+    assert choose_backend("auto", call, choose_route(call), q0, torch.bfloat16) == "triton"
+    for dtype, n, dim in ((torch.bfloat16, 200, 64), (torch.float32, 70, 128)):
+        inputs = _kda_inputs((2, 3, n, dim), dtype, seed=n, strong=4)
+        out, final = _delta(inputs, "triton")
+        upstream = [torch.randn_like(out), torch.randn_like(final)]
+        grads = torch.autograd.grad([out, final], inputs, upstream)
+        doubles = [x.detach().double().requires_grad_() for x in inputs]
+        expected, expected_final = _delta(doubles, "torch", form="recurrent")
+        expected_grads = torch.autograd.grad([expected, expected_final], doubles, [x.double() for x in upstream])
+        for name, value, reference in (("output", out, expected), ("state", final, expected_final)):
+            error = rel_error(value, reference)
+            assert error < TOL[dtype], f"kda {dtype} N={n}: {name} rel. error {error:.2e}"
+        for name, grad, reference in zip(("q", "k", "v", "beta", "log_gate", "kv0"), grads, expected_grads,
+                                         strict=True):
+            assert bool(torch.isfinite(grad).all()), f"kda {dtype} N={n}: ∂L/∂{name} not finite"
+            error = rel_error(grad, reference)
+            assert error < GRAD_TOL[dtype], f"kda {dtype} N={n}: ∂L/∂{name} rel. error {error:.2e}"
+
+
+def check_kda_long_and_decoding() -> None:
+    """KDA at 4096 tokens (bf16, strong gates on 4 features): the triton and torch backends agree, nothing NaN or
+    inf; then a prompt through the chunk kernels and 1- and 8-token calls through the step kernel against the
+    token-by-token torch form in float64."""
+    q, k, v, beta, gate, _ = (x.detach() for x in _kda_inputs((1, 4, 4096, 64), torch.bfloat16, seed=31, strong=4))
+    options = {"causal": True, "update": "delta", "feature_map": "identity"}
+    with torch.no_grad():
+        fast = linattn.linear_attention(q, k, v, beta=beta, log_gate=gate, backend="triton", **options)
+        slow = linattn.linear_attention(q, k, v, beta=beta, log_gate=gate, backend="torch", **options)
+        assert bool(torch.isfinite(fast).all()), "kda 4096 tokens: output not finite"
+        error = rel_error(fast, slow)
+        assert error < TOL[torch.bfloat16], f"kda 4096 tokens: rel. difference {error:.2e}"
+        pieces, state = [], None
+        for start, end in ((0, 250), (250, 251), (251, 252), (252, 260), (260, 300)):
+            out, state = linattn.linear_attention(
+                q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], beta=beta[..., start:end],
+                log_gate=gate[..., start:end, :], backend="triton", initial_state=state, return_state=True, **options,
+            )
+            pieces.append(out)
+        expected = linattn.linear_attention(
+            q[..., :300, :].double(), k[..., :300, :].double(), v[..., :300, :].double(),
+            beta=beta[..., :300].double(), log_gate=gate[..., :300, :].double(), backend="torch", form="recurrent",
+            **options)
+    error = rel_error(torch.cat(pieces, dim=-2), expected)
+    assert error < TOL[torch.bfloat16], f"kda decoding: chained rel. error {error:.2e}"
+
+
 CHECKS: list[Callable[[], None]] = [
     check_auto_picks_triton,
     check_shapes_and_dtypes,
@@ -214,6 +280,8 @@ CHECKS: list[Callable[[], None]] = [
     check_decode_step_fused_and_graphed,
     check_delta_rule,
     check_delta_decoding,
+    check_kda_rule,
+    check_kda_long_and_decoding,
 ]
 
 

@@ -145,12 +145,14 @@ def _smoke_rows(script: str, tmp_path: object) -> list[list[str]]:
 
 def test_gpu_benchmark_script_runs(tmp_path: object) -> None:
     """benchmarks/gpu.py --smoke: the GPU timing script's code on CPU tensors in the interpreter, every candidate,
-    the delta rule's section and the decoding step, so that it works the first time a GPU runs it (its timings mean
-    nothing here)."""
+    the delta rule's and KDA's sections and the decoding step, so that it works the first time a GPU runs it (its
+    timings mean nothing here)."""
     modes = {tuple(row[1:3]) for row in _smoke_rows("gpu.py", tmp_path)}
     for candidate in ("sdpa_flash", "linattn", "linattn_kernels", "linattn_torch"):
         assert {(candidate, "fwd"), (candidate, "fwd+bwd")} <= modes, candidate
     for candidate in ("delta_triton", "delta_torch"):  # the delta rule's section
+        assert {(candidate, "fwd"), (candidate, "fwd+bwd")} <= modes, candidate
+    for candidate in ("kda_triton", "gated_delta_triton", "kda_torch"):  # KDA's section
         assert {(candidate, "fwd"), (candidate, "fwd+bwd")} <= modes, candidate
     for step in ("kernel_step", "DecodeStep", "DecodeStep_torch_ops"):
         assert (step, "decode") in modes, step

@@ -5,7 +5,8 @@ bundled ptxas) without a device, so a kernel that cannot be built for an A100/H1
 bf16 kernels of every size class (every tile configuration) are compiled for both targets as launches with
 pointers and sizes that are multiples of 16 specialise them (vector loads), and the 128 class also without;
 LINATTN_COMPILE_ALL=1 adds fp16 and fp32 (other MMA instructions; fp32 is the slowest to build), a few minutes.
-The delta rule's three kernels are built likewise (bf16, F = Dv = 64 and 128; about 20 s from a cold cache).
+The delta rule's three kernels are built likewise (bf16, F = Dv = 64 and 128; about 20 s from a cold cache), and
+the four a KDA call launches (its local and sweep kernels, the delta rule's adjoint and step with per-feature gates).
 Triton caches what it compiled (~/.triton/cache): a second run costs seconds.
 """
 
@@ -77,8 +78,9 @@ def test_kernels_compile(arch: int, dtype: torch.dtype, size: int, aligned: bool
     print(f"\nsm_{arch} {dtype} size {size} {'aligned' if aligned else 'any'}:\n  " + "\n  ".join(report))
 
 
-# the delta rule's kernels (delta_function.py): F = Dv at each size class the backend covers (≤ 128), chunk 64 (the
-# default; 16 and 32 use smaller tiles); by default bf16, both alignments at 128; LINATTN_COMPILE_ALL=1 adds fp16, fp32
+# the delta rule's kernels (kinds/delta/triton/function.py): F = Dv at each size class the backend covers (≤ 128), chunk
+# 64 (the default; 16 and 32 use smaller tiles); by default bf16, both alignments at 128; LINATTN_COMPILE_ALL=1 adds
+# fp16, fp32
 DELTA_CASES = [
     (dtype, size, aligned)
     for dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -115,3 +117,40 @@ def test_delta_kernels_compile(arch: int, dtype: torch.dtype, size: int, aligned
             # the chunk products (fp32 tiles, TF32 or TF32×3) must map to Hopper's warpgroup MMA
             assert "wgmma" in compiled.asm["ptx"], f"{name}: no wgmma in the sm_90 PTX"
     print(f"\ndelta sm_{arch} {dtype} F = Dv = {size} {'aligned' if aligned else 'any'}:\n  " + "\n  ".join(report))
+
+
+# KDA's kernels (kinds/kda/triton/function.py: the local and sweep kernels, and the delta rule's adjoint and step
+# kernels with per-feature gates): F = Dv = 64 and 128, chunks of 16, bf16 by default (LINATTN_COMPILE_ALL=1 adds fp16,
+# fp32). Chunks of 16 make M = 16 products: mma.sync, not Hopper's warpgroup MMA (which needs M ≥ 64), so none is asked
+# for.
+KDA_CASES = [
+    (dtype, size, aligned)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32)
+    for size in (128, 64)
+    for aligned in (True, False)
+    if FULL or (dtype == torch.bfloat16 and (aligned or size == 128))
+]
+
+
+@pytest.mark.parametrize("arch", ARCHES, ids=lambda a: f"sm{a}")
+@pytest.mark.parametrize(
+    "dtype,size,aligned", KDA_CASES,
+    ids=[f"{str(d)[6:]}-{s}-{'aligned' if a else 'any'}" for d, s, a in KDA_CASES],
+)
+def test_kda_kernels_compile(arch: int, dtype: torch.dtype, size: int, aligned: bool) -> None:
+    from linattn.backends.triton import DELTA_MAX_DIM
+    from linattn.kinds.kda.triton import function as kda_function
+
+    assert size <= DELTA_MAX_DIM
+    report = []
+    for name, kernel, signature, constexprs, attrs, options in kda_function.compile_specs(dtype, size, size, aligned):
+        compiled = triton.compile(
+            ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=options,
+        )
+        assert compiled.asm["cubin"], f"{name}: no cubin"
+        shared = compiled.metadata.shared
+        registers, stack = _resources(compiled.asm["cubin"])
+        report.append(f"{name}: {registers} regs, {stack} B stack, {shared} B shared, {options}")
+        assert shared <= SHARED_LIMIT[arch], f"{name}: {shared} B of shared memory > {SHARED_LIMIT[arch]}"
+        assert registers <= 255
+    print(f"\nkda sm_{arch} {dtype} F = Dv = {size} {'aligned' if aligned else 'any'}:\n  " + "\n  ".join(report))

@@ -108,10 +108,6 @@ def check_window_combination(window: object, **others: object) -> None:
 # ---- backends -------------------------------------------------------------------------------------------------
 
 
-
-# ---- backends -------------------------------------------------------------------------------------------------
-
-
 def backend_reasons(backend: str, call: Call, route: Route, q: torch.Tensor, dtype: torch.dtype) -> list[str]:
     """Why ``backend`` does not cover the call (before the feature map runs); [] when it does. ``torch`` runs every
     route; ``triton`` declares its own limits per kind (the kinds' ``triton_reasons``)."""

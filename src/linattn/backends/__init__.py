@@ -69,16 +69,17 @@ def _triton_run(dtype: torch.dtype, *, forced: bool, torch_run: Runner) -> Runne
 
 
 def _triton_delta_run(dtype: torch.dtype, *, forced: bool, torch_run: Runner) -> Runner:
-    """The delta rule of a :class:`~linattn._dispatch.Job` on the kernels (delta_function.py): the features made
-    and L2-normalised here in fp32 (any map; the step kernel normalises them itself); inference calls of at most
-    RECURRENT_MAX_TOKENS tokens take the step kernel, the rest the chunk kernels. Sizes the kernels do not take
-    raise when ``forced``, else go to ``torch_run``."""
+    """The delta rule of a :class:`~linattn._dispatch.Job` on the kernels (kinds/delta/triton/function.py; per-feature
+    gates, KDA: kinds/kda/triton/function.py): the features made and L2-normalised here in fp32 (any map; the step
+    kernel normalises them itself); inference calls of at most RECURRENT_MAX_TOKENS tokens take the step kernel, the
+    rest the chunk kernels. Sizes the kernels do not take raise when ``forced``, else go to ``torch_run``."""
 
     def run(job: Any) -> tuple[torch.Tensor, DeltaRuleState]:
         job = replace(job, q=job.q.float(), k=job.k.float(), v=job.v.float())
         state, n = job.state, job.q.shape[-2]
         assert job.beta is not None and (state is None or isinstance(state, DeltaRuleState))
-        inputs = (job.q, job.k, job.v, job.beta, job.log_decay, state.kv if state is not None else None)
+        inputs = (job.q, job.k, job.v, job.beta, job.log_decay, job.feature_gate,
+                  state.kv if state is not None else None)
         tracking = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
         stepping = not tracking and n <= RECURRENT_MAX_TOKENS
         qf, kf, beta = delta_inputs(job.fmap, job.q, job.k, job.keep, job.beta, log_space=job.log_space,
@@ -91,12 +92,20 @@ def _triton_delta_run(dtype: torch.dtype, *, forced: bool, torch_run: Runner) ->
         _validate.check_state_features(state, kf.shape[-1], job.map_name)
         initial = state.kv if state is not None else kf.new_zeros(*kf.shape[:-2], kf.shape[-1], job.v.shape[-1])
         host = triton_backend.load_delta()
-        common = {"beta": beta, "log_decay": job.log_decay, "initial": initial, "dtype": dtype}
-        if stepping:
-            out, kv = host.delta_recurrent(qf, kf, job.v, **common)
+        gate = job.log_decay
+        if job.feature_gate is not None:  # KDA; a per-token decay adds to every feature's gate (as kinds/kda/forms.py)
+            _validate.check_gate_features(job.feature_gate, kf.shape[-1])
+            gate = job.feature_gate
+            if job.log_decay is not None:
+                gate = gate.to(torch.float64) + job.log_decay.unsqueeze(-1)
+        common = {"beta": beta, "initial": initial, "dtype": dtype}
+        if stepping:  # one step kernel: per-token or per-feature gates
+            out, kv = host.delta_recurrent(qf, kf, job.v, log_decay=gate, **common)
+        elif job.feature_gate is not None:
+            out, kv = triton_backend.load_kda().kda_chunked(qf, kf, job.v, log_gate=gate, **common)
         else:
             size = job.chunk_size or next(c for c in triton_backend.DELTA_CHUNKS if c >= min(n, 64))
-            out, kv = host.delta_chunked(qf, kf, job.v, chunk_size=size, **common)
+            out, kv = host.delta_chunked(qf, kf, job.v, log_decay=gate, chunk_size=size, **common)
         return out, DeltaRuleState(kv, (state.num_tokens if state is not None else 0) + n)
 
     return run

@@ -3,9 +3,10 @@
 Importing this package does not import triton; :func:`load` does, on first use. What it covers (v1): causal
 attention with ordinary (non-log-space) feature maps, fp32/fp16/bf16 inputs, F and Dv up to 256, any N, chunk 64,
 an optional initial state, the normaliser (eps, min_denom) or none. :func:`reasons` says why a case is not covered.
-The delta rule (delta_function.py): causal, any feature map (made and normalised before the kernels), per-token
-decays, F and Dv up to 128, chunks of 16, 32 or 64; :func:`delta_reasons` and :func:`delta_shape_reasons`.
-"""
+The delta rule (kinds/delta/triton/function.py): causal, any feature map (made and normalised before the kernels),
+per-token decays, F and Dv up to 128, chunks of 16, 32 or 64; :func:`delta_reasons` and :func:`delta_shape_reasons`.
+KDA, the delta rule with per-feature gates (kinds/kda/triton/): the same, in chunks of 16 (a per-token decay given too
+is added to every feature's gate); :func:`delta_reasons` with ``per_feature_gate=True``. """
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ CHUNK = 64
 DELTA_CHUNKS = (16, 32, 64)  # tl.dot needs tiles of ≥ 16 tokens; 64 the default, as the torch form's
 # every tile of the delta kernels is fp32: F = 256 overflows an H100's shared memory (tests/test_triton_compile.py)
 DELTA_MAX_DIM = 128
+KDA_CHUNK = 16  # the KDA kernels form each chunk's (C, C, feature block) pairwise gate factors in registers
 _TRUE = ("1", "true", "on", "yes")
 
 
@@ -54,6 +56,13 @@ def load_delta() -> ModuleType:
     from ...kinds.delta.triton import function as delta_function
 
     return delta_function
+
+
+def load_kda() -> ModuleType:
+    """KDA's host module (imports triton)."""
+    from ...kinds.kda.triton import function as kda_function
+
+    return kda_function
 
 
 def reasons(
@@ -98,11 +107,15 @@ def shape_reasons(features: int, values: int, dtype: torch.dtype) -> list[str]:
     return found
 
 
-def delta_reasons(q: torch.Tensor, *, form: str, chunk_size: int | None, dtype: torch.dtype) -> list[str]:
+def delta_reasons(q: torch.Tensor, *, form: str, chunk_size: int | None, dtype: torch.dtype,
+                  per_feature_gate: bool = False) -> list[str]:
     """Why the delta kernels do not cover this call of the delta rule (causal, unnormalised: the route's own
-    reasons); [] when covered. Any feature map: the features are made and L2-normalised before the kernels."""
+    reasons); [] when covered. Any feature map: the features are made and L2-normalised before the kernels.
+    ``per_feature_gate``: KDA (log-gates (..., N, F)), on its own kernels, which take chunks of 16 only."""
     found = reasons(q, causal=True, form=form, log_space=False, chunk_size=None, dtype=dtype)
-    if chunk_size not in (None, *DELTA_CHUNKS):
+    if per_feature_gate and chunk_size not in (None, KDA_CHUNK):
+        found.append(f"chunk_size={chunk_size}: the KDA kernels (per-feature gates) use chunks of {KDA_CHUNK}")
+    elif not per_feature_gate and chunk_size not in (None, *DELTA_CHUNKS):
         found.append(f"chunk_size={chunk_size}: the delta kernels use chunks of {', '.join(map(str, DELTA_CHUNKS))}")
     return found
 

@@ -59,13 +59,12 @@ STEPS: dict[str, Callable[[nn.Module, Any, dict[str, Any]], list[str]]] = {"delt
 
 
 def triton_reasons(call: Call, route: Route, q: torch.Tensor, dtype: torch.dtype) -> list[str]:
-    """Why the delta kernels do not cover the call; [] when they do. Per-token decays are in the kernels,
-    per-feature gates (KDA) not."""
+    """Why the delta family's kernels do not cover the call; [] when they do. Per-token decays are in the delta
+    kernels, per-feature gates (KDA) in their own (:mod:`linattn.kinds.kda.triton`)."""
     options = dict(call.options)
-    found = triton_backend.delta_reasons(q, form=route.form, chunk_size=call.chunk_size, dtype=dtype)
-    given = {name: value for name, value in options.items() if name not in ("decay", "log_gate")}
     gate = options.get("log_gate")
-    if isinstance(gate, torch.Tensor) and gate.dim() == q.dim():
-        found.append("log_gate: per-feature gates (..., N, F) with update='delta' (KDA) are not in the delta "
-                     "kernels, which take one log-decay per token; backend='torch' (or 'auto') runs them")
+    per_feature = isinstance(gate, torch.Tensor) and gate.dim() == q.dim()
+    found = triton_backend.delta_reasons(q, form=route.form, chunk_size=call.chunk_size, dtype=dtype,
+                                         per_feature_gate=per_feature)
+    given = {name: value for name, value in options.items() if name not in ("decay", "log_gate")}
     return found + triton_backend.option_reasons(given)

@@ -33,7 +33,8 @@ Two forms, one definition:
   memory O(N·(F + Dv + C) + (N/C)·F·Dv), never a state per token. Its backward is written out: the adjoint of the
   state recurrence (:func:`linattn.kinds.delta.forms.adjoint_sweep`, shared with the delta rule), then the chunk-local
   gradients tile by tile (:func:`_local_grads`), every gate factor's gradient reaching g through a reversed
-  cumulative sum in fp64.
+  cumulative sum in fp64. :func:`chunk_backward` is that backward from the saved tensors; the Triton backend runs
+  it around its adjoint kernel (kinds/kda/triton/function.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ...state import DeltaRuleState
-from ..delta.forms import _batch_rows, _by_tiles, _chunked, _state_sweep, adjoint_sweep, compose_maps
+from ..delta.forms import Sweep, _batch_rows, _by_tiles, _chunked, _state_sweep, adjoint_sweep, compose_maps
 from ..gated.forms import GEMM_SPAN, SUB_CHUNK  # the same fp32 bound on a product's factors, and sub-chunk length
 
 
@@ -311,16 +312,29 @@ class _KdaChunks(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, beta, log_gate, states, w_k, written, bq, k_out, last, scores, inverse = ctx.saved_tensors
-        size = ctx.size
-        d_o = _chunked(d_out.contiguous(), size)  # a gradient from a sum arrives expanded: made whole once
-        d_leaving, d_written, d_state = adjoint_sweep(bq, k_out, w_k, scores.mT @ d_o, d_o, last, d_final)
-        assert d_written is not None
-        dq, dk, dv, d_beta, d_gate = _by_tiles(
-            _local_grads, [*_chunk_inputs(q, k, v, beta, log_gate, size), d_o, states, written, d_written, d_leaving,
-                           inverse], q.dim() - 1)
-        return (dq.flatten(-3, -2), dk.flatten(-3, -2), dv.flatten(-3, -2), d_beta.flatten(-2),
-                d_gate.flatten(-3, -2), d_state if ctx.has_initial else None, None)
+        # a gradient from a sum arrives expanded: made whole once
+        *grads, d_state = chunk_backward(ctx.saved_tensors, d_out.contiguous(), d_final, ctx.size)
+        return (*grads, d_state if ctx.has_initial else None, None)
+
+
+def chunk_backward(saved: tuple[torch.Tensor, ...], d_out: torch.Tensor, d_final: torch.Tensor, size: int, *,
+                   sweep: Sweep = adjoint_sweep) -> tuple[torch.Tensor, ...]:
+    """The written-out backward of :class:`_KdaChunks` from what its forward saved (q, k, v, β, log-gates, the
+    states entering each chunk, W_k, U, Q ⊙ e^G, K ⊙ e^{G_C − G}, e^{G_C} (..., nc, F, 1), P and T; chunked
+    (..., nc, C, ·) but the inputs): ``sweep`` the adjoint of the state recurrence
+    (:func:`linattn.forms.delta.adjoint_sweep`, or a kernel with its signature, which may return None for dU), then
+    the chunk-local gradients (:func:`_local_grads`). Returns dq, dk, dv, dβ, d log-gates and ∂L/∂(initial state)."""
+    q, k, v, beta, log_gate, states, w_k, written, bq, k_out, last, scores, inverse = saved
+    d_o = _chunked(d_out, size)
+    p_do = scores.mT @ d_o
+    d_leaving, d_written, d_state = sweep(bq, k_out, w_k, p_do, d_o, last, d_final)
+    if d_written is None:  # dU = PᵀdO + K_out·dS' (PᵀdO is not needed after the sweep)
+        d_written = p_do.add_(k_out @ d_leaving)
+    dq, dk, dv, d_beta, d_gate = _by_tiles(
+        _local_grads, [*_chunk_inputs(q, k, v, beta, log_gate, size), d_o, states, written, d_written, d_leaving,
+                       inverse], q.dim() - 1)
+    return (dq.flatten(-3, -2), dk.flatten(-3, -2), dv.flatten(-3, -2), d_beta.flatten(-2), d_gate.flatten(-3, -2),
+            d_state)
 
 
 def _chunk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, log_gate: torch.Tensor,

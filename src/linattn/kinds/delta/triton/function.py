@@ -138,21 +138,23 @@ def adjoint_sweep(
     *,
     precision: str = "tf32x3",
 ) -> tuple[torch.Tensor, None, torch.Tensor]:
-    """kinds/delta/forms.py's ``adjoint_sweep`` on the kernel: chunked (R, nc, C, ·) inputs in fp32, ``last`` (R, nc,
-    1, 1) or None; the adjoint of the state leaving each chunk (R, nc, F, Dv), None for dU (chunk_backward forms it
-    from the first result) and the adjoint of the initial state (R, F, Dv)."""
+    """kinds/delta/forms.py's ``adjoint_sweep`` on the kernel: chunked (R, nc, C, ·) inputs in fp32, ``last`` (R, nc, 1,
+    1) or None, or (R, nc, F, 1) per feature (KDA, kinds/kda/forms.py); the adjoint of the state leaving each chunk (R,
+    nc, F, Dv), None for dU (the chunk backward forms it from the first result) and the adjoint of the initial state (R,
+    F, Dv)."""
     rows, chunks, size, features = bq.shape
     values = d_o.shape[-1]
     n = chunks * size
     flat = [x.reshape(rows, n, x.shape[-1]).contiguous() for x in (bq, k_out, w_k, p_do, d_o)]
-    totals = last.reshape(rows, chunks).contiguous() if last is not None else flat[0]
+    per_feature = last is not None and last.shape[-2] > 1
+    totals = last.reshape(rows, chunks, -1).contiguous() if last is not None else flat[0]
     d_leaving = torch.empty(rows, chunks, features, values, device=bq.device)
     d_initial = torch.empty(rows, features, values, device=bq.device)
     block_f, block_v, warps = tiles(features, values)
     launch(
         delta_kernels.delta_adjoint_kernel, (rows, triton.cdiv(values, block_v)),
         *flat, totals, d_final.contiguous(), d_leaving, d_initial, n, features, values,
-        C=size, BF=block_f, BV=block_v, HAS_DECAY=last is not None, PRECISION=precision,
+        C=size, BF=block_f, BV=block_v, HAS_DECAY=last is not None, PER_FEATURE=per_feature, PRECISION=precision,
         num_warps=warps, num_stages=1,
     )
     return d_leaving, None, d_initial
@@ -177,14 +179,16 @@ def delta_step(
     kv: torch.Tensor, out: torch.Tensor, kv_out: torch.Tensor,
 ) -> None:
     """The token-by-token kernel on contiguous tensors with R rows: q, k (R·N·F) features (normalised in the kernel),
-    v, out (R·N·Dv), β and log-decays (R·N) fp32, states (R·F·Dv) fp32. ``kv_out`` may be ``kv`` (in place)."""
+    v, out (R·N·Dv), β (R·N) and log-decays (R·N), or per feature (R·N·F: KDA), fp32, states (R·F·Dv) fp32.
+    ``kv_out`` may be ``kv`` (in place)."""
     rows, features, values = kv.reshape(-1, kv.shape[-2], kv.shape[-1]).shape
     n = q.numel() // (rows * features)
+    per_feature = log_decay is not None and log_decay.numel() != rows * n
     launch(
         delta_kernels.delta_step_kernel, (rows,),
         q, k, v, beta, log_decay if log_decay is not None else beta, kv, out, kv_out, n, features, values,
         BF=max(16, triton.next_power_of_2(features)), BV=STEP_VALUE_BLOCK, HAS_DECAY=log_decay is not None,
-        num_warps=STEP_WARPS,
+        PER_FEATURE=per_feature, num_warps=STEP_WARPS,
     )
 
 
@@ -192,52 +196,59 @@ def delta_recurrent(
     qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor, *, beta: torch.Tensor, log_decay: torch.Tensor | None,
     initial: torch.Tensor, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inference without autograd: the step kernel over (..., N) tokens into a new state (inputs untouched)."""
+    """Inference without autograd: the step kernel over (..., N) tokens into a new state (inputs untouched).
+    ``log_decay`` (..., N) per token, or (..., N, F) per feature (KDA)."""
     batch, n, values = qf.shape[:-2], qf.shape[-2], v.shape[-1]
     qr, kr, vr = _rows(qf, dtype), _rows(kf, dtype), _rows(v, dtype)
     rows = qr.shape[0]
     out = torch.empty(rows, n, values, dtype=dtype, device=qf.device)
     kv = initial.reshape(rows, kf.shape[-1], values).float().contiguous()
     kv_out = torch.empty_like(kv)
-    gates = log_decay.reshape(rows, n).float().contiguous() if log_decay is not None else None
+    gates = log_decay.reshape(rows, n, -1).float().contiguous() if log_decay is not None else None
     delta_step(qr, kr, vr, beta.reshape(rows, n).float().contiguous(), gates, kv, out, kv_out)
     return out.reshape(*batch, n, values), kv_out.reshape(initial.shape)
 
 
-_KERNELS = {
-    "delta_forward": delta_kernels.delta_forward_kernel,
-    "delta_adjoint": delta_kernels.delta_adjoint_kernel,
-    "delta_step": delta_kernels.delta_step_kernel,
-}
 _INPUT_POINTERS = {"Q", "K", "V", "O"}  # in the kernel dtype; every other pointer is fp32 (the adjoint's: all)
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def compile_specs(
-    dtype: torch.dtype, features: int, values: int, chunk: int, aligned: bool
-) -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[tuple[int, ...], Any], dict[str, int]]]:
+Spec = tuple[str, Any, dict[str, str], dict[str, Any], dict[tuple[int, ...], Any], dict[str, int]]
+
+
+def kernel_spec(name: str, kernel: Any, constants: dict[str, Any], typed: set[str], dtype: torch.dtype,
+                aligned: bool, options: dict[str, int]) -> Spec:
+    """One kernel's (name, kernel, signature, constexprs, attrs, launch options) for ``triton.compile``: N, F, DV
+    are i32, the names in ``constants`` constexprs, the pointers in ``typed`` of ``dtype`` and every other fp32.
+    ``aligned``: as Triton specialises a launch whose pointers and sizes are multiples of 16."""
+    signature: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    for arg in kernel.arg_names:
+        if arg in ("N", "F", "DV"):
+            signature[arg] = "i32"
+        elif arg in constants:
+            signature[arg] = "constexpr"
+            constexprs[arg] = constants[arg]
+        else:
+            signature[arg] = "*" + (_TRITON_TYPES[dtype] if arg in typed else "fp32")
+    attrs: dict[tuple[int, ...], Any] = {
+        (index,): [["tt.divisibility", 16]]
+        for index, kind in enumerate(signature.values()) if aligned and kind != "constexpr"
+    }
+    return name, kernel, signature, constexprs, attrs, options
+
+
+def compile_specs(dtype: torch.dtype, features: int, values: int, chunk: int, aligned: bool) -> list[Spec]:
     """(name, kernel, signature, constexprs, attrs, launch options) of each delta kernel as the launches above
     specialise it (with a decay, saving for backward), for ``triton.compile`` (tests/test_triton_compile.py)."""
     block_f, block_v, warps = tiles(features, values)
-    constants = {"C": chunk, "BF": block_f, "HAS_DECAY": True, "SAVE": True, "PRECISION": precision(dtype)}
-    specs = []
-    for name, kernel in _KERNELS.items():
-        signature: dict[str, str] = {}
-        constexprs: dict[str, Any] = {}
-        for arg in kernel.arg_names:
-            if arg in ("N", "F", "DV"):
-                signature[arg] = "i32"
-            elif arg in constants or arg == "BV":
-                signature[arg] = "constexpr"
-                constexprs[arg] = (STEP_VALUE_BLOCK if name == "delta_step" else block_v) if arg == "BV" else (
-                    constants[arg])
-            else:
-                fp = _TRITON_TYPES[dtype] if arg in _INPUT_POINTERS and name != "delta_adjoint" else "fp32"
-                signature[arg] = "*" + fp
-        attrs: dict[tuple[int, ...], Any] = {
-            (index,): [["tt.divisibility", 16]]
-            for index, kind in enumerate(signature.values()) if aligned and kind != "constexpr"
-        }
-        options = {"num_warps": STEP_WARPS} if name == "delta_step" else {"num_warps": warps, "num_stages": 1}
-        specs.append((name, kernel, signature, constexprs, attrs, options))
-    return specs
+    constants = {"C": chunk, "BF": block_f, "BV": block_v, "HAS_DECAY": True, "SAVE": True,
+                 "PRECISION": precision(dtype), "PER_FEATURE": False}
+    chunked = {"num_warps": warps, "num_stages": 1}
+    return [
+        kernel_spec("delta_forward", delta_kernels.delta_forward_kernel, constants, _INPUT_POINTERS, dtype, aligned,
+                    chunked),
+        kernel_spec("delta_adjoint", delta_kernels.delta_adjoint_kernel, constants, set(), dtype, aligned, chunked),
+        kernel_spec("delta_step", delta_kernels.delta_step_kernel, {**constants, "BV": STEP_VALUE_BLOCK},
+                    _INPUT_POINTERS, dtype, aligned, {"num_warps": STEP_WARPS}),
+    ]

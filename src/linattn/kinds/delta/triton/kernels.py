@@ -21,8 +21,8 @@ so that only differences G_t − G_j ≤ 0 and G_t ≤ 0 are exponentiated):
               gradients around it are computed in PyTorch, kinds/delta/forms.py ``chunk_backward``)
     step      grid (R,), token by token (decoding): S ← a·S, u = β(v − Sᵀk̂), S += k̂uᵀ, o = Sᵀq̂, with q̂, k̂ the
               L2-normalised features made here; value blocks in turn, so the state may be updated in place.
-Only APIs present in Triton 3.6 are used (as kernels.py).
-"""
+The adjoint and the step also serve KDA (kinds/kda/triton/kernels.py) with PER_FEATURE set: a factor e^{G_C} (e^{g}) per
+feature, scaling each row of the state (S ← diag(a)·S). Only APIs present in Triton 3.6 are used (as kernels.py). """
 
 from __future__ import annotations
 
@@ -104,10 +104,12 @@ def delta_forward_kernel(
 def delta_adjoint_kernel(
     BQ, KOUT, WK, PDO, DO, LAST, DSN, DLEAVING, DS0,
     N, F, DV,
-    C: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, HAS_DECAY: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, HAS_DECAY: tl.constexpr, PER_FEATURE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """The adjoint of the state recurrence for values [vb·BV, vb·BV + BV): BQ = diag(e^G)Q, KOUT = K ⊙ e^{G_C − G},
-    WK (R, N, F), PDO = PᵀdO and DO (R, N, Dv), LAST (R, N/C) the chunks' e^{G_C}, DSN ∂L/∂(final state).
+    WK (R, N, F), PDO = PᵀdO and DO (R, N, Dv), LAST the chunks' e^{G_C}: (R, N/C), or (R, N/C, F) with
+    PER_FEATURE (KDA: one factor per row of the state), DSN ∂L/∂(final state).
     Writes the adjoint of the state leaving each chunk (R, N/C, F, Dv) and of the initial state."""
     row = tl.program_id(0).to(tl.int64)
     vb = tl.program_id(1)
@@ -133,7 +135,11 @@ def delta_adjoint_kernel(
         d_written = p_do + tl.dot(k_out, d_state, input_precision=PRECISION)  # dU (C, BV)
         direct = tl.dot(tl.trans(bq), d_o, input_precision=PRECISION)
         if HAS_DECAY:
-            d_state = d_state * tl.load(LAST + row * num_chunks + chunk)
+            if PER_FEATURE:
+                last = tl.load(LAST + (row * num_chunks + chunk) * F + f, mask=fm, other=0.0)
+                d_state = d_state * last[:, None]
+            else:
+                d_state = d_state * tl.load(LAST + row * num_chunks + chunk)
         d_state += direct - tl.dot(tl.trans(w_k), d_written, input_precision=PRECISION)
     tl.store(DS0 + row * F * DV + f[:, None] * DV + dv[None, :], d_state, mask=fv_mask)
 
@@ -142,9 +148,10 @@ def delta_adjoint_kernel(
 def delta_step_kernel(
     Q, K, V, BETA, G, S0, O, SN,
     N, F, DV,
-    BF: tl.constexpr, BV: tl.constexpr, HAS_DECAY: tl.constexpr,
+    BF: tl.constexpr, BV: tl.constexpr, HAS_DECAY: tl.constexpr, PER_FEATURE: tl.constexpr,
 ):
-    """Token by token, all in fp32: S ← e^{g}·S, u = β(v − Sᵀk̂), S ← S + k̂uᵀ, o = Sᵀq̂, with q̂ = q/max(‖q‖, 1e-12)
+    """Token by token, all in fp32: S ← e^{g}·S (PER_FEATURE: g (R, N, F) and S ← diag(e^{g})·S, KDA),
+    u = β(v − Sᵀk̂), S ← S + k̂uᵀ, o = Sᵀq̂, with q̂ = q/max(‖q‖, 1e-12)
     and k̂ likewise (as torch.nn.functional.normalize). One program per row walks the value blocks in turn, so it
     alone reads and writes its row's state: SN may be S0 (the state updated in place)."""
     row = tl.program_id(0).to(tl.int64)
@@ -162,7 +169,11 @@ def delta_step_kernel(
             k = k / tl.maximum(tl.sqrt(tl.sum(k * k, axis=0)), 1e-12)
             v = tl.load(V + (row * N + step) * DV + dv, mask=vm, other=0.0).to(tl.float32)
             if HAS_DECAY:
-                state = state * tl.exp(tl.load(G + row * N + step))
+                if PER_FEATURE:
+                    gate = tl.load(G + (row * N + step) * F + f, mask=fm, other=0.0)
+                    state = state * tl.exp(gate)[:, None]
+                else:
+                    state = state * tl.exp(tl.load(G + row * N + step))
             recalled = tl.sum(k[:, None] * state, axis=0)  # Sᵀk̂, (BV,)
             write = tl.load(BETA + row * N + step) * (v - recalled)
             state += k[:, None] * write[None, :]
