@@ -44,7 +44,7 @@ from .forms.window.composed import (
     with_sums,
     without_sums,
 )
-from .forms.window.naive import exact_parallel
+from .forms.window.naive import exact_parallel, maps_features
 from .forms.window.sparse import sparse_chunked, sparse_parallel, sparse_recurrent
 from .state import DeltaRuleState, LinearAttentionState, SparseCache, WindowAttentionState
 
@@ -277,17 +277,20 @@ def run_composed(job: Job, form: str) -> Result:
     # the exact part alone: with the delta rule, its softmax sums (a factor turns off the mass), which need no
     # log-scale (the delta rule's unit features cancel a log-space map's per-token scale)
     factor = job.window_factor if not delta or job.window_factor is not None else torch.ones((), dtype=job.q.dtype)
-    hybrid = _hybrid(replace(job, log_space=False) if delta else job, factor)
-    # q and every key mapped (and checked) once, by the exact part: the linear part reads those features
+    hybrid = _hybrid(job, factor, log_space=job.log_space and not delta)
+    # q and every key mapped (and checked) once, by the exact part (explicit weights: where it needs features, for
+    # the mass or the log-scales): the linear part reads those features
     if form == "chunked":
         assert job.chunk_size is not None
         parts = causal_window_parts(hybrid, job.q, job.k, job.v, job.keep, state, job.chunk_size, linear_part=False)
     else:  # explicit weights over O(W + S) keys a query
         parts = exact_parallel(hybrid, job.q, job.k, job.v, keep, state)
     rows = (parts.ring_features if state is not None else None, parts.features)
-    _validate.check_state_features(state.linear if state is not None else None, parts.features.shape[-1],
-                                   job.map_name)  # here, where the map is still named
-    mapped = replace(job, fmap=nn.Identity(), q=parts.qf, check_finite=False, nonnegative=False)
+    mapped = job  # the γ form of an ordinary map, explicit weights: the linear part maps the keys it writes
+    if form == "chunked" or maps_features(hybrid):
+        _validate.check_state_features(state.linear if state is not None else None, parts.features.shape[-1],
+                                       job.map_name)  # here, where the map is still named
+        mapped = replace(job, fmap=nn.Identity(), q=parts.qf, check_finite=False, nonnegative=False)
     keys, values, kept, betas = delayed_stream(state, rows, job.v, keep, job.beta, job.window, job.sinks)
     linear_state = state.linear if state is not None else None
     if delta:
@@ -314,9 +317,10 @@ def run_composed(job: Job, form: str) -> Result:
     return out, composed_state(parts.state, final, job.k, job.v, keep, job.beta)
 
 
-def _hybrid(job: Job, factor: torch.Tensor | None) -> Hybrid:
+def _hybrid(job: Job, factor: torch.Tensor | None, log_space: bool | None = None) -> Hybrid:
     fmap, checks = job.fmap, job.checks()
-    return Hybrid(lambda x, is_query: map_features(fmap, x, is_query=is_query, **checks), log_space=job.log_space,
+    log_space = job.log_space if log_space is None else log_space  # False: the features as the map returns them
+    return Hybrid(lambda x, is_query: map_features(fmap, x, is_query=is_query, **checks), log_space=log_space,
                   window=job.window, sinks=job.sinks, factor=factor, scale=job.softmax_scale, eps=job.eps,
                   min_denom=job.min_denom)
 

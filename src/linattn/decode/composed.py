@@ -241,11 +241,13 @@ class ComposedDecodeStep:
         """The additive part's shared normaliser: mass form, or γ form."""
         num, den = lin
         assert den is not None
-        qf = map_features(self.fmap, q, is_query=True)  # (B, H, 1, F)
-        row_max = None
-        if self.shift is not None:  # log-space: both parts in the stored scale c_t + R_t
-            qf, row_max = stabilise_queries(qf)
+        qf = row_max = None
+        if self.gamma is None or self.shift is not None:  # the mass, or log-space: the query's row maximum c_t
+            qf = map_features(self.fmap, q, is_query=True)  # (B, H, 1, F)
+            if self.shift is not None:  # log-space: both parts in the stored scale c_t + R_t
+                qf, row_max = stabilise_queries(qf)
         if self.gamma is None:
+            assert qf is not None
             if self.shift is not None:  # every exact key at R ≥ its log φ
                 keys = stored_at(self._key_logs(self.keys, allowed), self.shift.unsqueeze(-1).expand(allowed.shape))
             else:

@@ -63,6 +63,13 @@ def reading_scales(
     return r, torch.cat([start.unsqueeze(-1).expand(*start.shape, old), r], dim=-1)
 
 
+def maps_features(hybrid: Hybrid) -> bool:
+    """Whether :func:`exact_parallel` maps q and the keys: for the mass or the log-scales. The γ form of an ordinary
+    map (the delta rule's exact part included) needs neither, and leaves the O(1) keys a token writes to the linear
+    part."""
+    return hybrid.factor is None or hybrid.log_space
+
+
 def exact_parallel(
     hybrid: Hybrid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
     state: WindowAttentionState | None,
@@ -70,30 +77,33 @@ def exact_parallel(
     """The causal exact part alone, with explicit weights, as :class:`.chunked.Parts` (``lin`` and ``linear`` None):
     Σ e^{s_tj − m_t} v_j and Σ e^{s_tj − m_t} over the window and sinks, the mass M_t = Σ φ(q_t)·φ(k_j) over them
     (mass form, ``hybrid.factor`` None; log-space maps: in query t's stored scale c_t + R_t) and the row maximum
-    m_t — as :meth:`.hybrid.Hybrid.exact_part` returns them — with the features the call's keys were mapped to.
-    What a linear part of any kind meets."""
+    m_t — as :meth:`.hybrid.Hybrid.exact_part` returns them — with q's and the keys' features, or where
+    :func:`maps_features` is False q and the keys as they are. What a linear part of any kind meets."""
     xk, xv, xkeep, positions, n0 = _joined(state, k, v, keep)
     old = xk.shape[-2] - k.shape[-2]
     exact, _ = _exact_mask(hybrid, positions, n0, q.shape[-2], xkeep, True)
     scores = ((q @ xk.transpose(-1, -2)) * hybrid.scale).masked_fill(~exact, NEG_INF)  # (..., N, X)
     row_max = scores.amax(-1, keepdim=True)
     probs = torch.exp(scores - finite(row_max))
+    num, den, top = probs @ xv, probs.sum(-1), row_max.squeeze(-1)
+    ring = state.keys.shape[-2] if state is not None else 0
+    if not maps_features(hybrid):
+        state = state if state is not None else empty_window_state(hybrid, k, v, 0)
+        return Parts(q, None, None, None, (num, den, None, top), None, state, keep, k, xk[..., old - ring : old, :])
     qf, c = hybrid.query_features(q)
     logs = hybrid.key_logs(xk, xkeep)  # (..., X, F): φ (ordinary maps, 0 at masked keys) or log φ (−inf there)
     if state is None:
         state = empty_window_state(hybrid, k, v, logs.shape[-1])
-    r = at = None
+    r = at = mass = None
     if hybrid.log_space:
         r, at = reading_scales(state, logs, old)
-    mass = None
     if hybrid.factor is None:
         weights = qf @ hybrid.stored(logs, at).transpose(-1, -2)  # (..., N, X)
         if r is not None and at is not None:  # key j stored at its scale, read at R_t
             weights = weights * scale_between(at.unsqueeze(-2), r.unsqueeze(-1), exact)
         mass = weights.masked_fill(~exact, 0.0).sum(-1)
-    sums = (probs @ xv, probs.sum(-1), mass, row_max.squeeze(-1))
-    ring = state.keys.shape[-2]
-    return Parts(qf, c, r, None, sums, None, state, keep, logs[..., old:, :], logs[..., old - ring : old, :])
+    return Parts(qf, c, r, None, (num, den, mass, top), None, state, keep, logs[..., old:, :],
+                 logs[..., old - ring : old, :])
 
 
 def window_parallel(
