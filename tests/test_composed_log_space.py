@@ -227,6 +227,20 @@ def test_continuation_equals_one_call(kind, form):
     torch.testing.assert_close(state.linear.kv, final.linear.kv, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_a_plain_window_state_continues_beside_a_decay_and_back(form):
+    # one convention for the sums' scale: a decay of rate 1 between two plain hybrid calls changes nothing
+    q, k, v, _ = inputs(n=30, spread=2.0)
+    common = {"feature_map": MAPS["favor+"](), "causal": True, "window": 5, "sinks": 2, "chunk_size": 8, "form": form}
+    whole = linattn.linear_attention(q, k, v, **common)
+    first, state = linattn.linear_attention(q[..., :13, :], k[..., :13, :], v[..., :13, :], return_state=True,
+                                            **common)
+    middle, state = linattn.linear_attention(q[..., 13:22, :], k[..., 13:22, :], v[..., 13:22, :], decay=1.0,
+                                             initial_state=state, return_state=True, **common)
+    last = linattn.linear_attention(q[..., 22:, :], k[..., 22:, :], v[..., 22:, :], initial_state=state, **common)
+    torch.testing.assert_close(torch.cat([first, middle, last], dim=-2), whole, rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("factor", [None, 0.7], ids=["mass", "gamma"])
 @pytest.mark.parametrize("kind", ("plain", *KINDS))
 @pytest.mark.parametrize("prompt", [2, 9], ids=["prompt-inside-the-sinks-and-window", "prompt-9"])
