@@ -303,8 +303,9 @@ def run_composed(job: Job, form: str) -> Result:
             keys = hybrid.stored(keys.masked_fill(~kept.unsqueeze(-1), NEG_INF), parts.r)
             mapped = replace(mapped, log_space=False, key_scales=parts.r)
         augmented = torch.cat([values, kept.unsqueeze(-1).to(values.dtype)], dim=-1)  # (..., N, Dv + 1)
+        summed = with_sums(linear_state, job.log_space) if linear_state is not None else None
         linear_job = replace(mapped, k=keys, v=augmented, keep=kept, normalize=False, return_state=True, window=0,
-                             sinks=0, state=with_sums(linear_state) if linear_state is not None else None)
+                             sinks=0, state=summed)
         run = run_gated if job.feature_gate is not None else run_plain
         linear_out, final = run(linear_job, form)
         assert isinstance(final, LinearAttentionState)
