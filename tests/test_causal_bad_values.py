@@ -71,6 +71,8 @@ KIND_OPTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("window-feature-gate", {"window": WINDOW, "log_gate": "feature"}),
         ("window-delta", {"window": WINDOW, "update": "delta", "beta": 0.5}),
         ("window-kda", {"window": WINDOW, "update": "delta", "log_gate": "feature"}),
+        ("window-decay-favor+", {"window": WINDOW, "sinks": 1, "decay": 0.9, "feature_map": FAVOR}),
+        ("window-delta-favor+", {"window": WINDOW, "sinks": 1, "update": "delta", "feature_map": FAVOR}),
     ],
     "delta": [
         ("delta", {"update": "delta"}),

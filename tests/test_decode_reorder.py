@@ -43,6 +43,8 @@ CASES = {
     "delta, per-feature gates (KDA)": ("identity", {"update": "delta", "beta": 0.5}, ("feature-gate",),
                                        DeltaDecodeStep),
     "window beside a decay 0.9": ("elu", {"window": 4, "sinks": 1, "decay": 0.9}, (), ComposedDecodeStep),
+    "window beside a decay, log-space map, a factor": (
+        "favor+", {"window": 4, "sinks": 1, "decay": 0.9, "window_factor": 0.7}, (), ComposedDecodeStep),
     "window beside a gated delta rule, beta 0.5, a factor": (
         "elu", {"window": 4, "sinks": 1, "update": "delta", "beta": 0.5, "window_factor": 0.7}, ("gate",),
         ComposedDecodeStep),

@@ -19,7 +19,6 @@ from .capabilities import Route
 from .exact import (
     Hybrid,
     causal_window_chunked,
-    empty_window_state,
     noncausal_window_chunked,
     window_parallel,
     window_recurrent,
@@ -33,9 +32,9 @@ from .exact.forms.composed import (
     with_sums,
     without_sums,
 )
-from .exact.forms.naive import exact_parallel
+from .exact.forms.naive import exact_parallel, maps_features
 from .exact.forms.sparse import sparse_chunked, sparse_parallel, sparse_recurrent
-from .features import check_feature_dims, delta_inputs, key_features, map_features, query_features
+from .features import NEG_INF, check_feature_dims, delta_inputs, key_features, map_features, query_features
 from .forms import (
     causal_chunked_attention,
     global_attention,
@@ -83,6 +82,7 @@ class Job:
     check_finite: bool = False  # the features too, not only q, k, v
     nonnegative: bool = False  # a map of unknown positivity under normalize=True: refuse negative features
     beta: torch.Tensor | None = None  # the delta rule's write strengths (..., N), in the compute dtype
+    key_scales: torch.Tensor | None = None  # k given as features stored at these log-scales (..., N) (composed)
 
     @property
     def map_name(self) -> str:
@@ -109,7 +109,7 @@ def _features(job: Job) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None
                            state.shift if state is not None else None, **job.checks())
     check_feature_dims(qf.shape[-1], kf.shape[-1], job.fmap)
     _validate.check_state_features(state, kf.shape[-1], job.map_name)
-    return qf, kf, ref
+    return qf, kf, ref if job.key_scales is None else job.key_scales
 
 
 def _with_scales(job: Job, qf: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor | None:
@@ -266,26 +266,31 @@ def run_delta(job: Job, form: str) -> Result:
 def run_composed(job: Job, form: str) -> Result:
     """The window's exact part beside a linear part of another kind (a decay or gate, the delta rule, KDA): the
     exact part alone, the linear op of that kind on the stream delayed by W, one combiner
-    (:mod:`linattn.exact.forms.composed`). Causal, ordinary maps."""
+    (:mod:`linattn.exact.forms.composed`). Causal. Log-space maps: the delta rule reads each token at its own
+    scale (its normalisation cancels it); an additive part reads key rows stored at the exact part's scales."""
     if form == "recurrent" and job.q.shape[-2] > 1:  # token by token: each step sees O(W + S) exact keys
         return _token_by_token(job)
     state = job.state
     assert state is None or isinstance(state, WindowAttentionState)
     delta = job.beta is not None
     keep = job.keep if job.keep is not None else torch.ones(job.k.shape[:-1], dtype=torch.bool, device=job.k.device)
-    # the exact part alone: with the delta rule, its softmax sums (a factor turns off the mass)
+    # the exact part alone: with the delta rule, its softmax sums (a factor turns off the mass), which need no
+    # log-scale (the delta rule's unit features cancel a log-space map's per-token scale)
     factor = job.window_factor if not delta or job.window_factor is not None else torch.ones((), dtype=job.q.dtype)
-    hybrid = _hybrid(job, factor)
-    ring = state.keys if state is not None else None
-    if form == "chunked":  # it maps (and checks) q and every key once: the linear part reads those features
+    hybrid = _hybrid(job, factor, log_space=job.log_space and not delta)
+    # q and every key mapped (and checked) once, by the exact part (explicit weights: where it needs features, for
+    # the mass or the log-scales): the linear part reads those features
+    if form == "chunked":
         assert job.chunk_size is not None
         parts = causal_window_parts(hybrid, job.q, job.k, job.v, job.keep, state, job.chunk_size, linear_part=False)
-        exact, rows = parts.exact, (parts.ring_features if state is not None else None, parts.features)
+    else:  # explicit weights over O(W + S) keys a query
+        parts = exact_parallel(hybrid, job.q, job.k, job.v, keep, state)
+    rows = (parts.ring_features if state is not None else None, parts.features)
+    mapped = job  # the γ form of an ordinary map, explicit weights: the linear part maps the keys it writes
+    if form == "chunked" or maps_features(hybrid):
         _validate.check_state_features(state.linear if state is not None else None, parts.features.shape[-1],
                                        job.map_name)  # here, where the map is still named
         mapped = replace(job, fmap=nn.Identity(), q=parts.qf, check_finite=False, nonnegative=False)
-    else:  # explicit weights over O(W + S) keys a query: the linear part maps its own
-        exact, rows, mapped = exact_parallel(hybrid, job.q, job.k, job.v, keep, state), (ring, job.k), job
     keys, values, kept, betas = delayed_stream(state, rows, job.v, keep, job.beta, job.window, job.sinks)
     linear_state = state.linear if state is not None else None
     if delta:
@@ -294,26 +299,29 @@ def run_composed(job: Job, form: str) -> Result:
         linear_out, final = run_delta(linear_job, form)
     else:  # the numerator and Σφ(k) in one pass: values [v | 1], unnormalised
         assert linear_state is None or isinstance(linear_state, LinearAttentionState)
+        if parts.r is not None:  # log-space: row i (key i − W) stored at R_i, the scale query i reads it at
+            keys = hybrid.stored(keys.masked_fill(~kept.unsqueeze(-1), NEG_INF), parts.r)
+            mapped = replace(mapped, log_space=False, key_scales=parts.r)
         augmented = torch.cat([values, kept.unsqueeze(-1).to(values.dtype)], dim=-1)  # (..., N, Dv + 1)
+        summed = with_sums(linear_state, job.log_space) if linear_state is not None else None
         linear_job = replace(mapped, k=keys, v=augmented, keep=kept, normalize=False, return_state=True, window=0,
-                             sinks=0, state=with_sums(linear_state) if linear_state is not None else None)
+                             sinks=0, state=summed)
         run = run_gated if job.feature_gate is not None else run_plain
         linear_out, final = run(linear_job, form)
         assert isinstance(final, LinearAttentionState)
         final = without_sums(final)
     assert isinstance(final, (LinearAttentionState, DeltaRuleState))
     if delta:
-        out = add_to_average(softmax_average(exact), linear_out, job.window_factor)
-    else:
-        lin = (linear_out[..., :-1], linear_out[..., -1])
-        out = hybrid.combine(lin, exact, None, None)
-    prev = state if state is not None else empty_window_state(hybrid, job.k, job.v, 0)  # its linear part replaced
-    return out, composed_state(prev, final, job.k, job.v, keep, job.beta)
+        out = add_to_average(softmax_average(parts.exact), linear_out, job.window_factor)
+    else:  # both parts in query t's stored scale c_t + R_t for log-space maps
+        out = hybrid.combine((linear_out[..., :-1], linear_out[..., -1]), parts.exact, parts.c, parts.r)
+    return out, composed_state(parts.state, final, job.k, job.v, keep, job.beta)
 
 
-def _hybrid(job: Job, factor: torch.Tensor | None) -> Hybrid:
+def _hybrid(job: Job, factor: torch.Tensor | None, log_space: bool | None = None) -> Hybrid:
     fmap, checks = job.fmap, job.checks()
-    return Hybrid(lambda x, is_query: map_features(fmap, x, is_query=is_query, **checks), log_space=job.log_space,
+    log_space = job.log_space if log_space is None else log_space  # False: the features as the map returns them
+    return Hybrid(lambda x, is_query: map_features(fmap, x, is_query=is_query, **checks), log_space=log_space,
                   window=job.window, sinks=job.sinks, factor=factor, scale=job.softmax_scale, eps=job.eps,
                   min_denom=job.min_denom)
 

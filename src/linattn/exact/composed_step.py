@@ -7,6 +7,12 @@ the key leaving the window (position t − W, unless a sink or padding) — for 
 takes the leaving key's ring slot, and the output is the window's combiner: the shared normaliser for an additive
 linear part (mass or γ form), γ·A + S_tᵀφ̂(q_t) for the delta rule, A the softmax average over the live exact keys
 (the ring and the sinks that have left it). Memory and time per token do not grow with the tokens seen.
+
+Log-space maps (FAVOR+ and kin): the delta rule's unit features cancel their per-token scale. An additive part
+keeps its sums at the log-scale R_t, the running maximum of log φ over every kept key seen (window and sinks
+included), as the chunked form does: each token's key raises R, the sums move by e^{R_old − R_new} ≤ 1, the leaving
+key is written at R and the query read at its own row maximum c_t; the combiner then meets the window on the scale
+c_t + R_t (:meth:`linattn.exact.Hybrid.combine`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,16 @@ import torch
 from torch import nn
 
 from ..errors import LinearAttentionError
-from ..features import map_features, unit_features
+from ..features import (
+    NEG_INF,
+    finite,
+    is_log_space,
+    map_features,
+    scale_between,
+    stabilise_queries,
+    stored_at,
+    unit_features,
+)
 from ..kinds._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
 from ..kinds.delta.step import DeltaDecodeStep
 from ..state import DeltaRuleState, LinearAttentionState, WindowAttentionState
@@ -48,6 +63,8 @@ class ComposedDecodeStep:
             torch.as_tensor(factor, dtype=dtype, device=device), (batch, heads)).reshape(batch, heads, 1).clone()
         self.delta: DeltaDecodeStep | None = None
         self.log_rate: torch.Tensor | None = None
+        self.log_space = is_log_space(fmap)
+        self.shift: torch.Tensor | None = None  # log-space additive part: the sums' log-scale R (B, H)
         if isinstance(linear, DeltaRuleState):
             self.delta = DeltaDecodeStep(fmap, linear, beta=options.get("beta"), decay=options.get("decay"))
         else:
@@ -70,6 +87,25 @@ class ComposedDecodeStep:
         for position in range(state.sink_keys.shape[-2]):
             self._put(position, state.sink_keys[..., position, :], state.sink_values[..., position, :],
                       state.sink_keep[..., position], None, live=position < first)
+        if self.log_space and self.delta is None:  # R starts ≥ the state's scale and every buffered key
+            self.shift = linear.shift.detach().to(dtype).clone()
+            self._rescale(self._key_logs(self.keys, self.kept).amax((-1, -2)))
+
+    def _key_logs(self, keys: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """log φ of keys (B, H, X, d) where ``keep`` (B, H, X), −inf elsewhere (a masked key's raw values, NaN or
+        inf perhaps, never reach the map)."""
+        zero = torch.zeros((), dtype=keys.dtype, device=keys.device)
+        logs = map_features(self.fmap, torch.where(keep.unsqueeze(-1), keys, zero), is_query=False)
+        return logs.masked_fill(~keep.unsqueeze(-1), NEG_INF)
+
+    def _rescale(self, logs_max: torch.Tensor) -> None:
+        """R ← max(R, ``logs_max``) (B, H), the sums moved to the new scale by e^{R_old − R_new} ≤ 1."""
+        assert self.shift is not None
+        new = torch.maximum(self.shift, logs_max)
+        carry = scale_between(self.shift, new)
+        self.kv.mul_(carry[..., None, None])
+        self.k_sum.mul_(carry[..., None])
+        self.shift = new
 
     def _put(self, slot: int, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | bool,
              beta: torch.Tensor | float | None, live: bool = True) -> None:
@@ -102,11 +138,13 @@ class ComposedDecodeStep:
         position = self.num_tokens
         leaving = position - self.window
         ring = self.sinks + position % self.window
+        token_keep = torch.ones(batch, heads, dtype=torch.bool, device=q.device) if keep is None else (
+            keep.reshape(batch, 1).expand(batch, heads))
+        if self.shift is not None:  # R_t covers token t's own key (as the chunked form's running maximum)
+            self._rescale(self._key_logs(k, token_keep.unsqueeze(-1)).amax((-1, -2)))
         lin = self._linear(q, leaving, ring, log_decay)
         if 0 <= leaving < self.sinks:  # a sink leaves the window: from now on a separate exact key
             self.live[leaving] = True
-        token_keep = torch.ones(batch, heads, dtype=torch.bool, device=q.device) if keep is None else (
-            keep.reshape(batch, 1).expand(batch, heads))
         if keep is not None:  # as linear_attention keeps it: a masked token's value is 0
             v = v.masked_fill(~token_keep[..., None, None], 0.0)
         strength = None
@@ -186,10 +224,16 @@ class ComposedDecodeStep:
             self.kv.mul_(factor.unsqueeze(-1))
             self.k_sum.mul_(factor)
         if writes:
-            kf = map_features(self.fmap, key, is_query=False).squeeze(-2) * keep.unsqueeze(-1).to(self.kv.dtype)
+            kf = map_features(self.fmap, key, is_query=False)
+            if self.shift is not None:  # at R ≥ log φ of every key seen: ≤ 1
+                kf = stored_at(kf, self.shift.unsqueeze(-1))
+            kf = kf.squeeze(-2).masked_fill(~keep.unsqueeze(-1), 0.0)  # filled: a masked log-space key may overflow
             self.kv.add_(kf.unsqueeze(-1) * value)
             self.k_sum.add_(kf)
-        qf = map_features(self.fmap, q, is_query=True).squeeze(-2)  # (B, H, F)
+        qf = map_features(self.fmap, q, is_query=True)
+        if self.shift is not None:  # at the row's own maximum c_t
+            qf = stabilise_queries(qf)[0]
+        qf = qf.squeeze(-2)  # (B, H, F)
         return (qf.unsqueeze(-2) @ self.kv).squeeze(-2), (qf * self.k_sum).sum(-1)
 
     def _shared(self, q: torch.Tensor, allowed: torch.Tensor, lin: tuple[torch.Tensor, torch.Tensor | None],
@@ -197,15 +241,30 @@ class ComposedDecodeStep:
         """The additive part's shared normaliser: mass form, or γ form."""
         num, den = lin
         assert den is not None
-        if self.gamma is None:
+        qf = row_max = None
+        if self.gamma is None or self.shift is not None:  # the mass, or log-space: the query's row maximum c_t
             qf = map_features(self.fmap, q, is_query=True)  # (B, H, 1, F)
-            keys = map_features(self.fmap, self.keys, is_query=False)  # (B, H, slots, F)
+            if self.shift is not None:  # log-space: both parts in the stored scale c_t + R_t
+                qf, row_max = stabilise_queries(qf)
+        if self.gamma is None:
+            assert qf is not None
+            if self.shift is not None:  # every exact key at R ≥ its log φ
+                keys = stored_at(self._key_logs(self.keys, allowed), self.shift.unsqueeze(-1).expand(allowed.shape))
+            else:
+                keys = map_features(self.fmap, self.keys, is_query=False)  # (B, H, slots, F)
             mass = (qf @ keys.transpose(-1, -2)).squeeze(-2).masked_fill(~allowed, 0.0).sum(-1)
             average = soft_num / torch.where(soft_den == 0, torch.ones_like(soft_den), soft_den)
             total = den + mass + self.eps
             return (num + mass.unsqueeze(-1) * average) / torch.where(total == 0, 1.0, total).unsqueeze(-1)
-        total = den + self.gamma.squeeze(-1) * soft_den.squeeze(-1) + self.eps
-        return (num + self.gamma * soft_num) / torch.where(total == 0, 1.0, total).unsqueeze(-1)
+        gamma = self.gamma
+        if self.shift is not None and row_max is not None:  # on the common scale u = max(c + R, 0): factors ≤ 1, ≤ γ
+            scale = row_max.reshape(self.shift.shape) + finite(self.shift)
+            common = scale.clamp(min=0)
+            lin_factor = torch.exp(scale - common)  # (B, H)
+            num, den = lin_factor.unsqueeze(-1) * num, lin_factor * den
+            gamma = gamma * torch.exp(-common).unsqueeze(-1)
+        total = den + gamma.squeeze(-1) * soft_den.squeeze(-1) + self.eps
+        return (num + gamma * soft_num) / torch.where(total == 0, 1.0, total).unsqueeze(-1)
 
     def state(self) -> WindowAttentionState:
         """The state after every token stepped (new tensors)."""
@@ -217,7 +276,7 @@ class ComposedDecodeStep:
             memory = self.delta.state()
             linear = DeltaRuleState(memory.kv.clone(), max(0, self.num_tokens - self.window))
         else:
-            shift = torch.zeros_like(self.kv[..., 0, 0])
+            shift = self.shift.clone() if self.shift is not None else torch.zeros_like(self.kv[..., 0, 0])
             linear = LinearAttentionState(self.kv.clone(), self.k_sum.clone(), shift,
                                           max(0, self.num_tokens - self.window))
         betas = self.betas.index_select(-1, ring).clone() if self.delta is not None else None

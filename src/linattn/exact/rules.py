@@ -55,9 +55,6 @@ def composed_reasons(call: Call) -> list[str]:
     ]
     if call.update == "add" and not call.normalize:
         found.append("window: an additive linear part shares softmax's normaliser; use normalize=True")
-    if call.log_space:
-        found.append("window: log-space feature maps (FAVOR+ and kin) beside a decay, a gate or the delta rule are "
-                     "not covered in this version; use an ordinary map (elu, relu, hedgehog, fitted maps)")
     return found
 
 
@@ -138,8 +135,6 @@ def composed_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) 
         found.append("update: the state's linear part and the options' update rule differ")
     if not delta and (not options.get("normalize", True) or is_signed(fmap)):
         found.append("an additive linear part: the step computes normalised attention with a positive map")
-    if is_log_space(fmap):
-        found.append("a log-space feature map: the composed step keeps every sum at scale 1")
     return found + fixed_option_reasons(options)
 
 

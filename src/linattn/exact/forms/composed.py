@@ -88,17 +88,19 @@ def add_to_average(average: torch.Tensor, linear_out: torch.Tensor, factor: torc
     return factor.unsqueeze(-1).unsqueeze(-1) * average + linear_out
 
 
-def with_sums(state: LinearAttentionState) -> LinearAttentionState:
+def with_sums(state: LinearAttentionState, log_space: bool) -> LinearAttentionState:
     """An additive state with Σφ(k) as one more value column: the linear op run unnormalised on values [v | 1]
-    returns the numerator and the denominator in one pass."""
+    returns the numerator and the denominator in one pass. Log-space maps keep the shift (the sums' log-scale);
+    ordinary maps' sums are at scale 1, as the plain hybrid reads them."""
     kv = torch.cat([state.kv, state.k_sum.unsqueeze(-1)], dim=-1)  # (..., F, Dv + 1)
-    return LinearAttentionState(kv, state.k_sum, torch.zeros_like(state.shift), state.num_tokens)
+    return LinearAttentionState(kv, state.k_sum, state.shift if log_space else torch.zeros_like(state.shift),
+                                state.num_tokens)
 
 
 def without_sums(state: LinearAttentionState) -> LinearAttentionState:
     """The inverse of :func:`with_sums`: the state's last value column is Σφ(k)."""
-    return LinearAttentionState(state.kv[..., :-1].contiguous(), state.kv[..., -1].contiguous(),
-                                torch.zeros_like(state.kv[..., 0, 0]), state.num_tokens)
+    return LinearAttentionState(state.kv[..., :-1].contiguous(), state.kv[..., -1].contiguous(), state.shift,
+                                state.num_tokens)
 
 
 def composed_state(

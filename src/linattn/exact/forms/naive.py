@@ -14,7 +14,7 @@ import torch
 from ...features import NEG_INF, finite, scale_between
 from ...features import key_scales as running_scales
 from ...state import WindowAttentionState
-from .chunked import empty_window_state, next_state
+from .chunked import Parts, empty_window_state, next_state
 from .hybrid import Hybrid
 
 
@@ -50,24 +50,60 @@ def _exact_mask(
     return exact, near
 
 
+def reading_scales(
+    state: WindowAttentionState, logs: torch.Tensor, old: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-space maps, causal: (R (..., N), the joined keys' scales (..., X)) for log φ of the joined keys ``logs``
+    (..., X, F), the first ``old`` carried: those at the state's scale raised to their maximum (≥ every one of them),
+    this call's key t at the running maximum R_t (≥ that start), the scale query t reads every key at."""
+    start = state.linear.shift
+    if old:
+        start = torch.maximum(start, logs[..., :old, :].amax((-1, -2)))
+    r = running_scales(logs[..., old:, :], True, start)  # (..., N)
+    return r, torch.cat([start.unsqueeze(-1).expand(*start.shape, old), r], dim=-1)
+
+
+def maps_features(hybrid: Hybrid) -> bool:
+    """Whether :func:`exact_parallel` maps q and the keys: for the mass or the log-scales. The γ form of an ordinary
+    map (the delta rule's exact part included) needs neither, and leaves the O(1) keys a token writes to the linear
+    part."""
+    return hybrid.factor is None or hybrid.log_space
+
+
 def exact_parallel(
     hybrid: Hybrid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
     state: WindowAttentionState | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The causal exact part alone, with explicit weights (ordinary maps): Σ e^{s_tj − m_t} v_j and Σ e^{s_tj − m_t}
-    over the window and sinks, the mass M_t = Σ φ(q_t)·φ(k_j) over them (mass form, ``hybrid.factor`` None) and the
-    row maximum m_t — as :meth:`.hybrid.Hybrid.exact_part` returns them. What a linear part of any kind meets."""
+) -> Parts:
+    """The causal exact part alone, with explicit weights, as :class:`.chunked.Parts` (``lin`` and ``linear`` None):
+    Σ e^{s_tj − m_t} v_j and Σ e^{s_tj − m_t} over the window and sinks, the mass M_t = Σ φ(q_t)·φ(k_j) over them
+    (mass form, ``hybrid.factor`` None; log-space maps: in query t's stored scale c_t + R_t) and the row maximum
+    m_t — as :meth:`.hybrid.Hybrid.exact_part` returns them — with q's and the keys' features, or where
+    :func:`maps_features` is False q and the keys as they are. What a linear part of any kind meets."""
     xk, xv, xkeep, positions, n0 = _joined(state, k, v, keep)
+    old = xk.shape[-2] - k.shape[-2]
     exact, _ = _exact_mask(hybrid, positions, n0, q.shape[-2], xkeep, True)
     scores = ((q @ xk.transpose(-1, -2)) * hybrid.scale).masked_fill(~exact, NEG_INF)  # (..., N, X)
     row_max = scores.amax(-1, keepdim=True)
     probs = torch.exp(scores - finite(row_max))
-    mass = None
+    num, den, top = probs @ xv, probs.sum(-1), row_max.squeeze(-1)
+    ring = state.keys.shape[-2] if state is not None else 0
+    if not maps_features(hybrid):
+        state = state if state is not None else empty_window_state(hybrid, k, v, 0)
+        return Parts(q, None, None, None, (num, den, None, top), None, state, keep, k, xk[..., old - ring : old, :])
+    qf, c = hybrid.query_features(q)
+    logs = hybrid.key_logs(xk, xkeep)  # (..., X, F): φ (ordinary maps, 0 at masked keys) or log φ (−inf there)
+    if state is None:
+        state = empty_window_state(hybrid, k, v, logs.shape[-1])
+    r = at = mass = None
+    if hybrid.log_space:
+        r, at = reading_scales(state, logs, old)
     if hybrid.factor is None:
-        qf, _ = hybrid.query_features(q)
-        weights = qf @ hybrid.key_logs(xk, xkeep).transpose(-1, -2)  # ordinary maps: the features themselves
+        weights = qf @ hybrid.stored(logs, at).transpose(-1, -2)  # (..., N, X)
+        if r is not None and at is not None:  # key j stored at its scale, read at R_t
+            weights = weights * scale_between(at.unsqueeze(-2), r.unsqueeze(-1), exact)
         mass = weights.masked_fill(~exact, 0.0).sum(-1)
-    return probs @ xv, probs.sum(-1), mass, row_max.squeeze(-1)
+    return Parts(qf, c, r, None, (num, den, mass, top), None, state, keep, logs[..., old:, :],
+                 logs[..., old - ring : old, :])
 
 
 def window_parallel(
@@ -86,9 +122,7 @@ def window_parallel(
     if hybrid.log_space:
         if causal:
             assert state is not None
-            start = torch.maximum(state.linear.shift, logs[..., :old, :].amax((-1, -2))) if old else state.linear.shift
-            r = running_scales(logs[..., old:, :], True, start)  # (..., N)
-            key_scales = torch.cat([start.unsqueeze(-1).expand(*start.shape, old), r], dim=-1)  # (..., X)
+            r, key_scales = reading_scales(state, logs, old)  # (..., N), (..., X)
         else:
             top = logs.amax((-1, -2))  # (...): one scale for all
             r = top.unsqueeze(-1).expand(*top.shape, n)
