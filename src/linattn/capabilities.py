@@ -99,7 +99,12 @@ def _delta(form_reason: str | None) -> Callable[[Call], list[str]]:
 
 
 def _sparse(call: Call) -> list[str]:
-    found = [] if call.causal else [
+    """The sparse cache beside any linear part: an additive one shares softmax's normaliser, the delta rule's
+    read-out is added to the exact keys' average (unnormalised)."""
+    found = [] if call.update == "delta" or call.normalize else [
+        "window: the hybrid shares softmax's normaliser; use normalize=True"
+    ]
+    found += [] if call.causal else [
         "sparse_cache: the cache keeps pairs that have left a causal window; pass causal=True (a non-causal call "
         "sees every key in its band or linearly)"
     ]
@@ -142,10 +147,10 @@ ROUTES: tuple[Route, ...] = (
     Route("window", "recurrent", None, _window(_causal_only)),
     # the window op with a sparse exact cache: the window's chunked path and a per-block correction (chunk: the
     # window's linear part)
-    Route("sparse", "parallel", None, _window(_sparse)),
+    Route("sparse", "parallel", None, _sparse),
     Route("sparse", "global", None, _window(_window_global)),
-    Route("sparse", "chunked", 64, _window(_sparse)),
-    Route("sparse", "recurrent", None, _window(_sparse)),
+    Route("sparse", "chunked", 64, _sparse),
+    Route("sparse", "recurrent", None, _sparse),
     # the window's exact part beside a linear part of another kind (forms/window/composed.py): the linear kind's
     # forms on the stream delayed by W (chunk: the linear kind's default, 64 for each)
     Route("composed", "parallel", None, _composed),

@@ -178,7 +178,7 @@ def linear_attention(
     if window is not None:  # the exact part beside a linear part of another kind: composed
         kind = "window" if kind == "plain" and log_decay is None else "composed"
     if cache is not None:
-        _validate.check_sparse_cache(cache, q, window or 0, initial_state, composed=kind == "composed")
+        _validate.check_sparse_cache(cache, q, window or 0, initial_state, delta=update == "delta")
         kind = "sparse"
     call = Call(
         kind=kind,
