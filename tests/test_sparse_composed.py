@@ -286,3 +286,62 @@ def test_what_is_still_refused():
     _, state = linattn.linear_attention(q, k, v, causal=True, window=4, sparse_cache=2, decay=0.9, return_state=True)
     with pytest.raises(linattn.LinearAttentionError, match="update"):  # an additive state continued by the delta rule
         linattn.linear_attention(q, k, v, causal=True, window=4, sparse_cache=2, initial_state=state, **options)
+
+
+@pytest.mark.parametrize("score", ["recall", "attention", "oracle"])
+@pytest.mark.parametrize("factor", [None, 0.7], ids=["no-factor", "factor"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_decoding_step_equals_the_chunked_form(kind, factor, score):
+    from linattn.decode import SparseComposedDecodeStep, lean_step
+
+    q, k, v, gen = inputs(h=4, n=26, heads_kv=2)
+    options = linear_options(kind, q, gen)
+    keep = torch.rand(2, 26, generator=gen) > 0.2
+    cache = cache_for(score, size=(1, 3, 2, 4), block=3, linear_weight=(1.0, 0.5, 1.0, 0.0))
+    common = {"window": 5, "sinks": 2, "window_factor": factor, "sparse_cache": cache}
+    whole = linattn.linear_attention(q, k, v, causal=True, key_padding_mask=keep, chunk_size=8, **common, **options)
+    prompt = 7
+    _, state = linattn.linear_attention(q[..., :prompt, :], k[..., :prompt, :], v[..., :prompt, :], causal=True,
+                                        key_padding_mask=keep[:, :prompt], return_state=True, **common,
+                                        **sliced(options, 0, prompt))
+    fixed = {n: x for n, x in options.items() if not torch.is_tensor(x)}
+    if "log_gate" in options:
+        fixed["log_gate"] = "with each token"
+    step = lean_step(linattn.feature_maps.create("elu", head_dim=6), state, {**common, **fixed}, kv_heads=2)
+    assert isinstance(step, SparseComposedDecodeStep)
+    outs = []
+    for t in range(prompt, 26):
+        token = sliced(options, t, t + 1)
+        gate = token.get("log_gate")
+        outs.append(step(q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :], keep[:, t : t + 1],
+                         beta=token["beta"][..., 0] if "beta" in token else None,
+                         log_decay=None if gate is None else gate[..., 0] if gate.dim() == 3 else gate[..., 0, :]))
+    torch.testing.assert_close(torch.cat(outs, dim=-2), whole[..., prompt:, :], rtol=0, atol=1e-10)
+    _, final = linattn.linear_attention(q, k, v, causal=True, key_padding_mask=keep, return_state=True, **common,
+                                        **options)
+    got = step.state()
+    torch.testing.assert_close(got.linear.kv, final.linear.kv, rtol=0, atol=1e-10)
+    assert torch.equal(got.cache.packed_positions, final.cache.packed_positions)
+    torch.testing.assert_close(got.cache.packed_keys, final.cache.packed_keys, rtol=0, atol=0)
+    if kind in DELTA_KINDS:
+        torch.testing.assert_close(got.cache.packed_betas, final.cache.packed_betas, rtol=0, atol=0)
+        torch.testing.assert_close(got.betas, final.betas, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options", [{"update": "delta", "gate": "token"}, {"gate": "feature", "decay": "retnet"},
+                                     {"update": "delta", "gate": "feature"}],
+                         ids=["gated-delta", "feature-gate+retnet", "kda"])
+def test_the_layer_decodes_with_the_sparse_composed_step(options):
+    from linattn.decode import SparseComposedDecodeStep
+    from linattn.nn import LinearAttention
+
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, causal=True, window=4, sinks=1, sparse_cache=SparseCache(size=2, block=2),
+                            **options).double()
+    x = torch.randn(2, 15, 16, dtype=torch.float64)
+    whole = layer(x)
+    out, state = layer(x[:, :6], return_state=True)
+    decoder = layer.decoder(state)
+    assert isinstance(decoder.step, SparseComposedDecodeStep)
+    outs = [out] + [decoder(x[:, t : t + 1]) for t in range(6, 15)]
+    torch.testing.assert_close(torch.cat(outs, dim=1), whole, rtol=0, atol=1e-10)

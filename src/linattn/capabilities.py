@@ -11,6 +11,7 @@ A new computation (a form, a state kind, an update rule) enters as rows here and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -301,6 +302,8 @@ def step_reasons(step: str, fmap: nn.Module, state: Any, options: dict[str, Any]
         return _composed_step_reasons(fmap, state, options)
     if step == "sparse":
         return _sparse_step_reasons(fmap, state, options)
+    if step == "sparse_composed":
+        return _sparse_composed_step_reasons(fmap, state, options)
     if step == "plain":
         if type(state) is not LinearAttentionState:
             return [f"state {type(state).__name__}: the step continues a LinearAttentionState"]
@@ -322,6 +325,20 @@ def _sparse_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) -
         return [f"state {type(state).__name__}: the sparse step continues a WindowAttentionState that carries a "
                 "sparse cache (made with sparse_cache=)"]
     found = [] if state.linear.kv.dim() == 4 else ["state: the sparse step needs batch shape (B, H)"]
+    if isinstance(state.linear, DeltaRuleState):
+        found.append("state: its linear part is the delta rule (the sparse composed step continues it)")
+    found += _cache_option_reasons(state, options)
+    found += _step_common(fmap, state.linear.kv, options, SPARSE_STEP_OPTIONS)
+    if is_log_space(fmap):
+        found.append("a log-space feature map: the sparse step keeps every sum at scale 1 (and the cache takes "
+                     "ordinary maps)")
+    return found
+
+
+def _cache_option_reasons(state: WindowAttentionState, options: dict[str, Any]) -> list[str]:
+    """Whether the options carry the cache the state was made with."""
+    assert state.cache is not None
+    found = []
     option = options.get("sparse_cache")
     cache = SparseCache(option) if isinstance(option, int) and not isinstance(option, bool) else option
     if not isinstance(cache, SparseCache):
@@ -330,11 +347,21 @@ def _sparse_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) -
         found.append("sparse_cache: not the cache the state was made with (its block or sizes differ)")
     elif cache.score_mismatch(state.cache, state.num_tokens):
         found.append(f"sparse_cache: {cache.score_mismatch(state.cache, state.num_tokens)}")
-    found += _step_common(fmap, state.linear.kv, options, SPARSE_STEP_OPTIONS)
-    if is_log_space(fmap):
-        found.append("a log-space feature map: the sparse step keeps every sum at scale 1 (and the cache takes "
-                     "ordinary maps)")
     return found
+
+
+def _sparse_composed_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) -> list[str]:
+    """The sparse cache beside a decayed, gated or delta-rule linear part: the composed step's rules and the
+    cache's."""
+    if type(state) is not WindowAttentionState or state.cache is None:
+        return [f"state {type(state).__name__}: the sparse composed step continues a WindowAttentionState that "
+                "carries a sparse cache (made with sparse_cache=)"]
+    found = _cache_option_reasons(state, options)
+    delta = isinstance(state.linear, DeltaRuleState)
+    if not delta and options.get("decay") is None and options.get("log_gate") is None:
+        found.append("no decay, gate or delta rule: the sparse step continues the additive, ungated state")
+    return found + _composed_step_reasons(fmap, dataclasses.replace(state, cache=None), {
+        name: value for name, value in options.items() if name != "sparse_cache"})
 
 
 def _composed_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) -> list[str]:
@@ -386,7 +413,7 @@ def _delta_step_reasons(state: Any, options: dict[str, Any]) -> list[str]:
 def choose_step(fmap: nn.Module, state: Any, options: dict[str, Any]) -> str | None:
     """"plain", "window", "sparse", "delta" or "composed": the lean step that continues ``state``, or None
     (``linear_attention`` runs instead)."""
-    for step in ("plain", "window", "sparse", "delta", "composed"):
+    for step in ("plain", "window", "sparse", "delta", "composed", "sparse_composed"):
         if not step_reasons(step, fmap, state, options):
             return step
     return None

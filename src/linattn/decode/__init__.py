@@ -40,6 +40,11 @@ options or per-token ones with each call (:mod:`linattn.decode.delta`).
 :class:`ComposedDecodeStep` continues the window beside a decayed, gated or delta-rule linear part: the leaving
 key is written with the token's decay (the delta rule through a :class:`DeltaDecodeStep`), the new key takes its
 ring slot, and the window's combiner gives the output (:mod:`linattn.decode.composed`).
+
+:class:`SparseComposedDecodeStep` continues the sparse cache beside such a linear part: at a boundary the cache is
+chosen against the decayed sums or the delta memory, and the step's decay precedes the writes of the pairs leaving
+the exact part at that step (the dropped cached pairs, then the key leaving the window;
+:mod:`linattn.decode.sparse_composed`).
 """
 
 from __future__ import annotations
@@ -56,10 +61,12 @@ from .composed import ComposedDecodeStep
 from .delta import DeltaDecodeStep
 from .plain import DecodeStep, supports
 from .sparse import SparseDecodeStep, sparse_step
+from .sparse_composed import SparseComposedDecodeStep
 from .window import WindowDecodeStep, supports_window, window_step
 
 __all__ = [
     "COMPOSED_STEP_OPTIONS", "DELTA_STEP_OPTIONS", "SPARSE_STEP_OPTIONS", "STEP_OPTIONS", "WINDOW_STEP_OPTIONS",
-    "ComposedDecodeStep", "DecodeStep", "DeltaDecodeStep", "SparseDecodeStep", "WindowDecodeStep", "lean_step",
+    "ComposedDecodeStep", "DecodeStep", "DeltaDecodeStep", "SparseComposedDecodeStep", "SparseDecodeStep",
+    "WindowDecodeStep", "lean_step",
     "sparse_step", "supports", "supports_window", "window_step",
 ]
