@@ -251,7 +251,7 @@ def test_state_bytes_do_not_grow_with_the_sequence(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients(kind):
-    q, k, v, gen = inputs(b=1, h=1, n=13, d=3, dv=2)
+    q, k, v, gen = inputs(b=1, h=1, n=11, d=3, dv=2)
     options = linear_options(kind, q, gen, features=3)
     tensors = [x.requires_grad_() for x in (q, k, v)]
     extra = {name: value.requires_grad_() for name, value in options.items() if isinstance(value, torch.Tensor)}
@@ -261,7 +261,8 @@ def test_gradients(kind):
         return linattn.linear_attention(q, k, v, causal=True, window=3, sinks=1, chunk_size=4, form="chunked",
                                         sparse_cache=SparseCache(size=2, block=2), **given)
 
-    assert torch.autograd.gradcheck(run, (*tensors, *extra.values()), atol=1e-7)
+    # fast mode (random directions) keeps the per-feature gates' many inputs quick
+    assert torch.autograd.gradcheck(run, (*tensors, *extra.values()), atol=1e-7, fast_mode=True)
 
 
 @pytest.mark.parametrize("kind", ["feature-gate", "gated-delta"])
