@@ -27,7 +27,7 @@ from ..delta import delta_chunked, delta_recurrent
 from ..gated import gated_chunked_attention, gated_recurrent_attention
 from ..kda import kda_chunked, kda_recurrent
 from ..recurrent import recurrent_attention
-from .boundary import NEVER, gather_rows
+from .boundary import NEVER, gather_rows, slot_of, sorted_table
 from .composed import with_sums, without_sums
 
 Linear = LinearAttentionState | DeltaRuleState
@@ -86,11 +86,13 @@ class Pairs:
         buffer."""
         shape = positions.shape
         positions = positions.reshape(*self.carried.shape[:-1], -1)
-        older = positions.new_full(positions.shape, -1)
-        if self.slots:
-            slot = (positions.unsqueeze(-1) == self.carried.unsqueeze(-2)) & (self.carried >= 0).unsqueeze(-2)
-            older = torch.where(slot.any(-1), slot.to(torch.int8).argmax(-1), -1)
-        row = torch.where(positions < self.ring_start, older, self.base + positions - self.ring_start)
+        row = self.base + positions - self.ring_start
+        older = positions < self.ring_start
+        if self.slots and bool(older.any()):  # a carried pair's slot, by binary search among the cache's positions
+            slot, found = slot_of(positions, sorted_table(self.carried))
+            row = torch.where(older, torch.where(found, slot, -1), row)
+        elif not self.slots:
+            row = row.masked_fill(older, -1)
         return torch.where(positions < 0, -1, row).view(shape)
 
 
@@ -152,6 +154,25 @@ def _at(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
     return picked * (index >= 0).view(shape).to(picked.dtype)
 
 
+def _summed(part: LinearPart, kf: torch.Tensor, values: torch.Tensor, stream: Stream,
+            state: Linear) -> LinearAttentionState:
+    """The additive sums after the stream's slots i = 1 … M: S_M = e^{G_M}·S_0 + Σ_i e^{G_M − G_i}·φ_i v_iᵀ (and z
+    alike), G the cumulative log-decay over the slots (per feature with a per-feature gate)."""
+    assert isinstance(state, LinearAttentionState)
+    gate = part.gate()
+    if gate is not None:
+        logs = _at(gate, stream.gate_at, -2)  # (..., M, F)
+    elif part.log_decay is not None:
+        logs = _at(part.log_decay, stream.gate_at, -1).unsqueeze(-1)  # (..., M, 1)
+    else:
+        logs = kf.new_zeros(*kf.shape[:-1], 1, dtype=torch.float64)
+    total = torch.cumsum(logs.to(torch.float64), dim=-2)
+    carry = torch.exp(total[..., -1, :]).to(kf.dtype)  # (..., F) or (..., 1)
+    weights = kf * torch.exp(total[..., -1:, :] - total).to(kf.dtype)
+    kv = state.kv * carry.unsqueeze(-1) + weights.transpose(-1, -2) @ values
+    return LinearAttentionState(kv, state.k_sum * carry + weights.sum(-2), state.shift, state.num_tokens)
+
+
 def run_stream(part: LinearPart, pairs: Pairs, stream: Stream, qf: torch.Tensor | None, state: Linear,
                chunk_size: int | None) -> tuple[torch.Tensor | None, Linear]:
     """The linear op on ``stream`` from ``state`` (its recurrent form, or chunked with ``chunk_size``): the
@@ -163,6 +184,8 @@ def run_stream(part: LinearPart, pairs: Pairs, stream: Stream, qf: torch.Tensor 
     written = (stream.rows >= 0).unsqueeze(-1)
     kf = gather_rows(pairs.lin, stream.rows) * written
     values = gather_rows(pairs.values, stream.rows) * written
+    if qf is None and not part.delta:  # the additive sums after the stream, in one product
+        return None, _summed(part, kf, values, stream, state)
     queries = _at(qf, stream.read, -2) if qf is not None else kf.new_zeros(*kf.shape[:-1], pairs.lin.shape[-1])
     decay = _at(part.log_decay, stream.gate_at, -1) if part.log_decay is not None else None
     gate = part.gate()
