@@ -117,7 +117,9 @@ def linear_attention(
         sparse_cache: with ``window=`` (causal): beside the window and sinks, up to this many key/value pairs per
             head that have left the window stay exact (an int, or a :class:`SparseCache` with per-head sizes and
             the score that chooses them: LoLA's self-recall error by default); the rest are in the linear state.
-            Decided every ``block`` tokens, so every form computes the same; constant memory. docs/sparse_cache.md.
+            Decided every ``block`` tokens, so every form computes the same; constant memory. Beside any linear
+            part (decays, gates, the delta rule): a pair enters the linear state when it leaves the exact part.
+            docs/sparse_cache.md.
         beta: the delta rule's write strength β ∈ [0, 2], a float or ``(..., N)`` per token and head (e.g.
             ``torch.sigmoid(x @ w_beta)``); default 1.
 
