@@ -346,3 +346,43 @@ def test_the_layer_decodes_with_the_sparse_composed_step(options):
     assert isinstance(decoder.step, SparseComposedDecodeStep)
     outs = [out] + [decoder(x[:, t : t + 1]) for t in range(6, 15)]
     torch.testing.assert_close(torch.cat(outs, dim=1), whole, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["feature-gate", "kda"])
+def test_continuation_with_per_head_sizes_padding_and_the_oracle(kind):
+    q, k, v, gen = inputs(h=3, n=30, seed=2)
+    options = linear_options(kind, q, gen)
+    keep = torch.rand(2, 30, generator=gen) > 0.25
+    cache = SparseCache(size=(1, 4, 2), score="oracle", block=3, keep=ORACLE)
+    common = {"causal": True, "window": 5, "sinks": 1, "sparse_cache": cache, "chunk_size": 4}
+    whole = linattn.linear_attention(q, k, v, key_padding_mask=keep, **common, **options)
+    state, pieces = None, []
+    for start, end in ((0, 7), (7, 8), (8, 30)):
+        out, state = linattn.linear_attention(q[..., start:end, :], k[..., start:end, :], v[..., start:end, :],
+                                              key_padding_mask=keep[:, start:end], initial_state=state,
+                                              return_state=True, **common, **sliced(options, start, end))
+        pieces.append(out)
+    torch.testing.assert_close(torch.cat(pieces, -2), whole, rtol=0, atol=1e-10)
+
+
+def test_the_decoding_step_selects_beams():
+    from linattn.decode import lean_step
+
+    q, k, v, gen = inputs(b=3, n=16)
+    options = linear_options("gated-delta", q, gen)
+    common = {"window": 4, "sinks": 1, "sparse_cache": SparseCache(size=2, block=2)}
+    _, state = linattn.linear_attention(q[..., :9, :], k[..., :9, :], v[..., :9, :], causal=True, return_state=True,
+                                        **common, **sliced(options, 0, 9))
+    fmap = linattn.feature_maps.create("elu", head_dim=6)
+    step = lean_step(fmap, state, {**common, "update": "delta", "log_gate": "with each token"}, kv_heads=2)
+    assert step is not None
+    index = torch.tensor([2, 0])
+    picked = step.index_select(0, index)
+    fresh = lean_step(fmap, state.index_select(0, index), {**common, "update": "delta", "log_gate": "with each token"},
+                      kv_heads=2)
+    assert picked is not None and fresh is not None
+    for t in range(9, 16):
+        token = sliced(options, t, t + 1)
+        args = (q[index][..., t : t + 1, :], k[index][..., t : t + 1, :], v[index][..., t : t + 1, :])
+        extra = {"beta": token["beta"][index][..., 0], "log_decay": token["log_gate"][index][..., 0]}
+        torch.testing.assert_close(picked(*args, **extra), fresh(*args, **extra), rtol=0, atol=0)
