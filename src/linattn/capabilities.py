@@ -99,12 +99,9 @@ def _delta(form_reason: str | None) -> Callable[[Call], list[str]]:
     return reasons
 
 
-def _sparse(call: Call) -> list[str]:
-    """The sparse cache beside any linear part: an additive one shares softmax's normaliser, the delta rule's
-    read-out is added to the exact keys' average (unnormalised)."""
-    found = [] if call.update == "delta" or call.normalize else [
-        "window: the hybrid shares softmax's normaliser; use normalize=True"
-    ]
+def _sparse(call: Call) -> list[str]:  # an additive part shares softmax's normaliser; the delta read-out is added
+    found = [] if call.update == "delta" or call.normalize else ["window: the hybrid shares softmax's normaliser; "
+                                                                "use normalize=True"]
     found += [] if call.causal else [
         "sparse_cache: the cache keeps pairs that have left a causal window; pass causal=True (a non-causal call "
         "sees every key in its band or linearly)"
@@ -147,7 +144,7 @@ ROUTES: tuple[Route, ...] = (
     Route("window", "chunked", 64, _window(_none)),
     Route("window", "recurrent", None, _window(_causal_only)),
     # the window op with a sparse exact cache: the window's chunked path and a per-block correction (chunk: the
-    # window's linear part)
+    # window's linear part); beside other linear parts their forms on a write stream (forms/window/sparse_composed)
     Route("sparse", "parallel", None, _sparse),
     Route("sparse", "global", None, _window(_window_global)),
     Route("sparse", "chunked", 64, _sparse),
@@ -336,32 +333,26 @@ def _sparse_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) -
 
 
 def _cache_option_reasons(state: WindowAttentionState, options: dict[str, Any]) -> list[str]:
-    """Whether the options carry the cache the state was made with."""
-    assert state.cache is not None
-    found = []
+    assert state.cache is not None  # the options carry the cache the state was made with?
     option = options.get("sparse_cache")
     cache = SparseCache(option) if isinstance(option, int) and not isinstance(option, bool) else option
     if not isinstance(cache, SparseCache):
-        found.append("sparse_cache: the options carry no cache (an int or a SparseCache) to continue the state's with")
-    elif cache.block_for(state.window) != state.cache.block or not cache.made(state.cache.sizes):
-        found.append("sparse_cache: not the cache the state was made with (its block or sizes differ)")
-    elif cache.score_mismatch(state.cache, state.num_tokens):
-        found.append(f"sparse_cache: {cache.score_mismatch(state.cache, state.num_tokens)}")
-    return found
+        return ["sparse_cache: the options carry no cache (an int or a SparseCache) to continue the state's with"]
+    if cache.block_for(state.window) != state.cache.block or not cache.made(state.cache.sizes):
+        return ["sparse_cache: not the cache the state was made with (its block or sizes differ)"]
+    wrong = cache.score_mismatch(state.cache, state.num_tokens)
+    return [f"sparse_cache: {wrong}"] if wrong else []
 
 
 def _sparse_composed_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) -> list[str]:
-    """The sparse cache beside a decayed, gated or delta-rule linear part: the composed step's rules and the
-    cache's."""
-    if type(state) is not WindowAttentionState or state.cache is None:
+    if type(state) is not WindowAttentionState or state.cache is None:  # the composed step's rules and the cache's
         return [f"state {type(state).__name__}: the sparse composed step continues a WindowAttentionState that "
                 "carries a sparse cache (made with sparse_cache=)"]
     found = _cache_option_reasons(state, options)
-    delta = isinstance(state.linear, DeltaRuleState)
-    if not delta and options.get("decay") is None and options.get("log_gate") is None:
+    if not isinstance(state.linear, DeltaRuleState) and options.get("decay") is None and not options.get("log_gate"):
         found.append("no decay, gate or delta rule: the sparse step continues the additive, ungated state")
-    return found + _composed_step_reasons(fmap, dataclasses.replace(state, cache=None), {
-        name: value for name, value in options.items() if name != "sparse_cache"})
+    rest = {name: value for name, value in options.items() if name != "sparse_cache"}
+    return found + _composed_step_reasons(fmap, dataclasses.replace(state, cache=None), rest)
 
 
 def _composed_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) -> list[str]:
@@ -411,8 +402,8 @@ def _delta_step_reasons(state: Any, options: dict[str, Any]) -> list[str]:
 
 
 def choose_step(fmap: nn.Module, state: Any, options: dict[str, Any]) -> str | None:
-    """"plain", "window", "sparse", "delta" or "composed": the lean step that continues ``state``, or None
-    (``linear_attention`` runs instead)."""
+    """"plain", "window", "sparse", "delta", "composed" or "sparse_composed": the lean step that continues
+    ``state``, or None (``linear_attention`` runs instead)."""
     for step in ("plain", "window", "sparse", "delta", "composed", "sparse_composed"):
         if not step_reasons(step, fmap, state, options):
             return step
