@@ -386,3 +386,30 @@ def test_the_decoding_step_selects_beams():
         args = (q[index][..., t : t + 1, :], k[index][..., t : t + 1, :], v[index][..., t : t + 1, :])
         extra = {"beta": token["beta"][index][..., 0], "log_decay": token["log_gate"][index][..., 0]}
         torch.testing.assert_close(picked(*args, **extra), fresh(*args, **extra), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gate", ["token", "feature"], ids=["gated-delta", "kda"])
+def test_a_linearized_model_generates_with_the_step(gate):
+    """A tiny Llama whose attention is the gated delta rule (or KDA) beside the window and the cache: generation
+    through the transformers cache (the lean step from the prefill's state) equals recomputing every token."""
+    pytest.importorskip("transformers")
+    import linattn.hf as hf
+    from linattn.decode import SparseComposedDecodeStep
+    from linattn.nn import KeyGates
+    from test_decoder_generate import tiny_llama
+    from test_key_gates import _randomised
+
+    gates = [_randomised(KeyGates(2, 8, gate=gate, num_features=8 if gate == "feature" else None, readout=True),
+                         5 + i) for i in range(2)]
+    model = hf.linearize(tiny_llama(), "elu", gates=gates, update="delta", window=16, sinks=2,
+                         sparse_cache=SparseCache(size=4, block=8))
+    ids = torch.randint(1, 60, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cached = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
+                                return_dict_in_generate=True)
+        recomputed = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, use_cache=False,
+                                    output_logits=True, return_dict_in_generate=True)
+    assert all(isinstance(layer.stepper, SparseComposedDecodeStep) for layer in cached.past_key_values.layers)
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    for ours, full in zip(cached.logits, recomputed.logits, strict=True):
+        torch.testing.assert_close(ours, full, rtol=1e-4, atol=1e-4)
