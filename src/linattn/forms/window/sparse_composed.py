@@ -99,9 +99,10 @@ def _pairs(hybrid: Hybrid, part: LinearPart, cache: SparseCache, state: WindowAt
 
 def _decide(hybrid: Hybrid, cache: SparseCache, part: LinearPart, pairs: Pairs, linear: Linear,
             queries: torch.Tensor, query_first: int, n0: int, end: int,
-            chunk_size: int | None) -> tuple[dict[int, torch.Tensor], Stream, torch.Tensor]:
-    """The call's boundaries in order: each block's cache (..., L) by block index, the call's write stream and the
-    entry times (..., X). The linear state is carried between boundaries only for the recall score."""
+            chunk_size: int | None) -> tuple[dict[int, torch.Tensor], Stream]:
+    """The call's boundaries in order: each block's cache (..., L) by block index and the call's write stream (from
+    the entry times, each final before its step). The linear state is carried between boundaries only for the
+    recall score."""
     window, block = hybrid.window, cache.block_for(hybrid.window)
     batch, device = pairs.pos.shape[:-1], pairs.pos.device
     sizes, slots = cache.sizes_for(batch, device), pairs.carried.shape[-1]
@@ -144,7 +145,7 @@ def _decide(hybrid: Hybrid, cache: SparseCache, part: LinearPart, pairs: Pairs, 
         members, by_block[t0 // block] = chosen, chosen
         cursor, decided = t0, True
     pieces.append(stream_piece(pairs, entry[..., :-1], cursor, end, n0, window, decided))
-    return by_block, Stream.join(pieces), entry[..., :-1]
+    return by_block, Stream.join(pieces)
 
 
 def sparse_composed(
@@ -174,7 +175,7 @@ def sparse_composed(
     query_first = n0 - carried.queries.shape[-2]
     chunk = chunk_size if form == "chunked" else None
     with torch.no_grad():
-        by_block, stream, _ = _decide(hybrid, cache, part, pairs, state.linear, queries.detach(), query_first, n0,
+        by_block, stream = _decide(hybrid, cache, part, pairs, state.linear, queries.detach(), query_first, n0,
                                       end, chunk)
     phi_q, _ = hybrid.query_features(q)
     lin_out, linear = run_stream(part, pairs, stream, part.features(phi_q), state.linear, chunk)
