@@ -327,6 +327,19 @@ def test_the_decoding_step_equals_the_chunked_form(kind, factor, score):
     if kind in DELTA_KINDS:
         torch.testing.assert_close(got.cache.packed_betas, final.cache.packed_betas, rtol=0, atol=0)
         torch.testing.assert_close(got.betas, final.betas, rtol=0, atol=0)
+    # a state the step hands back continues through linear_attention as the prefill's does
+    at = 20
+    again = lean_step(linattn.feature_maps.create("elu", head_dim=6), state, {**common, **fixed}, kv_heads=2)
+    for t in range(prompt, at):
+        token = sliced(options, t, t + 1)
+        gate = token.get("log_gate")
+        again(q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :], keep[:, t : t + 1],
+              beta=token["beta"][..., 0] if "beta" in token else None,
+              log_decay=None if gate is None else gate[..., 0] if gate.dim() == 3 else gate[..., 0, :])
+    rest = linattn.linear_attention(q[..., at:, :], k[..., at:, :], v[..., at:, :], causal=True, chunk_size=4,
+                                    key_padding_mask=keep[:, at:], initial_state=again.state(), **common,
+                                    **sliced(options, at, 26))
+    torch.testing.assert_close(rest, whole[..., at:, :], rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("options", [{"update": "delta", "gate": "token"}, {"gate": "feature", "decay": "retnet"},
