@@ -224,12 +224,6 @@ def test_a_state_of_the_other_update_rule_is_refused():
         linattn.linear_attention(q, k, v, causal=True, window=4, initial_state=state, decay=0.9)
 
 
-def test_the_sparse_cache_beside_a_gate_is_refused():
-    q, k, v, gen = inputs(n=9)
-    with pytest.raises(LinearAttentionError, match="ungated"):
-        linattn.linear_attention(q, k, v, causal=True, window=4, sparse_cache=2, decay=0.9)
-
-
 def test_non_causal_is_refused():
     q, k, v, gen = inputs(n=9)
     with pytest.raises(LinearAttentionError, match="causal"):

@@ -34,6 +34,8 @@ from .exact.forms.composed import (
 )
 from .exact.forms.naive import exact_parallel, maps_features
 from .exact.forms.sparse import sparse_chunked, sparse_parallel, sparse_recurrent
+from .exact.forms.sparse_composed import sparse_composed
+from .exact.forms.sparse_stream import LinearPart
 from .features import NEG_INF, check_feature_dims, delta_inputs, key_features, map_features, query_features
 from .forms import (
     causal_chunked_attention,
@@ -224,10 +226,13 @@ def run_window(job: Job, form: str) -> Result:
 
 
 def run_sparse(job: Job, form: str) -> Result:
-    """The window op with a sparse exact cache (exact/forms/sparse.py); causal, ordinary maps."""
-    hybrid = _hybrid(job, job.window_factor)  # ordinary maps only (the capability table refuses log-space ones)
+    """The window op with a sparse exact cache (exact/forms/sparse.py; beside a decayed, gated or delta-rule
+    linear part exact/forms/sparse_composed.py); causal, ordinary maps."""
     state, cache = job.state, job.sparse_cache
     assert (state is None or isinstance(state, WindowAttentionState)) and cache is not None
+    if job.beta is not None or job.log_decay is not None or job.feature_gate is not None:
+        return _run_sparse_composed(job, form)
+    hybrid = _hybrid(job, job.window_factor)  # ordinary maps only (the capability table refuses log-space ones)
     if form == "chunked":
         assert job.chunk_size is not None
         return sparse_chunked(hybrid, cache, job.q, job.k, job.v, job.keep, state, job.chunk_size)
@@ -237,6 +242,23 @@ def run_sparse(job: Job, form: str) -> Result:
     if form == "parallel":
         return sparse_parallel(hybrid, cache, job.q, job.k, job.v, keep, state)
     return sparse_recurrent(hybrid, cache, job.q, job.k, job.v, keep, state)
+
+
+def _run_sparse_composed(job: Job, form: str) -> Result:
+    """The sparse cache beside a decayed, gated or delta-rule linear part: the delta family's exact part as its
+    softmax sums (a factor turns off the mass), as :func:`run_composed` takes it."""
+    state, cache = job.state, job.sparse_cache
+    assert (state is None or isinstance(state, WindowAttentionState)) and cache is not None
+    delta = job.beta is not None
+    factor = job.window_factor if not delta or job.window_factor is not None else torch.ones((), dtype=job.q.dtype)
+    hybrid = _hybrid(job, factor)
+    features = hybrid.key_logs(job.k[..., :1, :], None).shape[-1]
+    if job.feature_gate is not None:
+        _validate.check_gate_features(job.feature_gate, features)
+    _validate.check_state_features(state.linear if state is not None else None, features, job.map_name)
+    beta = job.beta if job.beta is None or job.keep is None else job.beta * job.keep.to(job.beta.dtype)
+    part = LinearPart(job.log_decay, job.feature_gate, beta, job.eps, job.min_denom)
+    return sparse_composed(hybrid, cache, part, job.q, job.k, job.v, job.keep, state, form, job.chunk_size or 64)
 
 
 def run_delta(job: Job, form: str) -> Result:

@@ -146,8 +146,8 @@ def step_reasons(step: str, fmap: nn.Module, state: Any, options: dict[str, Any]
 
 
 def choose_step(fmap: nn.Module, state: Any, options: dict[str, Any]) -> str | None:
-    """"plain", "window", "sparse", "delta" or "composed": the lean step that continues ``state``, or None
-    (``linear_attention`` runs instead)."""
+    """"plain", "window", "sparse", "composed", "sparse_composed" or "delta": the lean step that continues
+    ``state``, or None (``linear_attention`` runs instead)."""
     for step in _STEPS:
         if not step_reasons(step, fmap, state, options):
             return step

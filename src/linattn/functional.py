@@ -117,7 +117,9 @@ def linear_attention(
         sparse_cache: with ``window=`` (causal): beside the window and sinks, up to this many key/value pairs per
             head that have left the window stay exact (an int, or a :class:`SparseCache` with per-head sizes and
             the score that chooses them: LoLA's self-recall error by default); the rest are in the linear state.
-            Decided every ``block`` tokens, so every form computes the same; constant memory. docs/sparse_cache.md.
+            Decided every ``block`` tokens, so every form computes the same; constant memory. Beside any linear
+            part (decays, gates, the delta rule): a pair enters the linear state when it leaves the exact part.
+            docs/sparse_cache.md.
         beta: the delta rule's write strength β ∈ [0, 2], a float or ``(..., N)`` per token and head (e.g.
             ``torch.sigmoid(x @ w_beta)``); default 1.
 
@@ -178,7 +180,7 @@ def linear_attention(
     if window is not None:  # the exact part beside a linear part of another kind: composed
         kind = "window" if kind == "plain" and log_decay is None else "composed"
     if cache is not None:
-        _validate.check_sparse_cache(cache, q, window or 0, initial_state, composed=kind == "composed")
+        _validate.check_sparse_cache(cache, q, window or 0, initial_state, delta=update == "delta")
         kind = "sparse"
     call = Call(
         kind=kind,

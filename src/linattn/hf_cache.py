@@ -28,7 +28,15 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ._rows import by_rows, left_pads
-from .decode import ComposedDecodeStep, DeltaDecodeStep, WindowDecodeStep, lean_step, supports_window, window_step
+from .decode import (
+    ComposedDecodeStep,
+    DeltaDecodeStep,
+    SparseComposedDecodeStep,
+    WindowDecodeStep,
+    lean_step,
+    supports_window,
+    window_step,
+)
 from .errors import LinearAttentionError
 from .functional import linear_attention
 
@@ -208,7 +216,8 @@ def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: to
         if isinstance(layer.stepper, RowSteps):
             return layer.stepper(q, k, v, keep, gates=gates)
         per_token = step_arguments(gates(k), q.shape[1])
-        if getattr(gates, "bounded", False) and isinstance(layer.stepper, ComposedDecodeStep | DeltaDecodeStep):
+        lean = (ComposedDecodeStep, DeltaDecodeStep, SparseComposedDecodeStep)
+        if getattr(gates, "bounded", False) and isinstance(layer.stepper, lean):
             # β from a sigmoid and log-gates from a logsigmoid: in range by construction, not read back per token
             return layer.stepper(q, k, v, keep, validate=False, **per_token)
         return layer.stepper(q, k, v, keep, **per_token)

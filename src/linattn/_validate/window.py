@@ -118,8 +118,6 @@ def sparse_cache(option: object, window: int | None, update: str, state: object)
         raise LinearAttentionError(
             "sparse_cache: the cache keeps pairs that have left the window; pass window= (and sinks=) with it"
         )
-    if update != "add":
-        raise LinearAttentionError("sparse_cache: the cache sits beside the additive state; drop update= with it")
     if isinstance(option, SparseCache):
         return option
     if isinstance(option, bool) or not isinstance(option, int):
@@ -130,14 +128,9 @@ def sparse_cache(option: object, window: int | None, update: str, state: object)
 
 
 def check_sparse_cache(cache: SparseCache, q: torch.Tensor, window: int, state: object, *,
-                       composed: bool = False) -> None:
-    """The cache against the call: its linear part is additive and ungated, its block fits in the window, per-head
-    sizes match the heads, a carried state was made with the same block and slots."""
-    if composed:
-        raise LinearAttentionError(
-            "sparse_cache: the cache sits beside an additive, ungated linear state in this version; with decay= or "
-            "log_gate= drop sparse_cache= (window + sinks beside the gated state), or drop the gate"
-        )
+                       delta: bool = False) -> None:
+    """The cache against the call: its block fits in the window, per-head sizes match the heads, a carried state
+    was made with the same block and slots (and, beside the delta rule, keeps its cached pairs' β)."""
     block = cache.block_for(window)
     if block > window:
         raise LinearAttentionError(
@@ -163,6 +156,11 @@ def check_sparse_cache(cache: SparseCache, q: torch.Tensor, window: int, state: 
         wrong = cache.score_mismatch(held, state.num_tokens) if held is not None else None
         if wrong is not None:
             raise LinearAttentionError(f"initial_state: {wrong}")
+        if held is not None and delta and held.packed_betas is None:
+            raise LinearAttentionError(
+                "initial_state: its cache keeps no write strengths (made beside an additive state), but this call "
+                "has update='delta'; pass the same update= as the call that returned it"
+            )
 
 
 def _check_oracle(keep: torch.Tensor, q: torch.Tensor, state: object) -> None:

@@ -41,6 +41,11 @@ options or per-token ones with each call (:mod:`linattn.kinds.delta.step`).
 :class:`ComposedDecodeStep` continues the window beside a decayed, gated or delta-rule linear part: the leaving
 key is written with the token's decay (the delta rule through a :class:`DeltaDecodeStep`), the new key takes its
 ring slot, and the window's combiner gives the output (:mod:`linattn.exact.composed_step`).
+
+:class:`SparseComposedDecodeStep` continues the sparse cache beside such a linear part: at a boundary the cache is
+chosen against the decayed sums or the delta memory, and the step's decay precedes the writes of the pairs leaving
+the exact part at that step (the dropped cached pairs, then the key leaving the window;
+:mod:`linattn.exact.sparse_composed_step`).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from ..capabilities import (
     WINDOW_STEP_OPTIONS,
 )
 from ..exact.composed_step import ComposedDecodeStep
+from ..exact.sparse_composed_step import SparseComposedDecodeStep
 from ..exact.sparse_step import SparseDecodeStep, sparse_step
 from ..exact.window_step import WindowDecodeStep, supports_window, window_step
 from ..kinds.additive.step import DecodeStep, supports
@@ -61,6 +67,7 @@ from .choose import lean_step
 
 __all__ = [
     "COMPOSED_STEP_OPTIONS", "DELTA_STEP_OPTIONS", "SPARSE_STEP_OPTIONS", "STEP_OPTIONS", "WINDOW_STEP_OPTIONS",
-    "ComposedDecodeStep", "DecodeStep", "DeltaDecodeStep", "SparseDecodeStep", "WindowDecodeStep", "lean_step",
+    "ComposedDecodeStep", "DecodeStep", "DeltaDecodeStep", "SparseComposedDecodeStep", "SparseDecodeStep",
+    "WindowDecodeStep", "lean_step",
     "sparse_step", "supports", "supports_window", "window_step",
 ]

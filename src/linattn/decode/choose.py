@@ -8,8 +8,10 @@ from typing import Any
 
 from torch import nn
 
+from .._validate import sparse_cache
 from ..capabilities import choose_step
 from ..exact.composed_step import ComposedDecodeStep
+from ..exact.sparse_composed_step import SparseComposedDecodeStep
 from ..exact.sparse_step import sparse_step
 from ..exact.window_step import WindowDecodeStep, window_step
 from ..kinds.additive.step import DecodeStep
@@ -18,7 +20,8 @@ from ..kinds.delta.step import DeltaDecodeStep
 
 def lean_step(
     fmap: nn.Module, state: Any, options: dict[str, Any], kv_heads: int
-) -> DecodeStep | WindowDecodeStep | DeltaDecodeStep | ComposedDecodeStep | None:
+) -> (DecodeStep | WindowDecodeStep | DeltaDecodeStep | ComposedDecodeStep | SparseComposedDecodeStep
+      | None):
     """The lean step that continues ``state`` as ``linear_attention(..., **options)`` would, or None where no step
     reproduces the call (:func:`linattn.capabilities.step_reasons`); ``kv_heads`` as :class:`WindowDecodeStep`."""
     step = choose_step(fmap, state, options)
@@ -32,4 +35,8 @@ def lean_step(
         return DeltaDecodeStep(fmap, state, beta=options.get("beta"), decay=options.get("decay"))
     if step == "composed":
         return ComposedDecodeStep(fmap, state, options)
+    if step == "sparse_composed":
+        cache = sparse_cache(options["sparse_cache"], state.window, options.get("update", "add"), None)
+        assert cache is not None
+        return SparseComposedDecodeStep(fmap, state, cache, options)
     return None

@@ -3,6 +3,7 @@ a linear part of another kind ("composed"): their routes and their decoding step
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +39,11 @@ def window_reasons(extra: Callable[[Call], list[str]]) -> Callable[[Call], list[
 
 
 def sparse_reasons(call: Call) -> list[str]:
-    found = [] if call.causal else [
+    """The sparse cache's routes: an additive linear part shares softmax's normaliser; the delta family's read-out
+    is added to the softmax average."""
+    found = [] if call.update == "delta" or call.normalize else ["window: the hybrid shares softmax's normaliser; "
+                                                                "use normalize=True"]
+    found += [] if call.causal else [
         "sparse_cache: the cache keeps pairs that have left a causal window; pass causal=True (a non-causal call "
         "sees every key in its band or linearly)"
     ]
@@ -46,7 +51,6 @@ def sparse_reasons(call: Call) -> list[str]:
         found.append("sparse_cache: log-space feature maps (FAVOR+ and kin) are not covered in this version; use an "
                      "ordinary map (elu, relu, hedgehog, fitted maps)")
     return found
-
 
 
 def composed_reasons(call: Call) -> list[str]:
@@ -70,11 +74,11 @@ ROUTES: tuple[Route, ...] = (
     Route("window", "chunked", 64, window_reasons(none)),
     Route("window", "recurrent", None, window_reasons(causal_only)),
     # the window op with a sparse exact cache: the window's chunked path and a per-block correction (chunk: the
-    # window's linear part)
-    Route("sparse", "parallel", None, window_reasons(sparse_reasons)),
+    # window's linear part); beside other linear parts their forms on a write stream (exact/forms/sparse_composed.py)
+    Route("sparse", "parallel", None, sparse_reasons),
     Route("sparse", "global", None, window_reasons(no_global)),
-    Route("sparse", "chunked", 64, window_reasons(sparse_reasons)),
-    Route("sparse", "recurrent", None, window_reasons(sparse_reasons)),
+    Route("sparse", "chunked", 64, sparse_reasons),
+    Route("sparse", "recurrent", None, sparse_reasons),
     # the window's exact part beside a linear part of another kind (exact/forms/composed.py): the linear kind's
     # forms on the stream delayed by W (chunk: the linear kind's default, 64 for each)
     Route("composed", "parallel", None, composed_reasons),
@@ -104,20 +108,43 @@ def sparse_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) ->
         return [f"state {type(state).__name__}: the sparse step continues a WindowAttentionState that carries a "
                 "sparse cache (made with sparse_cache=)"]
     found = [] if state.linear.kv.dim() == 4 else ["state: the sparse step needs batch shape (B, H)"]
-    option = options.get("sparse_cache")
-    cache = SparseCache(option) if isinstance(option, int) and not isinstance(option, bool) else option
-    if not isinstance(cache, SparseCache):
-        found.append("sparse_cache: the options carry no cache (an int or a SparseCache) to continue the state's with")
-    elif cache.block_for(state.window) != state.cache.block or not cache.made(state.cache.sizes):
-        found.append("sparse_cache: not the cache the state was made with (its block or sizes differ)")
-    elif cache.score_mismatch(state.cache, state.num_tokens):
-        found.append(f"sparse_cache: {cache.score_mismatch(state.cache, state.num_tokens)}")
+    if isinstance(state.linear, DeltaRuleState):
+        found.append("state: its linear part is the delta rule (the sparse composed step continues it)")
+    found += _cache_option_reasons(state, options)
     found += step_common(fmap, state.linear.kv, options, SPARSE_STEP_OPTIONS)
     if is_log_space(fmap):
         found.append("a log-space feature map: the sparse step keeps every sum at scale 1 (and the cache takes "
                      "ordinary maps)")
     return found
 
+
+
+def _cache_option_reasons(state: WindowAttentionState, options: dict[str, Any]) -> list[str]:
+    """Whether the options carry the cache the state was made with."""
+    assert state.cache is not None
+    option = options.get("sparse_cache")
+    cache = SparseCache(option) if isinstance(option, int) and not isinstance(option, bool) else option
+    if not isinstance(cache, SparseCache):
+        return ["sparse_cache: the options carry no cache (an int or a SparseCache) to continue the state's with"]
+    if cache.block_for(state.window) != state.cache.block or not cache.made(state.cache.sizes):
+        return ["sparse_cache: not the cache the state was made with (its block or sizes differ)"]
+    wrong = cache.score_mismatch(state.cache, state.num_tokens)
+    return [f"sparse_cache: {wrong}"] if wrong else []
+
+
+def sparse_composed_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) -> list[str]:
+    """Why :class:`~linattn.decode.SparseComposedDecodeStep` does not continue ``state``: the composed step's rules
+    and the cache's; [] when it does."""
+    if type(state) is not WindowAttentionState or state.cache is None:
+        return [f"state {type(state).__name__}: the sparse composed step continues a WindowAttentionState that "
+                "carries a sparse cache (made with sparse_cache=)"]
+    found = _cache_option_reasons(state, options)
+    if not isinstance(state.linear, DeltaRuleState) and options.get("decay") is None and not options.get("log_gate"):
+        found.append("no decay, gate or delta rule: the sparse step continues the additive, ungated state")
+    if is_log_space(fmap):
+        found.append("a log-space feature map: the sparse cache takes ordinary maps")
+    rest = {name: value for name, value in options.items() if name != "sparse_cache"}
+    return found + composed_step_reasons(fmap, dataclasses.replace(state, cache=None), rest)
 
 
 def composed_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) -> list[str]:
@@ -141,4 +168,5 @@ def composed_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) 
 
 STEPS: dict[str, Callable[[nn.Module, Any, dict[str, Any]], list[str]]] = {
     "window": window_step_reasons, "sparse": sparse_step_reasons, "composed": composed_step_reasons,
+    "sparse_composed": sparse_composed_step_reasons,
 }

@@ -142,9 +142,9 @@ class Job:
             args.window = self.student.window
         if self.student.delta and args.sparse_cache:
             raise LinearAttentionError(
-                f"--student {self.student.name}: a sparse cache beside the delta rule is not supported yet (pairs "
-                "leave the cache out of order, which an overwriting state does not commute with); drop "
-                "--sparse-cache, or pass --student hedgehog")
+                f"--student {self.student.name}: the pipeline does not fit or train a delta-rule student with the "
+                "sparse cache in place yet (the op takes it: linear_attention(..., update='delta', sparse_cache=...)); "
+                "drop --sparse-cache, or pass --student hedgehog")
         self.gates: list[Any] | None = None  # a delta-rule student's KeyGates, one per layer
         self.args, self.folder = args, prepare_out(args.out)
         self.stages = Stages(self.folder, args.quiet)

@@ -6,7 +6,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..decode import ComposedDecodeStep, DecodeStep, DeltaDecodeStep, WindowDecodeStep, lean_step
+from ..decode import (
+    ComposedDecodeStep,
+    DecodeStep,
+    DeltaDecodeStep,
+    SparseComposedDecodeStep,
+    WindowDecodeStep,
+    lean_step,
+)
 from ..errors import LinearAttentionError
 from ..state import DeltaRuleState, LinearAttentionState, ShortConvState, WindowAttentionState
 
@@ -41,7 +48,8 @@ class LayerDecoder:
         if gated and "window" in options:  # the composed step takes them per token: no step that ignores them
             options["log_gate"] = "with each token"
         plain = layer.update == "delta" or not gated or "window" in options
-        self.step: DecodeStep | WindowDecodeStep | DeltaDecodeStep | ComposedDecodeStep | None = None
+        self.step: (DecodeStep | WindowDecodeStep | DeltaDecodeStep | ComposedDecodeStep | SparseComposedDecodeStep
+                    | None) = None
         if plain:
             self.step = lean_step(layer.feature_map, attention, options, layer.num_kv_heads)
         self._state = attention if self.step is None else None
@@ -81,7 +89,7 @@ class LayerDecoder:
             if isinstance(self.step, DeltaDecodeStep):
                 beta, log_decay = layer._beta(x), layer._log_decay(x)  # (B, H, 1)
                 out = self.step(q, k, v, beta=beta, log_decay=log_decay)
-            elif isinstance(self.step, ComposedDecodeStep):  # per-token decays, or per-feature gates (B, H, 1, F)
+            elif isinstance(self.step, ComposedDecodeStep | SparseComposedDecodeStep):  # per token, or (B, H, 1, F)
                 out = self.step(q, k, v, beta=layer._beta(x), log_decay=_token_gate(layer, x))
             else:
                 out = self.step(q, k, v)

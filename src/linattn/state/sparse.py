@@ -183,6 +183,8 @@ class SparseCacheState:
     ``packed_keys``       (M, Dk), ``packed_values`` (M, Dv): their keys and values (zeros in empty slots)
     ``queries``           (..., Lq, Dk): the queries since the last boundary (``score="attention"``; else Lq = 0)
     ``block``             the tokens between decisions it was made with
+    ``packed_betas``      (M,): the cached pairs' write strengths when the linear part is the delta rule (a pair
+                          writes with its own β when it leaves the cache), else None
 
     A split budget (one size per head) is therefore held at its total, not at the largest head's size for every
     head. :attr:`positions`, :attr:`keys` and :attr:`values` give the slots as (..., L[, D]) with L the largest
@@ -195,6 +197,7 @@ class SparseCacheState:
     packed_values: torch.Tensor
     queries: torch.Tensor
     block: int
+    packed_betas: torch.Tensor | None = None
 
     @staticmethod
     def slot_mask(sizes: torch.Tensor, slots: int) -> torch.Tensor:
@@ -203,10 +206,11 @@ class SparseCacheState:
 
     @classmethod
     def from_slots(cls, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
-                   block: int, sizes: torch.Tensor) -> SparseCacheState:
+                   block: int, sizes: torch.Tensor, betas: torch.Tensor | None = None) -> SparseCacheState:
         """Packs slots (..., L[, D]) whose rows hold at most ``sizes`` (...) pairs each, at the front."""
         mask = cls.slot_mask(sizes, positions.shape[-1])
-        return cls(sizes, positions[mask], keys[mask], values[mask], queries, block)
+        return cls(sizes, positions[mask], keys[mask], values[mask], queries, block,
+                   betas[mask] if betas is not None else None)
 
     @property
     def slots(self) -> int:
@@ -239,8 +243,15 @@ class SparseCacheState:
         """(..., L, Dv): the cached values, zeros in empty slots (a new tensor)."""
         return self._unpacked(self.packed_values, 0.0)
 
+    @property
+    def betas(self) -> torch.Tensor | None:
+        """(..., L): the cached pairs' write strengths (the delta rule), 0 in empty slots, or None."""
+        return None if self.packed_betas is None else self._unpacked(self.packed_betas, 0.0)
+
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> SparseCacheState:
+        betas = self.packed_betas
         return replace(self, sizes=self.sizes.to(device=device),
+                       packed_betas=betas.to(device=device, dtype=dtype) if betas is not None else None,
                        packed_positions=self.packed_positions.to(device=device),
                        packed_keys=self.packed_keys.to(device=device, dtype=dtype),
                        packed_values=self.packed_values.to(device=device, dtype=dtype),
@@ -248,7 +259,8 @@ class SparseCacheState:
 
     def detach(self) -> SparseCacheState:
         return replace(self, packed_keys=self.packed_keys.detach(), packed_values=self.packed_values.detach(),
-                       queries=self.queries.detach())
+                       queries=self.queries.detach(),
+                       packed_betas=self.packed_betas.detach() if self.packed_betas is not None else None)
 
     def index_select(self, dim: int, index: torch.Tensor) -> SparseCacheState:
         """Select along a batch dimension (``dim`` counts over the leading dims, as the window state's)."""
@@ -258,4 +270,5 @@ class SparseCacheState:
             raise LinearAttentionError(f"dim: the cache has {self.sizes.dim()} batch dims, got {dim}")
         return self.from_slots(self.positions.index_select(dim, index), self.keys.index_select(dim, index),
                                self.values.index_select(dim, index), self.queries.index_select(dim, index),
-                               self.block, self.sizes.index_select(dim, index))
+                               self.block, self.sizes.index_select(dim, index),
+                               self.betas.index_select(dim, index) if self.betas is not None else None)

@@ -322,8 +322,9 @@ def chunk_backward(saved: tuple[torch.Tensor, ...], d_out: torch.Tensor, d_final
     """The written-out backward of :class:`_KdaChunks` from what its forward saved (q, k, v, β, log-gates, the
     states entering each chunk, W_k, U, Q ⊙ e^G, K ⊙ e^{G_C − G}, e^{G_C} (..., nc, F, 1), P and T; chunked
     (..., nc, C, ·) but the inputs): ``sweep`` the adjoint of the state recurrence
-    (:func:`linattn.forms.delta.adjoint_sweep`, or a kernel with its signature, which may return None for dU), then
-    the chunk-local gradients (:func:`_local_grads`). Returns dq, dk, dv, dβ, d log-gates and ∂L/∂(initial state)."""
+    (:func:`linattn.kinds.delta.forms.adjoint_sweep`, or a kernel with its signature, which may return None for dU),
+    then the chunk-local gradients (:func:`_local_grads`). Returns dq, dk, dv, dβ, d log-gates and ∂L/∂(initial
+    state)."""
     q, k, v, beta, log_gate, states, w_k, written, bq, k_out, last, scores, inverse = saved
     d_o = _chunked(d_out, size)
     p_do = scores.mT @ d_o

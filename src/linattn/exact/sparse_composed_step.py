@@ -1,0 +1,317 @@
+"""The lean step of the sparse exact cache beside a decayed, gated or delta-rule linear part
+(``linear_attention(..., window=W, sinks=S, sparse_cache=..., decay=/log_gate=/update="delta")``), one token per
+call: :class:`SparseComposedDecodeStep`.
+
+The definition is :mod:`linattn.exact.forms.sparse_composed`'s: a pair enters the linear state when it leaves the
+exact part. Per token t, on buffers of B·H rows preallocated once:
+
+- at a boundary (t = b·B, b ≥ 1) the candidates — the cache and the ring's pairs t − W … t − W + B − 1 — are scored
+  against the linear state as query t − 1 read it (``"recall"``: LoLA's error beside additive sums, the memory's
+  ‖v − Sᵀk̂‖ beside the delta rule), the stored queries (``"attention"``) or the oracle, and chosen by the
+  functions that define the op (:mod:`linattn.exact.forms.boundary`); the cached pairs not chosen are held to be
+  written at this step, and each leaving ring pair is marked to stay or not;
+- the linear state takes the token's decay, then the writes of step t in ascending position: the pairs dropped at
+  the boundary, then key t − W unless the boundary kept it (sinks and padding never write);
+- the new key takes its ring slot and the output is the composed op's combiner over the exact keys (ring, sinks,
+  the cached pairs that have left the window) and the linear read-out.
+
+The cache is held per query-head row at its largest size (rows of a smaller budget leave their last slots empty).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import LinearAttentionError
+from ..features import map_features, unit_rows
+from ..kinds._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
+from ..state import DeltaRuleState, LinearAttentionState, SparseCache, SparseCacheState, WindowAttentionState
+from .forms.boundary import attention_scores, choose, oracle_scores, recall_scores
+
+
+class SparseComposedDecodeStep:
+    """The sparse cache beside a decayed, gated or delta-rule linear part one token at a time, from the
+    :class:`~linattn.WindowAttentionState` (batch shape (B, H), with its ``cache``) such a call returned; ``cache``
+    the :class:`~linattn.SparseCache` it was made with; the options as given to ``linear_attention`` (``eps``,
+    ``window_factor``, ``softmax_scale``, a fixed ``beta`` and ``decay``). Per-token write strengths and log-decays
+    (per token (B, H), or per feature (B, H, F)) come with each call, as :class:`~linattn.decode.ComposedDecodeStep`
+    takes them."""
+
+    def __init__(self, fmap: nn.Module, state: WindowAttentionState, cache: SparseCache,
+                 options: dict[str, Any]) -> None:
+        check_memory(state, WindowAttentionState, "SparseComposedDecodeStep")
+        check_step_options(options.get("eps", 1e-6), state.window, state.sinks, options.get("window_factor"),
+                           options.get("softmax_scale"))
+        held = state.cache
+        if held is None:
+            raise LinearAttentionError("state: made without sparse_cache=; continue it with ComposedDecodeStep")
+        self.fmap, self.options, self.cache = fmap, dict(options), cache
+        self.delta = isinstance(state.linear, DeltaRuleState)
+        batch, heads, features, values = state.linear.kv.shape
+        rows, dtype, device = batch * heads, state.linear.kv.dtype, state.linear.kv.device
+        dim = state.keys.shape[-1]
+        self.shape, self.eps = (batch, heads, features, values), float(options.get("eps", 1e-6))
+        self.scale = dim**-0.5 if options.get("softmax_scale") is None else float(options["softmax_scale"])
+        self.window, self.sinks, self.num_tokens = state.window, state.sinks, state.num_tokens
+        self.block, self.slots = cache.block_for(state.window), cache.largest
+        if held.block != self.block or not cache.made(held.sizes):
+            raise LinearAttentionError("cache: not the cache the state was made with (its block or sizes differ)")
+
+        def per_row(value: Any) -> torch.Tensor | None:
+            if value is None:
+                return None
+            return torch.broadcast_to(torch.as_tensor(value, dtype=dtype, device=device), (batch, heads)).reshape(
+                rows).clone()
+
+        self.gamma = per_row(options.get("window_factor"))
+        self.linear_weight = None if cache.linear_weight == 1 else per_row(cache.linear_weight)
+        self.beta = 1.0 if options.get("beta") is None else float(options["beta"])
+        self.log_rate = None
+        if options.get("decay") is not None:
+            rate = torch.as_tensor(options["decay"], dtype=torch.float64, device=device)
+            self.log_rate = torch.log(rate).expand(heads).repeat(batch).reshape(rows, 1)
+        self.kv = state.linear.kv.detach().reshape(rows, features, values).clone()
+        self.k_sum = None if self.delta else state.linear.k_sum.detach().reshape(rows, features).clone()
+        self.sizes = cache.sizes_for((batch, heads), device).reshape(rows)
+        self.oracle = None
+        if cache.keep is not None:
+            self.oracle = dataclasses.replace(cache, size=self.sizes.cpu(), keep=cache.keep.to(device).expand(
+                batch, heads, cache.keep.shape[-1]).reshape(rows, -1))
+        # the exact keys: S sink slots, then the ring (position p in slot S + p mod W)
+        slots = self.sinks + self.window
+        self.keys = torch.zeros(rows, slots, dim, dtype=dtype, device=device)
+        self.values = torch.zeros(rows, slots, values, dtype=dtype, device=device)
+        self.kept = torch.zeros(rows, slots, dtype=torch.bool, device=device)
+        self.betas = torch.zeros(rows, slots, dtype=dtype, device=device)
+        self.live = torch.zeros(slots, dtype=torch.bool, device=device)
+        first = self.num_tokens - state.keys.shape[-2]
+        for offset in range(state.keys.shape[-2]):
+            self._put(self.sinks + (first + offset) % self.window, state.keys[..., offset, :],
+                      state.values[..., offset, :], state.keep[..., offset],
+                      state.betas[..., offset] if state.betas is not None else None)
+        for position in range(state.sink_keys.shape[-2]):
+            self._put(position, state.sink_keys[..., position, :], state.sink_values[..., position, :],
+                      state.sink_keep[..., position], None, live=position < first)
+        # the cache: (B·H, λ) slots, positions ascending, −1 where empty
+        self.positions = held.positions.to(device).reshape(rows, self.slots).clone()
+        self.cached_keys = held.keys.to(device, dtype).reshape(rows, self.slots, dim).clone()
+        self.cached_values = held.values.to(device, dtype).reshape(rows, self.slots, values).clone()
+        betas = held.betas
+        self.cached_betas = (betas.to(device, dtype).reshape(rows, self.slots).clone() if betas is not None
+                             else torch.zeros(rows, self.slots, dtype=dtype, device=device))
+        # per ring slot of a position p: whether the last boundary kept the pair (it stays exact when it leaves)
+        self.stays = torch.zeros(rows, self.window, dtype=torch.bool, device=device)
+        ring = torch.arange(max(0, self.num_tokens - self.window), self.num_tokens, device=device)
+        if ring.numel() and self.slots:
+            self.stays[:, ring % self.window] = (ring.view(1, -1, 1) == self.positions.unsqueeze(1)).any(-1)
+        self.queries = None
+        if cache.score == "attention":
+            self.queries = torch.zeros(rows, self.block, dim, dtype=dtype, device=device)
+            since = held.queries.shape[-2]
+            if since:
+                at = torch.arange(self.num_tokens - since, self.num_tokens, device=device) % self.block
+                self.queries[:, at] = held.queries.detach().to(device, dtype).reshape(rows, since, dim)
+
+    def _put(self, slot: int, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | bool,
+             beta: torch.Tensor | float | None, live: bool = True) -> None:
+        rows = self.keys.shape[0]
+        self.keys[:, slot], self.values[:, slot] = key.reshape(rows, -1), value.reshape(rows, -1)
+        self.kept[:, slot] = keep.reshape(rows) if isinstance(keep, torch.Tensor) else keep
+        if beta is not None:
+            self.betas[:, slot] = beta.reshape(rows) if isinstance(beta, torch.Tensor) else beta
+        self.live[slot] = live
+
+    def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        """The linear part's features of rows x (..., d): the delta rule's unit φ̂, the additive update's φ."""
+        phi = map_features(self.fmap, x, is_query=is_query)
+        return unit_rows(phi) if self.delta else phi
+
+    @property
+    def batch_size(self) -> int:
+        return self.shape[0]
+
+    @torch.no_grad()
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None, *,
+                 beta: torch.Tensor | None = None, log_decay: torch.Tensor | None = None,
+                 validate: bool = True) -> torch.Tensor:
+        """q (B, H, 1, d), k (B, Hkv, 1, d), v (B, Hkv, 1, Dv), keep (B, 1) or None → out (B, H, 1, Dv); ``beta``
+        (B, H) and ``log_decay`` (B, H) or (B, H, F) as :class:`~linattn.decode.ComposedDecodeStep` takes them."""
+        batch, heads, features, values = self.shape
+        rows = batch * heads
+        check_token(q, k, v, keep, self.kv, (batch, heads, values))
+        if validate:
+            check_token_options(beta, log_decay)
+        out_dtype, dtype = q.dtype, self.kv.dtype
+        q = q.to(dtype).reshape(rows, -1)
+        k = _repeat_heads(k.to(dtype), heads).reshape(rows, -1)
+        v = _repeat_heads(v.to(dtype), heads).reshape(rows, -1)
+        token_keep = torch.ones(rows, dtype=torch.bool, device=q.device) if keep is None else (
+            keep.reshape(batch, 1).expand(batch, heads).reshape(rows))
+        v = v.masked_fill(~token_keep.unsqueeze(-1), 0.0)
+        t, window = self.num_tokens, self.window
+        writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        if t and t % self.block == 0 and self.slots:
+            writes += self._decide(t)
+        slot = self.sinks + t % window
+        leaving = t - window
+        if leaving >= self.sinks:  # key t − W enters the state unless the boundary kept it or it was padding
+            stays = self.stays[:, t % window]
+            writes.append((self.keys[:, slot].clone(), self.values[:, slot].clone(),
+                           (self.kept[:, slot] & ~stays).to(dtype) * (self.betas[:, slot] if self.delta else 1.0)))
+        self._advance(writes, log_decay)
+        if 0 <= leaving < self.sinks:  # a sink leaves the window: from now on a separate exact key
+            self.live[leaving] = True
+        strength = (torch.full((rows,), self.beta, dtype=dtype, device=q.device) if beta is None
+                    else beta.reshape(rows).to(dtype)) * token_keep  # as the op keeps it: padding's β is 0
+        self._put(slot, k, v, token_keep, strength)
+        if t < self.sinks:
+            self._put(t, k, v, token_keep, None, live=False)
+        if self.queries is not None:
+            self.queries[:, t % self.block] = q
+        self.num_tokens = t + 1
+        return self._output(q).view(batch, heads, 1, values).to(out_dtype)
+
+    def _advance(self, writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 log_decay: torch.Tensor | None) -> None:
+        """The linear state's step: the token's decay, then each write (keys (R, d), values (R, Dv), strength (R,):
+        the delta rule's β, or 1/0 for the additive update) in order."""
+        rows = self.kv.shape[0]
+        total = self.log_rate
+        if log_decay is not None:
+            gate = log_decay.reshape(rows, -1).to(torch.float64)
+            total = gate if total is None else total + gate
+        if total is not None:
+            factor = torch.exp(total).to(self.kv.dtype)  # (R, 1) or (R, F)
+            self.kv.mul_(factor.unsqueeze(-1))
+            if self.k_sum is not None:
+                self.k_sum.mul_(factor)
+        for key, value, strength in writes:
+            kf = torch.where(strength.unsqueeze(-1) != 0, self._features(key, False), 0.0)  # (R, F)
+            if self.delta:
+                recalled = torch.bmm(kf.unsqueeze(1), self.kv).squeeze(1)  # Sᵀk̂ (R, Dv)
+                self.kv.add_(kf.unsqueeze(-1) * (strength.unsqueeze(-1) * (value - recalled)).unsqueeze(1))
+            else:
+                assert self.k_sum is not None
+                kf = kf * strength.unsqueeze(-1)
+                self.kv.add_(kf.unsqueeze(-1) * value.unsqueeze(1))
+                self.k_sum.add_(kf)
+
+    def _decide(self, t0: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The boundary t0: choose the cache, mark the leaving ring pairs that stay, and return the writes of the
+        cached pairs not kept (ascending position; strength 0 where a row drops fewer)."""
+        window, block, slots, device = self.window, self.block, self.slots, self.kv.device
+        leaving = torch.arange(t0 - window, t0 - window + block, device=device)
+        at = self.sinks + leaving % window
+        ring_valid = (leaving >= max(self.sinks, 0)) & self.live[at] & self.kept[:, at]  # (R, B)
+        positions = torch.cat([self.positions, leaving.expand(self.kv.shape[0], -1)], 1)  # (R, C)
+        valid = torch.cat([self.positions >= 0, ring_valid], 1)
+        positions = positions.masked_fill(~valid, -1)
+        keys = torch.cat([self.cached_keys, self.keys[:, at]], 1)
+        vals = torch.cat([self.cached_values, self.values[:, at]], 1)
+        betas = torch.cat([self.cached_betas, self.betas[:, at]], 1)
+        if self.cache.score == "recall":
+            kf = self._features(keys, False) * valid.unsqueeze(-1)
+            if self.delta:
+                scores = torch.linalg.vector_norm(vals - torch.bmm(kf, self.kv), dim=-1)
+            else:
+                assert self.k_sum is not None
+                scores = recall_scores(kf, vals, self.kv, self.k_sum)
+        elif self.cache.score == "attention":
+            assert self.queries is not None
+            scores = attention_scores(self.queries, torch.arange(t0 - block, t0, device=device), keys, positions,
+                                      valid, self.scale)
+        else:
+            assert self.oracle is not None
+            scores = oracle_scores(self.oracle, positions)
+        chosen, index, kept = choose(scores, positions, valid, self.sizes, slots)
+        dropped = valid[:, :slots] & ~kept[:, :slots]  # (R, λ), ascending as the cache's slots
+        count = int(dropped.sum(-1).max())
+        order = torch.argsort((~dropped).to(torch.int8), dim=1, stable=True)[:, :count]  # the dropped first
+        mask = dropped.gather(1, order)
+        writes = []
+        for column in range(count):
+            pick = order[:, column]
+            strength = mask[:, column].to(self.kv.dtype) * (self.cached_betas.gather(1, pick[:, None]).squeeze(1)
+                                                           if self.delta else 1.0)
+            writes.append((self.cached_keys[torch.arange(pick.shape[0]), pick],
+                           self.cached_values[torch.arange(pick.shape[0]), pick], strength))
+        filled = (index >= 0).unsqueeze(-1)
+        pick = index.clamp(min=0)
+        self.cached_keys = keys.gather(1, pick.unsqueeze(-1).expand(-1, -1, keys.shape[-1])) * filled
+        self.cached_values = vals.gather(1, pick.unsqueeze(-1).expand(-1, -1, vals.shape[-1])) * filled
+        self.cached_betas = betas.gather(1, pick) * filled.squeeze(-1)
+        self.positions = chosen
+        self.stays[:, leaving % window] = kept[:, slots:]
+        return writes
+
+    def _output(self, q: torch.Tensor) -> torch.Tensor:
+        """The combiner over the exact keys (ring, sinks, cached pairs j ≤ t − W) and the linear read-out (R, Dv)."""
+        t = self.num_tokens - 1
+        keys = torch.cat([self.keys, self.cached_keys], 1)
+        values = torch.cat([self.values, self.cached_values], 1)
+        exact = torch.cat([self.kept & self.live, (self.positions >= 0) & (self.positions <= t - self.window)], 1)
+        scores = torch.bmm(keys, q.unsqueeze(-1)).squeeze(-1).mul_(self.scale).masked_fill_(~exact, float("-inf"))
+        top = scores.amax(-1, keepdim=True)
+        weights = torch.exp(scores - torch.where(torch.isinf(top), torch.zeros_like(top), top))
+        soft_num = torch.bmm(weights.unsqueeze(1), values).squeeze(1)  # (R, Dv)
+        soft_den = weights.sum(-1, keepdim=True)
+        average = soft_num / torch.where(soft_den == 0, torch.ones_like(soft_den), soft_den)
+        qf = self._features(q, True)  # (R, F)
+        lam = self.linear_weight.unsqueeze(-1) if self.linear_weight is not None else None
+        num = torch.bmm(qf.unsqueeze(1), self.kv).squeeze(1)
+        if lam is not None:
+            num = num * lam
+        if self.delta:
+            return (average if self.gamma is None else self.gamma.unsqueeze(-1) * average) + num
+        assert self.k_sum is not None
+        den = (qf * self.k_sum).sum(-1, keepdim=True)
+        if lam is not None:
+            den = den * lam
+        if self.gamma is None:
+            phi_keys = map_features(self.fmap, keys, is_query=False)  # (R, slots, F)
+            mass = torch.bmm(phi_keys, qf.unsqueeze(-1)).squeeze(-1).masked_fill(~exact, 0.0).sum(-1, keepdim=True)
+            total = den + mass + self.eps
+            return (num + mass * average) / torch.where(total == 0, 1.0, total)
+        gamma = self.gamma.unsqueeze(-1)
+        total = den + gamma * soft_den + self.eps
+        return (num + gamma * soft_num) / torch.where(total == 0, 1.0, total)
+
+    def state(self) -> WindowAttentionState:
+        """The state after every token stepped, its cache included (new tensors)."""
+        batch, heads, features, values = self.shape
+        length, sunk = min(self.window, self.num_tokens), min(self.sinks, self.num_tokens)
+        ring = (self.sinks + torch.arange(self.num_tokens - length, self.num_tokens) % self.window).to(self.kv.device)
+
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(batch, heads, *x.shape[1:]).clone()
+
+        seen = max(0, self.num_tokens - self.window)
+        linear: LinearAttentionState | DeltaRuleState
+        if self.delta:
+            linear = DeltaRuleState(rows(self.kv), seen)
+        else:
+            assert self.k_sum is not None
+            linear = LinearAttentionState(rows(self.kv), rows(self.k_sum), self.kv.new_zeros(batch, heads), seen)
+        t, dim = self.num_tokens, self.keys.shape[-1]
+        held = (t - 1) % self.block + 1 if t else 0
+        queries = (rows(self.queries[:, :held]) if self.queries is not None
+                   else self.keys.new_zeros(batch, heads, 0, dim))
+        sizes = self.sizes.view(batch, heads)
+        cache = SparseCacheState.from_slots(rows(self.positions), rows(self.cached_keys), rows(self.cached_values),
+                                            queries, self.block, sizes, rows(self.cached_betas) if self.delta else None)
+        return WindowAttentionState(
+            linear, rows(self.keys.index_select(1, ring)), rows(self.values.index_select(1, ring)),
+            rows(self.kept.index_select(1, ring)), rows(self.keys[:, :sunk]), rows(self.values[:, :sunk]),
+            rows(self.kept[:, :sunk]), self.window, self.sinks, self.num_tokens,
+            betas=rows(self.betas.index_select(1, ring)) if self.delta else None, cache=cache,
+        )
+
+    def index_select(self, dim: int, index: torch.Tensor) -> SparseComposedDecodeStep:
+        """A step on the selected batch rows (beam search), as the state's ``index_select``."""
+        if dim != 0:
+            raise LinearAttentionError(f"dim: a decode step selects batch rows (dim 0), got {dim}")
+        return SparseComposedDecodeStep(self.fmap, self.state().index_select(dim, index), self.cache, self.options)

@@ -1,0 +1,428 @@
+"""The sparse exact cache beside every linear part (scalar decay, per-token gate, per-feature gate, delta rule,
+gated delta rule, KDA): every form against a token-by-token float64 definition written here from the equations
+of docs/sparse_cache.md ("Beside a decayed, gated or delta-rule state"), sharing no helper with the library — the
+boundaries, the scores, the choice, the entry times, the linear recurrence and the combiner are all redone below.
+Also: cache size 0 is the composed op, a full window is causal softmax, continuation, gradients, state size,
+fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import linattn
+from linattn import SparseCache, WindowAttentionState
+
+NEVER = 1 << 60
+FORMS = ("parallel", "chunked", "recurrent")
+KINDS = ("decay", "token-gate", "feature-gate", "delta", "gated-delta", "kda")
+DELTA_KINDS = ("delta", "gated-delta", "kda")
+
+
+def elu1(x: torch.Tensor) -> torch.Tensor:
+    return F.elu(x) + 1
+
+
+def unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def definition(q, k, v, *, window, sinks, size, block, score, update="add", beta=None, log_gate=None, factor=None,
+               keep=None, oracle=None, linear_weight=1.0, eps=1e-6):
+    """Token by token, per (batch, head) row, float64. Before step t, if t is a boundary (t = b·B, b ≥ 1), the
+    candidates (the cache and the pairs t − W … t − W + B − 1, neither sinks nor padding) are scored against the
+    state as query t − 1 read it and the ``size`` best kept (ties: the newer); a cached pair dropped there enters
+    at t, a pair never cached at j + W. Step t: the state decays by a_t, then the pairs entering at t write in
+    ascending position (additive φ(k)vᵀ; delta β_j·k̂(v − Sᵀk̂)ᵀ). Exact: window, sinks, the block's cached pairs
+    j ≤ t − W (softmax). Combined: shared normaliser (additive) or γ·average + λ·read-out (delta)."""
+    q, k, v = q.double(), k.double(), v.double()
+    *batch, n, d = q.shape
+    scale = d ** -0.5
+    out = torch.zeros(*batch, n, v.shape[-1], dtype=torch.float64)
+    delta = update == "delta"
+    for index in [tuple(int(i) for i in idx) for idx in torch.cartesian_prod(*(torch.arange(b) for b in batch))]:
+        qs, ks, vs = q[index], k[index], v[index]
+        fq, fk = elu1(qs), elu1(ks)
+        lq, lk = (unit(fq), unit(fk)) if delta else (fq, fk)
+        kept_token = [True] * n if keep is None else [bool(x) for x in keep[index]]
+        head = index[-1]
+        budget = size[head] if isinstance(size, tuple) else size
+        lam = linear_weight[head] if isinstance(linear_weight, tuple) else linear_weight
+        gamma = 1.0 if factor is None else float(factor[head] if torch.is_tensor(factor) else factor)
+        memory = torch.zeros(fk.shape[-1], vs.shape[-1], dtype=torch.float64)
+        sums = torch.zeros(fk.shape[-1], dtype=torch.float64)
+        entry = [j + window if j >= sinks and kept_token[j] else NEVER for j in range(n)]
+        cache: list[int] = []
+        for t in range(n):
+            if t and t % block == 0:
+                leaving = [j for j in range(max(t - window, 0), t - window + block) if j >= sinks and kept_token[j]]
+                candidates = sorted(set(cache) | set(leaving))
+                scores = {}
+                for c in candidates:
+                    if score == "recall" and delta:
+                        scores[c] = float((vs[c] - memory.T @ lk[c]).norm())
+                    elif score == "recall":
+                        den = float(lk[c] @ sums)
+                        recalled = (memory.T @ lk[c]) / den if den > 0 else torch.zeros_like(vs[c])
+                        scores[c] = float((vs[c] - recalled).norm())
+                    elif score == "attention":
+                        total = 0.0
+                        for u in range(t - block, t):
+                            seen = [j for j in candidates if j <= u]
+                            if c in seen:
+                                weights = torch.softmax(torch.stack([qs[u] @ ks[j] * scale for j in seen]), 0)
+                                total += float(weights[seen.index(c)])
+                        scores[c] = total
+                    else:
+                        scores[c] = 1.0 if bool(oracle[c]) else 0.0
+                chosen = sorted(candidates, key=lambda c: (scores[c], c), reverse=True)[:budget]
+                for c in cache:
+                    if c not in chosen:
+                        entry[c] = t
+                for c in chosen:
+                    entry[c] = NEVER
+                cache = sorted(chosen)
+            if log_gate is not None:
+                a = torch.exp(log_gate[index][t].double())
+                memory = (a.unsqueeze(-1) if a.dim() else a) * memory
+                sums = a * sums
+            for j in sorted(j for j in range(n) if entry[j] == t):
+                if delta:
+                    memory = memory + float(beta[index][j]) * torch.outer(lk[j], vs[j] - memory.T @ lk[j])
+                else:
+                    memory = memory + torch.outer(lk[j], vs[j])
+                    sums = sums + lk[j]
+            exact = [i for i in range(t + 1) if kept_token[i] and (i > t - window or i < sinks or i in cache)]
+            logits = torch.stack([scale * qs[t] @ ks[i] for i in exact]) if exact else torch.zeros(0)
+            weights = torch.exp(logits - logits.max()) if exact else logits
+            soft_num = weights @ vs[exact] if exact else torch.zeros(vs.shape[-1], dtype=torch.float64)
+            soft_den = weights.sum()
+            average = soft_num / soft_den if exact else soft_num
+            if delta:
+                out[index][t] = gamma * average + lam * (memory.T @ lq[t])
+                continue
+            num, den = lam * (memory.T @ lq[t]), lam * (lq[t] @ sums)
+            if factor is None:
+                mass = sum((fq[t] @ fk[i] for i in exact), torch.tensor(0.0, dtype=torch.float64))
+                out[index][t] = (num + mass * average) / (den + mass + eps)
+            else:
+                out[index][t] = (num + gamma * soft_num) / (den + gamma * soft_den + eps)
+    return out
+
+
+def inputs(b=2, h=2, n=29, d=6, dv=5, seed=0, heads_kv=None):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, heads_kv or h, n, d, generator=gen, dtype=torch.float64) * 1.5
+    v = torch.randn(b, heads_kv or h, n, dv, generator=gen, dtype=torch.float64)
+    return q, k, v, gen
+
+
+def linear_options(kind, q, gen, features=6):
+    shape = q.shape[:-1]
+    if kind == "decay":
+        return {"decay": 0.9}
+    if kind == "token-gate":
+        return {"log_gate": F.logsigmoid(torch.randn(shape, generator=gen, dtype=torch.float64) + 1)}
+    if kind == "feature-gate":
+        return {"log_gate": F.logsigmoid(torch.randn(*shape, features, generator=gen, dtype=torch.float64) + 1)}
+    beta = torch.rand(shape, generator=gen, dtype=torch.float64) * 1.5
+    if kind == "delta":
+        return {"update": "delta", "beta": beta}
+    if kind == "kda":
+        return {"update": "delta", "beta": beta,
+                "log_gate": F.logsigmoid(torch.randn(*shape, features, generator=gen, dtype=torch.float64) + 1)}
+    return {"update": "delta", "beta": beta,
+            "log_gate": F.logsigmoid(torch.randn(shape, generator=gen, dtype=torch.float64) + 1)}
+
+
+def reference_options(options, q):
+    gate = options.get("log_gate")
+    if "decay" in options:
+        gate = torch.full(q.shape[:-1], float(torch.log(torch.tensor(options["decay"], dtype=torch.float64))),
+                          dtype=torch.float64)
+    return {"update": options.get("update", "add"), "beta": options.get("beta"), "log_gate": gate}
+
+
+def sliced(options, start, end):
+    """The per-token options of tokens start … end − 1."""
+    return {name: (value[..., start:end] if name == "beta" or (name == "log_gate" and value.dim() == 3)
+                   else value[..., start:end, :] if name == "log_gate" else value)
+            for name, value in options.items()}
+
+
+ORACLE = (torch.arange(64) % 3 == 1) | (torch.arange(64) == 20)
+
+
+def cache_for(score, size=3, block=4, **extra):
+    return SparseCache(size=size, score=score, block=block, keep=ORACLE if score == "oracle" else None, **extra)
+
+
+@pytest.mark.parametrize("score", ["recall", "attention", "oracle"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_forms_equal_the_definition(kind, form, score):
+    q, k, v, gen = inputs()
+    options = linear_options(kind, q, gen)
+    got = linattn.linear_attention(q, k, v, causal=True, window=5, sinks=2, sparse_cache=cache_for(score),
+                                   form=form, chunk_size=8, **options)
+    want = definition(q, k, v, window=5, sinks=2, size=3, block=4, score=score, oracle=ORACLE,
+                      **reference_options(options, q))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("form", ["parallel", "chunked"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_per_head_sizes_factor_padding_and_grouped_heads(kind, form):
+    q, k, v, gen = inputs(h=4, n=27, heads_kv=2, seed=1)
+    options = linear_options(kind, q, gen)
+    keep = torch.rand(2, 27, generator=gen) > 0.25
+    factor = torch.tensor([0.5, 2.0, 1.0, 0.7], dtype=torch.float64)
+    cache = SparseCache(size=(0, 2, 3, 5), score="recall", block=3, linear_weight=(1.0, 0.5, 0.0, 2.0))
+    got = linattn.linear_attention(q, k, v, causal=True, window=4, sinks=1, sparse_cache=cache, form=form,
+                                   chunk_size=8, key_padding_mask=keep, window_factor=factor, **options)
+    k4, v4 = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    keep4 = keep[:, None, :].expand(2, 4, 27)
+    want = definition(q, k4, v4.masked_fill(~keep4.unsqueeze(-1), 0), window=4, sinks=1, size=(0, 2, 3, 5),
+                      block=3, score="recall", keep=keep4, factor=factor, linear_weight=(1.0, 0.5, 0.0, 2.0),
+                      **reference_options(options, q))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_cache_is_the_composed_op(kind, form):
+    q, k, v, gen = inputs(n=23)
+    options = linear_options(kind, q, gen)
+    got = linattn.linear_attention(q, k, v, causal=True, window=4, sinks=2, sparse_cache=SparseCache(size=0, block=4),
+                                   form=form, chunk_size=8, **options)
+    want = linattn.linear_attention(q, k, v, causal=True, window=4, sinks=2, form=form, chunk_size=8, **options)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_window_over_the_whole_sequence_is_causal_softmax(kind):
+    q, k, v, gen = inputs(n=23)
+    options = linear_options(kind, q, gen)
+    got = linattn.linear_attention(q, k, v, causal=True, window=23, sparse_cache=SparseCache(size=4, block=8),
+                                   window_factor=1.0, **options)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(23, 23, dtype=torch.bool).tril())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10 if kind in DELTA_KINDS else 1e-5)
+
+
+@pytest.mark.parametrize("score", ["recall", "attention"])
+@pytest.mark.parametrize("form", ["parallel", "chunked"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_continuation_equals_one_call(kind, form, score):
+    q, k, v, gen = inputs(n=31)
+    options = linear_options(kind, q, gen)
+    cache = cache_for(score, size=3, block=4)
+    whole = linattn.linear_attention(q, k, v, causal=True, window=6, sinks=2, sparse_cache=cache, chunk_size=8,
+                                     **options)
+    state, pieces = None, []
+    for start, end in ((0, 3), (3, 4), (4, 17), (17, 31)):
+        out, state = linattn.linear_attention(
+            q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], causal=True, window=6, sinks=2,
+            sparse_cache=cache, chunk_size=8, form=form, initial_state=state, return_state=True,
+            **sliced(options, start, end),
+        )
+        pieces.append(out)
+    torch.testing.assert_close(torch.cat(pieces, dim=-2), whole, rtol=0, atol=1e-10)
+    assert isinstance(state, WindowAttentionState) and state.num_tokens == 31 and state.cache is not None
+    assert (state.cache.packed_betas is not None) == (kind in DELTA_KINDS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_state_bytes_do_not_grow_with_the_sequence(kind):
+    sizes = []
+    for n in (40, 200):
+        q, k, v, gen = inputs(n=n)
+        options = linear_options(kind, q, gen)
+        _, state = linattn.linear_attention(q, k, v, causal=True, window=6, sinks=2, return_state=True,
+                                            sparse_cache=SparseCache(size=4, block=4), **options)
+        cache = state.cache
+        tensors = [state.linear.kv, state.keys, state.values, state.keep, state.sink_keys, state.sink_values,
+                   cache.packed_positions, cache.packed_keys, cache.packed_values, cache.queries]
+        tensors += [x for x in (state.betas, cache.packed_betas) if x is not None]
+        sizes.append(sum(t.numel() * t.element_size() for t in tensors))
+    assert sizes[0] == sizes[1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients(kind):
+    q, k, v, gen = inputs(b=1, h=1, n=11, d=3, dv=2)
+    options = linear_options(kind, q, gen, features=3)
+    tensors = [x.requires_grad_() for x in (q, k, v)]
+    extra = {name: value.requires_grad_() for name, value in options.items() if isinstance(value, torch.Tensor)}
+
+    def run(q, k, v, *values):
+        given = dict(options, **dict(zip(extra, values, strict=True)))
+        return linattn.linear_attention(q, k, v, causal=True, window=3, sinks=1, chunk_size=4, form="chunked",
+                                        sparse_cache=SparseCache(size=2, block=2), **given)
+
+    # fast mode (random directions) keeps the per-feature gates' many inputs quick
+    assert torch.autograd.gradcheck(run, (*tensors, *extra.values()), atol=1e-7, fast_mode=True)
+
+
+@pytest.mark.parametrize("kind", ["feature-gate", "gated-delta"])
+def test_fp32_within_the_float64_definition(kind):
+    q, k, v, gen = inputs(n=70)
+    options = linear_options(kind, q, gen)
+    cache = SparseCache(size=4, block=8)
+    got = linattn.linear_attention(q.float(), k.float(), v.float(), causal=True, window=9, sinks=2,
+                                   sparse_cache=cache, **{n: (x.float() if torch.is_tensor(x) else x)
+                                                          for n, x in options.items()})
+    want = definition(q, k, v, window=9, sinks=2, size=4, block=8, score="recall", **reference_options(options, q))
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+
+
+def test_what_is_still_refused():
+    q, k, v, gen = inputs(n=9)
+    options = linear_options("gated-delta", q, gen)
+    with pytest.raises(linattn.LinearAttentionError, match="log-space"):
+        linattn.linear_attention(q, k, v, causal=True, window=4, sparse_cache=2, feature_map="favor+", **options)
+    with pytest.raises(linattn.LinearAttentionError, match="causal"):
+        linattn.linear_attention(q, k, v, window=4, sparse_cache=2, decay=0.9)
+    _, state = linattn.linear_attention(q, k, v, causal=True, window=4, sparse_cache=2, decay=0.9, return_state=True)
+    with pytest.raises(linattn.LinearAttentionError, match="update"):  # an additive state continued by the delta rule
+        linattn.linear_attention(q, k, v, causal=True, window=4, sparse_cache=2, initial_state=state, **options)
+
+
+@pytest.mark.parametrize("score", ["recall", "attention", "oracle"])
+@pytest.mark.parametrize("factor", [None, 0.7], ids=["no-factor", "factor"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_decoding_step_equals_the_chunked_form(kind, factor, score):
+    from linattn.decode import SparseComposedDecodeStep, lean_step
+
+    q, k, v, gen = inputs(h=4, n=26, heads_kv=2)
+    options = linear_options(kind, q, gen)
+    keep = torch.rand(2, 26, generator=gen) > 0.2
+    cache = cache_for(score, size=(1, 3, 2, 4), block=3, linear_weight=(1.0, 0.5, 1.0, 0.0))
+    common = {"window": 5, "sinks": 2, "window_factor": factor, "sparse_cache": cache}
+    whole = linattn.linear_attention(q, k, v, causal=True, key_padding_mask=keep, chunk_size=8, **common, **options)
+    prompt = 7
+    _, state = linattn.linear_attention(q[..., :prompt, :], k[..., :prompt, :], v[..., :prompt, :], causal=True,
+                                        key_padding_mask=keep[:, :prompt], return_state=True, **common,
+                                        **sliced(options, 0, prompt))
+    fixed = {n: x for n, x in options.items() if not torch.is_tensor(x)}
+    if "log_gate" in options:
+        fixed["log_gate"] = "with each token"
+    step = lean_step(linattn.feature_maps.create("elu", head_dim=6), state, {**common, **fixed}, kv_heads=2)
+    assert isinstance(step, SparseComposedDecodeStep)
+    outs = []
+    for t in range(prompt, 26):
+        token = sliced(options, t, t + 1)
+        gate = token.get("log_gate")
+        outs.append(step(q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :], keep[:, t : t + 1],
+                         beta=token["beta"][..., 0] if "beta" in token else None,
+                         log_decay=None if gate is None else gate[..., 0] if gate.dim() == 3 else gate[..., 0, :]))
+    torch.testing.assert_close(torch.cat(outs, dim=-2), whole[..., prompt:, :], rtol=0, atol=1e-10)
+    _, final = linattn.linear_attention(q, k, v, causal=True, key_padding_mask=keep, return_state=True, **common,
+                                        **options)
+    got = step.state()
+    torch.testing.assert_close(got.linear.kv, final.linear.kv, rtol=0, atol=1e-10)
+    assert torch.equal(got.cache.packed_positions, final.cache.packed_positions)
+    torch.testing.assert_close(got.cache.packed_keys, final.cache.packed_keys, rtol=0, atol=0)
+    if kind in DELTA_KINDS:
+        torch.testing.assert_close(got.cache.packed_betas, final.cache.packed_betas, rtol=0, atol=0)
+        torch.testing.assert_close(got.betas, final.betas, rtol=0, atol=0)
+    # a state the step hands back continues through linear_attention as the prefill's does
+    at = 20
+    again = lean_step(linattn.feature_maps.create("elu", head_dim=6), state, {**common, **fixed}, kv_heads=2)
+    for t in range(prompt, at):
+        token = sliced(options, t, t + 1)
+        gate = token.get("log_gate")
+        again(q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :], keep[:, t : t + 1],
+              beta=token["beta"][..., 0] if "beta" in token else None,
+              log_decay=None if gate is None else gate[..., 0] if gate.dim() == 3 else gate[..., 0, :])
+    rest = linattn.linear_attention(q[..., at:, :], k[..., at:, :], v[..., at:, :], causal=True, chunk_size=4,
+                                    key_padding_mask=keep[:, at:], initial_state=again.state(), **common,
+                                    **sliced(options, at, 26))
+    torch.testing.assert_close(rest, whole[..., at:, :], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("options", [{"update": "delta", "gate": "token"}, {"gate": "feature", "decay": "retnet"},
+                                     {"update": "delta", "gate": "feature"}],
+                         ids=["gated-delta", "feature-gate+retnet", "kda"])
+def test_the_layer_decodes_with_the_sparse_composed_step(options):
+    from linattn.decode import SparseComposedDecodeStep
+    from linattn.nn import LinearAttention
+
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, causal=True, window=4, sinks=1, sparse_cache=SparseCache(size=2, block=2),
+                            **options).double()
+    x = torch.randn(2, 15, 16, dtype=torch.float64)
+    whole = layer(x)
+    out, state = layer(x[:, :6], return_state=True)
+    decoder = layer.decoder(state)
+    assert isinstance(decoder.step, SparseComposedDecodeStep)
+    outs = [out] + [decoder(x[:, t : t + 1]) for t in range(6, 15)]
+    torch.testing.assert_close(torch.cat(outs, dim=1), whole, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["feature-gate", "kda"])
+def test_continuation_with_per_head_sizes_padding_and_the_oracle(kind):
+    q, k, v, gen = inputs(h=3, n=30, seed=2)
+    options = linear_options(kind, q, gen)
+    keep = torch.rand(2, 30, generator=gen) > 0.25
+    cache = SparseCache(size=(1, 4, 2), score="oracle", block=3, keep=ORACLE)
+    common = {"causal": True, "window": 5, "sinks": 1, "sparse_cache": cache, "chunk_size": 4}
+    whole = linattn.linear_attention(q, k, v, key_padding_mask=keep, **common, **options)
+    state, pieces = None, []
+    for start, end in ((0, 7), (7, 8), (8, 30)):
+        out, state = linattn.linear_attention(q[..., start:end, :], k[..., start:end, :], v[..., start:end, :],
+                                              key_padding_mask=keep[:, start:end], initial_state=state,
+                                              return_state=True, **common, **sliced(options, start, end))
+        pieces.append(out)
+    torch.testing.assert_close(torch.cat(pieces, -2), whole, rtol=0, atol=1e-10)
+
+
+def test_the_decoding_step_selects_beams():
+    from linattn.decode import lean_step
+
+    q, k, v, gen = inputs(b=3, n=16)
+    options = linear_options("gated-delta", q, gen)
+    common = {"window": 4, "sinks": 1, "sparse_cache": SparseCache(size=2, block=2)}
+    _, state = linattn.linear_attention(q[..., :9, :], k[..., :9, :], v[..., :9, :], causal=True, return_state=True,
+                                        **common, **sliced(options, 0, 9))
+    fmap = linattn.feature_maps.create("elu", head_dim=6)
+    step = lean_step(fmap, state, {**common, "update": "delta", "log_gate": "with each token"}, kv_heads=2)
+    assert step is not None
+    index = torch.tensor([2, 0])
+    picked = step.index_select(0, index)
+    fresh = lean_step(fmap, state.index_select(0, index), {**common, "update": "delta", "log_gate": "with each token"},
+                      kv_heads=2)
+    assert picked is not None and fresh is not None
+    for t in range(9, 16):
+        token = sliced(options, t, t + 1)
+        args = (q[index][..., t : t + 1, :], k[index][..., t : t + 1, :], v[index][..., t : t + 1, :])
+        extra = {"beta": token["beta"][index][..., 0], "log_decay": token["log_gate"][index][..., 0]}
+        torch.testing.assert_close(picked(*args, **extra), fresh(*args, **extra), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gate", ["token", "feature"], ids=["gated-delta", "kda"])
+def test_a_linearized_model_generates_with_the_step(gate):
+    """A tiny Llama whose attention is the gated delta rule (or KDA) beside the window and the cache: generation
+    through the transformers cache (the lean step from the prefill's state) equals recomputing every token."""
+    pytest.importorskip("transformers")
+    import linattn.hf as hf
+    from linattn.decode import SparseComposedDecodeStep
+    from linattn.nn import KeyGates
+    from test_decoder_generate import tiny_llama
+    from test_key_gates import _randomised
+
+    gates = [_randomised(KeyGates(2, 8, gate=gate, num_features=8 if gate == "feature" else None, readout=True),
+                         5 + i) for i in range(2)]
+    model = hf.linearize(tiny_llama(), "elu", gates=gates, update="delta", window=16, sinks=2,
+                         sparse_cache=SparseCache(size=4, block=8))
+    ids = torch.randint(1, 60, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cached = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
+                                return_dict_in_generate=True)
+        recomputed = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, use_cache=False,
+                                    output_logits=True, return_dict_in_generate=True)
+    assert all(isinstance(layer.stepper, SparseComposedDecodeStep) for layer in cached.past_key_values.layers)
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    for ours, full in zip(cached.logits, recomputed.logits, strict=True):
+        torch.testing.assert_close(ours, full, rtol=1e-4, atol=1e-4)
