@@ -94,6 +94,10 @@ CALLS: dict[str, Spec] = {
                        ("window", "sinks")),
     "delta_fwd_bwd": Spec("delta rule, β per token, causal forward + backward",
                           _training(update="delta", beta="@beta"), ("update", "beta")),
+    "composed_fwd_bwd": Spec("gated delta rule beside the window W=64, 4 sinks, forward + backward",
+                             _training(update="delta", beta="@beta", decay=0.01, window=64, sinks=4,
+                                       normalize=False),
+                             ("update", "beta", "decay", "window", "sinks")),
 }
 
 # ---------------------------------------------------------------------------------------------- worker side
