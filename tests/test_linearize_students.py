@@ -98,7 +98,7 @@ def test_what_the_delta_students_do_not_take_is_refused(tiny, tmp_path, capsys):
     from linattn.cli import main
 
     assert main(command(tiny, tmp_path / "a", "--student", "kda", "--sparse-cache", "4")) == 2
-    assert "not supported yet" in capsys.readouterr().err
+    assert "does not fit or train a delta-rule student with the sparse cache" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         main(command(tiny, tmp_path / "b", "--student", "rwkv"))
 
