@@ -47,9 +47,12 @@ def sparse_reasons(call: Call) -> list[str]:
         "sparse_cache: the cache keeps pairs that have left a causal window; pass causal=True (a non-causal call "
         "sees every key in its band or linearly)"
     ]
-    if call.log_space:
-        found.append("sparse_cache: log-space feature maps (FAVOR+ and kin) are not covered in this version; use an "
-                     "ordinary map (elu, relu, hedgehog, fitted maps)")
+    options = dict(call.options)
+    decayed = options.get("decay") is not None or options.get("log_gate") is not None
+    if call.log_space and call.update == "add" and decayed:
+        found.append("sparse_cache: a log-space feature map (FAVOR+ and kin) beside a decay or gate is not covered "
+                     "in this version (the decayed sums' log-scales through the cache's write stream); use an "
+                     "ordinary map, the additive state, or the delta family (update='delta')")
     return found
 
 
