@@ -116,8 +116,8 @@ def sparse_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) ->
     found += _cache_option_reasons(state, options)
     found += step_common(fmap, state.linear.kv, options, SPARSE_STEP_OPTIONS)
     if is_log_space(fmap):
-        found.append("a log-space feature map: the sparse step keeps every sum at scale 1 (and the cache takes "
-                     "ordinary maps)")
+        found.append("a log-space feature map: the sparse step, on the window step, keeps every sum at scale 1 "
+                     "(the sparse composed step continues it)")
     return found
 
 
@@ -142,10 +142,12 @@ def sparse_composed_step_reasons(fmap: nn.Module, state: Any, options: dict[str,
         return [f"state {type(state).__name__}: the sparse composed step continues a WindowAttentionState that "
                 "carries a sparse cache (made with sparse_cache=)"]
     found = _cache_option_reasons(state, options)
-    if not isinstance(state.linear, DeltaRuleState) and options.get("decay") is None and not options.get("log_gate"):
+    decayed = options.get("decay") is not None or bool(options.get("log_gate"))
+    if not isinstance(state.linear, DeltaRuleState) and not decayed and not is_log_space(fmap):
         found.append("no decay, gate or delta rule: the sparse step continues the additive, ungated state")
-    if is_log_space(fmap):
-        found.append("a log-space feature map: the sparse cache takes ordinary maps")
+    if is_log_space(fmap) and not isinstance(state.linear, DeltaRuleState) and decayed:
+        found.append("a log-space feature map beside a decay or gate: the sparse cache does not cover it (the op "
+                     "refuses it too)")
     rest = {name: value for name, value in options.items() if name != "sparse_cache"}
     return found + composed_step_reasons(fmap, dataclasses.replace(state, cache=None), rest)
 
