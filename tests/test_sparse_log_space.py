@@ -17,7 +17,7 @@ from linattn.feature_maps import FeatureMap, create
 
 FORMS = ("parallel", "recurrent", "chunked")
 SCORES = ("recall", "attention", "oracle")
-KINDS = ("plain", "delta", "gated-delta", "kda")
+KINDS = ("plain", "decay", "feature-gate", "delta", "gated-delta", "kda")
 DELTA = ("delta", "gated-delta", "kda")
 WINDOW, SINKS, BLOCK, SIZE = 5, 2, 3, 3
 
@@ -276,15 +276,6 @@ def test_the_fit_decides_as_the_forms():
     assert torch.equal(chosen[..., -1, :], state.cache.positions)
 
 
-@pytest.mark.parametrize("kind", ["decay", "feature-gate"])
-def test_what_stays_refused_says_why(kind):
-    q, k, v, gen = inputs(n=9)
-    fmap = MAPS["favor+"]()
-    options = linear_options(kind, q.shape[:-1], gen, width(fmap))
-    with pytest.raises(LinearAttentionError, match="log-space.*decay or gate"):
-        call(q, k, v, fmap, make_cache("recall", 9), "chunked", options)
-
-
 def sliced(options, start, end):
     return {name: (value[..., start:end] if name == "beta" or value.dim() == 3 else value[..., start:end, :])
             if torch.is_tensor(value) else value for name, value in options.items()}
@@ -365,3 +356,27 @@ def test_the_window_based_sparse_step_says_where_to_go():
     _, state = call(q, k, v, fmap, cache, "chunked", {}, return_state=True)
     with pytest.raises(LinearAttentionError, match="SparseComposedDecodeStep"):
         SparseDecodeStep(fmap, state, cache)
+    options = {"window": WINDOW, "sinks": SINKS, "sparse_cache": cache}
+    assert any("log-space" in reason and "sparse composed step" in reason
+               for reason in linattn.capabilities.step_reasons("sparse", fmap, state, options))
+    assert linattn.capabilities.step_reasons("sparse_composed", fmap, state, options) == []
+
+
+@pytest.mark.parametrize("factor", [None, 0.7], ids=["mass", "gamma"])
+@pytest.mark.parametrize("kind", ["plain", "feature-gate", "kda"])
+def test_gradients_of_the_chunked_form_equal_the_definitions(kind, factor):
+    # the cache term holds each row's m and each query's R_t as constants and gives R_t its gradient back outside:
+    # the chunked form's gradients equal those of the parallel form (plain autograd through the definition)
+    q, k, v, gen = inputs(n=17, seed=4)
+    fmap = MAPS["favor+"]()
+    options = linear_options(kind, q.shape[:-1], gen, width(fmap))
+    if kind in DELTA and factor is None:
+        factor = 1.0
+    grads = []
+    for form in ("parallel", "chunked"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = call(*leaves, fmap, make_cache("recall", 17, 0.5), form, options, window_factor=factor)
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+        grads.append([x.grad for x in leaves])
+    for want, got, name in zip(grads[0], grads[1], "qkv", strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-9, msg=name)

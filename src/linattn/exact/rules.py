@@ -47,12 +47,6 @@ def sparse_reasons(call: Call) -> list[str]:
         "sparse_cache: the cache keeps pairs that have left a causal window; pass causal=True (a non-causal call "
         "sees every key in its band or linearly)"
     ]
-    options = dict(call.options)
-    decayed = options.get("decay") is not None or options.get("log_gate") is not None
-    if call.log_space and call.update == "add" and decayed:
-        found.append("sparse_cache: a log-space feature map (FAVOR+ and kin) beside a decay or gate is not covered "
-                     "in this version (the decayed sums' log-scales through the cache's write stream); use an "
-                     "ordinary map, the additive state, or the delta family (update='delta')")
     return found
 
 
@@ -145,9 +139,6 @@ def sparse_composed_step_reasons(fmap: nn.Module, state: Any, options: dict[str,
     decayed = options.get("decay") is not None or bool(options.get("log_gate"))
     if not isinstance(state.linear, DeltaRuleState) and not decayed and not is_log_space(fmap):
         found.append("no decay, gate or delta rule: the sparse step continues the additive, ungated state")
-    if is_log_space(fmap) and not isinstance(state.linear, DeltaRuleState) and decayed:
-        found.append("a log-space feature map beside a decay or gate: the sparse cache does not cover it (the op "
-                     "refuses it too)")
     rest = {name: value for name, value in options.items() if name != "sparse_cache"}
     return found + composed_step_reasons(fmap, dataclasses.replace(state, cache=None), rest)
 

@@ -135,9 +135,10 @@ def sparse_parallel(
     kf = hybrid.key_logs(xk, xkeep)  # 0 at invalid rows (log-space: −inf)
     m = big_r = None  # log-space maps: each row at its own maximum m, R_{n0−1} … R_{end−1} (sparse_scales.py)
     if hybrid.log_space:
+        top = kf.amax(-1)  # (..., X): R takes its gradient from the keys' maxima, as the window op's
         kf, m = own_scale(kf)
         old = xk.shape[-2] - n
-        big_r = reading(start_scale(state.linear.shift, m[..., :old]), m[..., old:])
+        big_r = reading(start_scale(state.linear.shift, top[..., :old]), top[..., old:])
     is_slot = torch.zeros_like(xkeep)
     is_slot[..., :slots] = True
     member = is_member(xpos, carried.positions) & xkeep
