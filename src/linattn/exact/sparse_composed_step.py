@@ -16,6 +16,10 @@ exact part. Per token t, on buffers of B·H rows preallocated once:
   the cached pairs that have left the window) and the linear read-out.
 
 The cache is held per query-head row at its largest size (rows of a smaller budget leave their last slots empty).
+Log-space maps (FAVOR+ and kin): the delta family reads unit rows; beside the additive state (with or without a
+decay or gate; this is also the additive sparse cache's step for such maps) the sums are kept at R, the running
+maximum of the keys' log φ — each token's key raises it before the step's writes, which are stored at it — and the
+combiner meets the exact part on query t's c_t + R_t (docs/sparse_cache.md, "Log-space maps").
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ part. O(N·size) beside the window op's O(N·W).
 The decision at a boundary (the scores, the choice, a call's boundaries in order) is
 :mod:`linattn.exact.forms.boundary`, shared with the decoding step and the fit.
 
-Ordinary feature maps only (not log-space maps such as FAVOR+): the capability table says so.
+Log-space maps (FAVOR+ and kin): every pair at its own maximum, query t at c_t + R_t, the boundary sums at R_{t0−1}
+(:mod:`.sparse_scales`).
 """
 
 from __future__ import annotations

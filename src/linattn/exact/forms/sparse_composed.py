@@ -34,8 +34,9 @@ from boundary to boundary (for ``"recall"`` only) by the linear op itself on tha
 (:mod:`.sparse_stream`); then the linear op runs once on the call's whole write stream, with gradients, and is
 read at the real query positions. ``form="parallel"`` writes the exact part's weights out and runs the linear op's
 token-by-token form (the definition); ``"recurrent"`` is that one token at a time; ``"chunked"`` takes the window's
-banded exact part, the cache's per-block term (:mod:`.cache_term`) and the linear op's chunked form. Ordinary
-feature maps only.
+banded exact part, the cache's per-block term (:mod:`.cache_term`) and the linear op's chunked form. Log-space
+maps: the delta family reads unit rows (no scale); beside the additive family each write-stream slot is stored at
+its step's R and the decayed sums run on ρ − G (:mod:`.sparse_scales`).
 """
 
 from __future__ import annotations
