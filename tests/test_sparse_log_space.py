@@ -380,3 +380,46 @@ def test_gradients_of_the_chunked_form_equal_the_definitions(kind, factor):
         grads.append([x.grad for x in leaves])
     for want, got, name in zip(grads[0], grads[1], "qkv", strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("options", [{}, {"update": "delta", "gate": "token"}], ids=["additive", "gated-delta"])
+def test_the_layer_decodes_a_log_space_map_with_the_cache(options):
+    from linattn.decode import SparseComposedDecodeStep
+    from linattn.nn import LinearAttention
+
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, causal=True, window=4, sinks=1, sparse_cache=SparseCache(size=2, block=2),
+                            feature_map="favor+", **options).double()
+    x = torch.randn(2, 15, 16, dtype=torch.float64)
+    whole = layer(x)
+    out, state = layer(x[:, :6], return_state=True)
+    decoder = layer.decoder(state)
+    assert isinstance(decoder.step, SparseComposedDecodeStep)
+    outs = [out] + [decoder(x[:, t : t + 1]) for t in range(6, 15)]
+    torch.testing.assert_close(torch.cat(outs, dim=1), whole, rtol=0, atol=1e-10)
+
+
+def test_the_transformers_cache_generates_with_favor_and_the_cache():
+    # a tiny Llama linearized with FAVOR+ and the cache: token by token through the transformers cache (the lean
+    # SparseComposedDecodeStep) equals one pass over the whole sequence
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from linattn import hf
+    from linattn.decode import SparseComposedDecodeStep
+    from linattn.hf_cache import LinearAttentionCache
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).eval().double()
+    hf.linearize(model, "favor+", window=8, sinks=2, sparse_cache=SparseCache(size=3, block=4))
+    ids = torch.randint(1, 50, (1, 40))
+    with torch.no_grad():
+        whole = model(ids).logits
+        cache = LinearAttentionCache()
+        steps = [model(ids[:, :21], past_key_values=cache, use_cache=True).logits]
+        for t in range(21, 40):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+        assert all(isinstance(layer.stepper, SparseComposedDecodeStep) for layer in cache.layers)
+    assert (torch.cat(steps, 1) - whole).abs().max().item() <= 1e-9
