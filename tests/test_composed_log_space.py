@@ -331,6 +331,4 @@ def test_what_stays_refused_says_why():
     # the composed routes are causal recurrences, whatever the map
     with pytest.raises(LinearAttentionError, match="causal=True"):
         linattn.linear_attention(q, k, v, feature_map=fmap, window=4, decay=0.9)
-    # the sparse cache takes ordinary maps only
-    with pytest.raises(LinearAttentionError, match="log-space"):
-        linattn.linear_attention(q, k, v, feature_map=fmap, causal=True, window=4, sparse_cache=2)
+    # (the sparse cache takes log-space maps beside every linear part: tests/test_sparse_log_space.py)

@@ -233,8 +233,6 @@ def test_errors() -> None:
         linear_attention(q, k, v, causal=True, window=4, sparse_cache=SparseCache(4, block=8))
     with pytest.raises(LinearAttentionError, match="one per query head"):
         linear_attention(q, k, v, causal=True, window=8, sparse_cache=SparseCache((1, 2, 3)))
-    with pytest.raises(LinearAttentionError, match="log-space"):
-        linear_attention(q, k, v, causal=True, window=8, sparse_cache=4, feature_map="favor+")
     with pytest.raises(LinearAttentionError, match="score"):
         SparseCache(4, score="best")
     with pytest.raises(LinearAttentionError, match="keep="):

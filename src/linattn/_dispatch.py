@@ -36,7 +36,15 @@ from .exact.forms.naive import exact_parallel, maps_features
 from .exact.forms.sparse import sparse_chunked, sparse_parallel, sparse_recurrent
 from .exact.forms.sparse_composed import sparse_composed
 from .exact.forms.sparse_stream import LinearPart
-from .features import NEG_INF, check_feature_dims, delta_inputs, key_features, map_features, query_features
+from .features import (
+    NEG_INF,
+    check_feature_dims,
+    delta_inputs,
+    key_features,
+    map_features,
+    query_features,
+    stabilise_queries,
+)
 from .forms import (
     causal_chunked_attention,
     global_attention,
@@ -227,12 +235,12 @@ def run_window(job: Job, form: str) -> Result:
 
 def run_sparse(job: Job, form: str) -> Result:
     """The window op with a sparse exact cache (exact/forms/sparse.py; beside a decayed, gated or delta-rule
-    linear part exact/forms/sparse_composed.py); causal, ordinary maps."""
+    linear part exact/forms/sparse_composed.py); causal. Log-space maps: the scales of exact/forms/sparse_scales.py."""
     state, cache = job.state, job.sparse_cache
     assert (state is None or isinstance(state, WindowAttentionState)) and cache is not None
     if job.beta is not None or job.log_decay is not None or job.feature_gate is not None:
         return _run_sparse_composed(job, form)
-    hybrid = _hybrid(job, job.window_factor)  # ordinary maps only (the capability table refuses log-space ones)
+    hybrid = _hybrid(job, job.window_factor)
     if form == "chunked":
         assert job.chunk_size is not None
         return sparse_chunked(hybrid, cache, job.q, job.k, job.v, job.keep, state, job.chunk_size)
@@ -251,7 +259,8 @@ def _run_sparse_composed(job: Job, form: str) -> Result:
     assert (state is None or isinstance(state, WindowAttentionState)) and cache is not None
     delta = job.beta is not None
     factor = job.window_factor if not delta or job.window_factor is not None else torch.ones((), dtype=job.q.dtype)
-    hybrid = _hybrid(job, factor)
+    # the delta family's unit rows cancel a log-space map's per-row scale: its features at each row's maximum
+    hybrid = _hybrid(job, factor, row_scale=delta and job.log_space)
     features = hybrid.key_logs(job.k[..., :1, :], None).shape[-1]
     if job.feature_gate is not None:
         _validate.check_gate_features(job.feature_gate, features)
@@ -340,12 +349,19 @@ def run_composed(job: Job, form: str) -> Result:
     return out, composed_state(parts.state, final, job.k, job.v, keep, job.beta)
 
 
-def _hybrid(job: Job, factor: torch.Tensor | None, log_space: bool | None = None) -> Hybrid:
+def _hybrid(job: Job, factor: torch.Tensor | None, log_space: bool | None = None, row_scale: bool = False
+            ) -> Hybrid:
+    """The window's options; ``row_scale``: a log-space map's features read at each row's own maximum, as an
+    ordinary map's (for the delta family, whose unit rows cancel each row's scale)."""
     fmap, checks = job.fmap, job.checks()
     log_space = job.log_space if log_space is None else log_space  # False: the features as the map returns them
-    return Hybrid(lambda x, is_query: map_features(fmap, x, is_query=is_query, **checks), log_space=log_space,
-                  window=job.window, sinks=job.sinks, factor=factor, scale=job.softmax_scale, eps=job.eps,
-                  min_denom=job.min_denom)
+
+    def features(x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        mapped = map_features(fmap, x, is_query=is_query, **checks)
+        return stabilise_queries(mapped)[0] if row_scale else mapped
+
+    return Hybrid(features, log_space=log_space and not row_scale, window=job.window, sinks=job.sinks,
+                  factor=factor, scale=job.softmax_scale, eps=job.eps, min_denom=job.min_denom)
 
 
 def _at(x: torch.Tensor | None, t: int, dim: int) -> torch.Tensor | None:

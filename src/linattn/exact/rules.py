@@ -47,9 +47,6 @@ def sparse_reasons(call: Call) -> list[str]:
         "sparse_cache: the cache keeps pairs that have left a causal window; pass causal=True (a non-causal call "
         "sees every key in its band or linearly)"
     ]
-    if call.log_space:
-        found.append("sparse_cache: log-space feature maps (FAVOR+ and kin) are not covered in this version; use an "
-                     "ordinary map (elu, relu, hedgehog, fitted maps)")
     return found
 
 
@@ -113,8 +110,8 @@ def sparse_step_reasons(fmap: nn.Module, state: Any, options: dict[str, Any]) ->
     found += _cache_option_reasons(state, options)
     found += step_common(fmap, state.linear.kv, options, SPARSE_STEP_OPTIONS)
     if is_log_space(fmap):
-        found.append("a log-space feature map: the sparse step keeps every sum at scale 1 (and the cache takes "
-                     "ordinary maps)")
+        found.append("a log-space feature map: the sparse step, on the window step, keeps every sum at scale 1 "
+                     "(the sparse composed step continues it)")
     return found
 
 
@@ -139,10 +136,9 @@ def sparse_composed_step_reasons(fmap: nn.Module, state: Any, options: dict[str,
         return [f"state {type(state).__name__}: the sparse composed step continues a WindowAttentionState that "
                 "carries a sparse cache (made with sparse_cache=)"]
     found = _cache_option_reasons(state, options)
-    if not isinstance(state.linear, DeltaRuleState) and options.get("decay") is None and not options.get("log_gate"):
+    decayed = options.get("decay") is not None or bool(options.get("log_gate"))
+    if not isinstance(state.linear, DeltaRuleState) and not decayed and not is_log_space(fmap):
         found.append("no decay, gate or delta rule: the sparse step continues the additive, ungated state")
-    if is_log_space(fmap):
-        found.append("a log-space feature map: the sparse cache takes ordinary maps")
     rest = {name: value for name, value in options.items() if name != "sparse_cache"}
     return found + composed_step_reasons(fmap, dataclasses.replace(state, cache=None), rest)
 

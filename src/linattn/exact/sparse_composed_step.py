@@ -16,6 +16,10 @@ exact part. Per token t, on buffers of B·H rows preallocated once:
   the cached pairs that have left the window) and the linear read-out.
 
 The cache is held per query-head row at its largest size (rows of a smaller budget leave their last slots empty).
+Log-space maps (FAVOR+ and kin): the delta family reads unit rows; beside the additive state (with or without a
+decay or gate; this is also the additive sparse cache's step for such maps) the sums are kept at R, the running
+maximum of the keys' log φ — each token's key raises it before the step's writes, which are stored at it — and the
+combiner meets the exact part on query t's c_t + R_t (docs/sparse_cache.md, "Log-space maps").
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import LinearAttentionError
-from ..features import map_features, unit_rows
+from ..features import NEG_INF, finite, is_log_space, map_features, scale_between, stabilise_queries, unit_rows
 from ..kinds._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
 from ..state import DeltaRuleState, LinearAttentionState, SparseCache, SparseCacheState, WindowAttentionState
 from .forms.boundary import attention_scores, choose, oracle_scores, recall_scores
@@ -51,6 +55,7 @@ class SparseComposedDecodeStep:
             raise LinearAttentionError("state: made without sparse_cache=; continue it with ComposedDecodeStep")
         self.fmap, self.options, self.cache = fmap, dict(options), cache
         self.delta = isinstance(state.linear, DeltaRuleState)
+        self.log_space = is_log_space(fmap)
         batch, heads, features, values = state.linear.kv.shape
         rows, dtype, device = batch * heads, state.linear.kv.dtype, state.linear.kv.device
         dim = state.keys.shape[-1]
@@ -76,6 +81,12 @@ class SparseComposedDecodeStep:
             self.log_rate = torch.log(rate).expand(heads).repeat(batch).reshape(rows, 1)
         self.kv = state.linear.kv.detach().reshape(rows, features, values).clone()
         self.k_sum = None if self.delta else state.linear.k_sum.detach().reshape(rows, features).clone()
+        # log-space maps beside the additive state: the sums' log-scale R (the running maximum of the keys' log φ,
+        # docs/sparse_cache.md); the delta family's unit rows need none
+        self.shift = None
+        if self.log_space and not self.delta:
+            assert isinstance(state.linear, LinearAttentionState)
+            self.shift = state.linear.shift.detach().to(device, dtype).reshape(rows).clone()
         self.sizes = cache.sizes_for((batch, heads), device).reshape(rows)
         self.oracle = None
         if cache.keep is not None:
@@ -126,9 +137,21 @@ class SparseComposedDecodeStep:
         self.live[slot] = live
 
     def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        """The linear part's features of rows x (..., d): the delta rule's unit φ̂, the additive update's φ."""
+        """The linear part's features of rows x (..., d): the delta rule's unit φ̂, the additive update's φ (a
+        log-space map's at each row's own maximum)."""
         phi = map_features(self.fmap, x, is_query=is_query)
+        if self.log_space:
+            phi = stabilise_queries(phi)[0]
         return unit_rows(phi) if self.delta else phi
+
+    def _stored(self, x: torch.Tensor) -> torch.Tensor:
+        """Key rows x (R, ·, d) as the additive sums hold them: φ, or (log-space maps) e^{log φ − R} (≤ 1 for every
+        key seen; clamped for empty slots)."""
+        phi = map_features(self.fmap, x, is_query=False)
+        if self.shift is None:
+            return phi
+        scale = finite(self.shift).view(-1, *([1] * (phi.dim() - 1)))
+        return torch.exp((phi - scale).clamp(max=0.0))
 
     @property
     def batch_size(self) -> int:
@@ -162,6 +185,9 @@ class SparseComposedDecodeStep:
             stays = self.stays[:, t % window]
             writes.append((self.keys[:, slot].clone(), self.values[:, slot].clone(),
                            (self.kept[:, slot] & ~stays).to(dtype) * (self.betas[:, slot] if self.delta else 1.0)))
+        if self.shift is not None:  # R takes key t (a kept one) before the step's writes
+            top = map_features(self.fmap, k, is_query=False).amax(-1).masked_fill(~token_keep, NEG_INF)
+            self._rescale(torch.maximum(self.shift, top))
         self._advance(writes, log_decay)
         if 0 <= leaving < self.sinks:  # a sink leaves the window: from now on a separate exact key
             self.live[leaving] = True
@@ -174,6 +200,14 @@ class SparseComposedDecodeStep:
             self.queries[:, t % self.block] = q
         self.num_tokens = t + 1
         return self._output(q).view(batch, heads, 1, values).to(out_dtype)
+
+    def _rescale(self, shift: torch.Tensor) -> None:
+        """The additive sums moved to the log-scale ``shift`` (R,) ≥ the current one."""
+        assert self.shift is not None and self.k_sum is not None
+        carry = scale_between(self.shift, shift)
+        self.kv.mul_(carry[:, None, None])
+        self.k_sum.mul_(carry[:, None])
+        self.shift = shift
 
     def _advance(self, writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                  log_decay: torch.Tensor | None) -> None:
@@ -190,7 +224,8 @@ class SparseComposedDecodeStep:
             if self.k_sum is not None:
                 self.k_sum.mul_(factor)
         for key, value, strength in writes:
-            kf = torch.where(strength.unsqueeze(-1) != 0, self._features(key, False), 0.0)  # (R, F)
+            kf = self._features(key, False) if self.delta else self._stored(key)
+            kf = torch.where(strength.unsqueeze(-1) != 0, kf, 0.0)  # (R, F)
             if self.delta:
                 recalled = torch.bmm(kf.unsqueeze(1), self.kv).squeeze(1)  # Sᵀk̂ (R, Dv)
                 self.kv.add_(kf.unsqueeze(-1) * (strength.unsqueeze(-1) * (value - recalled)).unsqueeze(1))
@@ -271,12 +306,16 @@ class SparseComposedDecodeStep:
         den = (qf * self.k_sum).sum(-1, keepdim=True)
         if lam is not None:
             den = den * lam
-        if self.gamma is None:
-            phi_keys = map_features(self.fmap, keys, is_query=False)  # (R, slots, F)
+        if self.gamma is None:  # log-space maps: every sum at query t's stored scale c_t + R_t
+            phi_keys = self._stored(keys)  # (R, slots, F)
             mass = torch.bmm(phi_keys, qf.unsqueeze(-1)).squeeze(-1).masked_fill(~exact, 0.0).sum(-1, keepdim=True)
             total = den + mass + self.eps
             return (num + mass * average) / torch.where(total == 0, 1.0, total)
         gamma = self.gamma.unsqueeze(-1)
+        if self.shift is not None:  # the two parts meet on u = max(c_t + R_t, 0), as the op's combiner
+            both = map_features(self.fmap, q, is_query=True).amax(-1, keepdim=True) + finite(self.shift).unsqueeze(-1)
+            common = both.clamp(min=0)
+            num, den, gamma = num * torch.exp(both - common), den * torch.exp(both - common), gamma * torch.exp(-common)
         total = den + gamma * soft_den + self.eps
         return (num + gamma * soft_num) / torch.where(total == 0, 1.0, total)
 
@@ -295,7 +334,8 @@ class SparseComposedDecodeStep:
             linear = DeltaRuleState(rows(self.kv), seen)
         else:
             assert self.k_sum is not None
-            linear = LinearAttentionState(rows(self.kv), rows(self.k_sum), self.kv.new_zeros(batch, heads), seen)
+            shift = self.shift.view(batch, heads).clone() if self.shift is not None else self.kv.new_zeros(batch, heads)
+            linear = LinearAttentionState(rows(self.kv), rows(self.k_sum), shift, seen)
         t, dim = self.num_tokens, self.keys.shape[-1]
         held = (t - 1) % self.block + 1 if t else 0
         queries = (rows(self.queries[:, :held]) if self.queries is not None

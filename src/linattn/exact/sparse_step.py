@@ -82,8 +82,9 @@ class SparseDecodeStep(WindowDecodeStep):
             )
         if is_log_space(fmap):
             raise LinearAttentionError(
-                f"feature_map {type(fmap).__name__}: the sparse cache takes ordinary maps, not log-space ones "
-                "(FAVOR+ and kin); the step keeps every sum at scale 1"
+                f"feature_map {type(fmap).__name__}: a log-space map (FAVOR+ and kin); this step, on the window "
+                "step, keeps every sum at scale 1: continue the state with SparseComposedDecodeStep (lean_step "
+                "chooses it)"
             )
         block, slots = cache.block_for(state.window), cache.largest
         if carried.block != block or carried.slots != slots:

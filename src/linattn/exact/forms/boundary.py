@@ -17,6 +17,7 @@ from ...features import NEG_INF, finite
 from ...state import LinearAttentionState, SparseCache
 from .chunked import empty_window_state
 from .hybrid import Hybrid
+from .sparse_scales import carried_to, own_scale, reading, sums_at
 
 NEVER = 1 << 62  # the entry time of a pair that never enters the linear state (in this call)
 
@@ -143,11 +144,13 @@ def decide(
     cache: SparseCache, hybrid: Hybrid, block: int, n0: int, end: int, slots: int, ring_start: int,
     xpos: torch.Tensor, xkeep: torch.Tensor, kf: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
     carried: torch.Tensor, linear: LinearAttentionState, index_of: Any, queries: torch.Tensor, query_first: int,
-    width: int | None = None,
+    width: int | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The boundaries of this call, in order, with the state's sums kept incrementally: the cache of each query
     block of the call ((..., width) each; width: the most any row holds, default the slots) and every row's entry
-    time (..., X).
+    time (..., X). Log-space maps: ``scales`` = (each row's own maximum m (..., X), R_{n0−1} … R_{end−1}
+    (..., N + 1)), kf the rows at their own maxima, and the sums at R_{t0−1} at boundary t0
+    (:mod:`.sparse_scales`).
 
     Between two boundaries the sums take exactly the candidates of the first that were not kept (the dropped
     cached pairs at the boundary, the other leaving pairs as they leave), so each boundary adds those in one
@@ -163,15 +166,24 @@ def decide(
     carried = carried[..., :width]  # a row's pairs lie in its first slots (its budget ≤ width)
     selections = [] if n0 % block == 0 and n0 > 0 else [carried]
     member_rows = index_of(carried)
-    entering: tuple[torch.Tensor, torch.Tensor] | None = None  # (features masked to what enters, values)
+    at = linear.shift  # log-space maps: the sums' scale
+    # (features masked to what enters, values, their scales (log-space maps) or None)
+    entering: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
     first = max(-(-n0 // block) * block, block)
     if first < end and first > n0:  # pairs leaving uncached between the call's start and its first boundary
         lo = max(n0 - window, ring_start, 0)
         rows = slots + torch.arange(lo - ring_start, max(lo, first - window) - ring_start, device=device)
         enters = ((entry[..., rows] >= n0) & (entry[..., rows] <= first - 1)).unsqueeze(-1)
-        entering = (kf[..., rows, :] * enters, xv[..., rows, :])
+        entering = (kf[..., rows, :] * enters, xv[..., rows, :], scales[0][..., rows] if scales else None)
     for t0 in range(first, end, block):
-        if entering is not None:
+        if scales is not None:  # the sums moved to R_{t0−1}, the entering rows added there
+            rho = scales[1][..., t0 - n0]
+            kv, k_sum = carried_to(kv, k_sum, at, rho)
+            at = rho
+            if entering is not None and entering[2] is not None:
+                added = sums_at(entering[0], entering[2], entering[1], rho)
+                kv, k_sum = kv + added[0], k_sum + added[1]
+        elif entering is not None:
             kv = torch.baddbmm(kv.flatten(0, -3), entering[0].flatten(0, -3).transpose(-1, -2),
                                entering[1].flatten(0, -3)).view_as(kv)
             k_sum = k_sum + entering[0].sum(-2)
@@ -193,7 +205,8 @@ def decide(
         target = _spare(rows, entry)
         new_entry = torch.where(was & valid & ~kept, t0, torch.where(kept, NEVER, entry.gather(-1, target)))
         entry.scatter_(-1, target, new_entry)  # (entry is this call's own tensor)
-        entering = (features * (valid & ~kept).unsqueeze(-1), values)
+        entering = (features * (valid & ~kept).unsqueeze(-1), values,
+                    scales[0].gather(-1, safe).masked_fill(~valid, NEG_INF) if scales else None)
         member_rows = rows.gather(-1, index.clamp(min=0)).masked_fill(index < 0, -1)
         selections.append(chosen)
     return selections, entry[..., :-1]
@@ -220,11 +233,15 @@ def cache_selections(hybrid: Hybrid, cache: SparseCache, q: torch.Tensor, k: tor
         xv = torch.cat([v.new_zeros(*batch, slots, v.shape[-1]), v], -2)
         kf = hybrid.key_logs(xk, xkeep)
         state = empty_window_state(hybrid, k, v, kf.shape[-1])
+        scales = None
+        if hybrid.log_space:  # the rows at their own maxima, the sums at R_{t0−1} (sparse_scales.py)
+            kf, m = own_scale(kf)
+            scales = (m, reading(state.linear.shift, m[..., slots:]))
         carried = torch.full((*batch, slots), -1, dtype=torch.long, device=device)
 
         def index_of(positions: torch.Tensor) -> torch.Tensor:
             return torch.where(positions < 0, -1, slots + positions)
 
         selections, _ = decide(cache, hybrid, block, 0, n, slots, 0, xpos, xkeep, kf, xk, xv, carried,
-                                state.linear, index_of, q, 0)
+                                state.linear, index_of, q, 0, scales=scales)
     return torch.stack(selections, -2)

@@ -54,7 +54,7 @@ class _Tile:
 
     def __init__(self, geo: Geometry, q: torch.Tensor, qf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  features: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, outside: torch.Tensor | None,
-                 g0: int, g1: int) -> None:
+                 scales: tuple[torch.Tensor, torch.Tensor] | None, g0: int, g1: int) -> None:
         b0, b1 = g0 * geo.block, g1 * geo.block
         count = g1 - g0
         r = q.shape[0]
@@ -78,9 +78,17 @@ class _Tile:
             held = outside[:, g0:g1].unsqueeze(-2).to(q.dtype).expand(r, count, geo.block, slots)
             coef = torch.cat([coef, held], -1)
         self.coef = coef
+        self.gain: torch.Tensor | None = None  # log-space maps: e^{m_j − R_t} (R, G, B, U), ≤ 1
+        if scales is not None:
+            row_scale = scales[0].flatten().index_select(0, self.flat).view(index.shape).masked_fill(~self.valid,
+                                                                                                     NEG_INF)
+            query_scale = scales[1][:, b0:b1].view(r, count, geo.block, 1)
+            apart = torch.where(row_scale.unsqueeze(-2) == NEG_INF, NEG_INF, row_scale.unsqueeze(-2) - query_scale)
+            self.gain = torch.exp(apart.clamp(max=0.0))
 
     def weights(self) -> torch.Tensor:
-        return self.qf @ self.features.transpose(-1, -2)  # (R, G, B, U)
+        weights = self.qf @ self.features.transpose(-1, -2)  # (R, G, B, U)
+        return weights if self.gain is None else weights.mul_(self.gain)
 
     def scores(self, geo: Geometry) -> torch.Tensor:
         scores = (self.q @ self.keys.transpose(-1, -2)).mul_(geo.scale)
@@ -92,12 +100,15 @@ class CacheTerm(torch.autograd.Function):
 
     q (R, P, D) and qf (R, P, F) padded to P = blocks·B; keys, values, features (R, X, ·) the rows X; ls (R, P)
     the window's row max (−inf: none); rows, positions (R, blocks, U) int64; outside (R, blocks, slots) bool or
-    None. Outputs (R, P, ·)."""
+    None; log-space maps: ``scales`` = (each row's own maximum m (R, X), each query's R_t (R, P), +inf at padding)
+    as constants, the features at m, so that a linear weight is (φ̃(q_t)·φ̃_j)·e^{m_j − R_t} at the query's stored
+    scale (the caller restores the gradient through R_t). Outputs (R, P, ·)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, qf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 features: torch.Tensor, ls: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                outside: torch.Tensor | None, geo: Geometry) -> tuple[torch.Tensor, ...]:
+                outside: torch.Tensor | None, geo: Geometry,
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         r, p, dv = q.shape[0], q.shape[1], values.shape[-1]
         blocks, width = rows.shape[1], rows.shape[-1]
         lin_num, ex_num = q.new_empty(r, p, dv), q.new_empty(r, p, dv)
@@ -107,7 +118,7 @@ class CacheTerm(torch.autograd.Function):
         step = _tile_blocks(r, geo.block, width)
         for g0 in range(0, blocks, step):
             g1 = min(blocks, g0 + step)
-            tile = _Tile(geo, q, qf, keys, values, features, rows, positions, outside, g0, g1)
+            tile = _Tile(geo, q, qf, keys, values, features, rows, positions, outside, scales, g0, g1)
             at = slice(g0 * geo.block, g1 * geo.block)
             w = tile.weights()
             s = tile.scores(geo)
@@ -130,7 +141,7 @@ class CacheTerm(torch.autograd.Function):
                 won = (local >= window_max) & (local > NEG_INF)
                 best[:, at] = torch.where(won, slot_rows.gather(-1, arg.unsqueeze(-1)).squeeze(-1), -1).view(r, -1)
                 window_won[:, at] = (~won & (window_max > NEG_INF)).view(r, -1)
-        ctx.geo = geo
+        ctx.geo, ctx.scales = geo, scales  # (constants: no gradient)
         ctx.save_for_backward(q, qf, keys, values, features, rows, positions, outside, top, best, window_won)
         if geo.shape_only:
             ctx.mark_non_differentiable(top)
@@ -144,6 +155,7 @@ class CacheTerm(torch.autograd.Function):
                  ) -> tuple[torch.Tensor | None, ...]:
         q, qf, keys, values, features, rows, positions, outside, top, best, window_won = ctx.saved_tensors
         geo: Geometry = ctx.geo
+        scales = ctx.scales
         r, p, dv = q.shape[0], q.shape[1], values.shape[-1]
         blocks, width = rows.shape[1], rows.shape[-1]
 
@@ -162,7 +174,7 @@ class CacheTerm(torch.autograd.Function):
         for g0 in range(0, blocks, step):
             g1 = min(blocks, g0 + step)
             count = g1 - g0
-            tile = _Tile(geo, q, qf, keys, values, features, rows, positions, outside, g0, g1)
+            tile = _Tile(geo, q, qf, keys, values, features, rows, positions, outside, scales, g0, g1)
             at = slice(g0 * geo.block, g1 * geo.block)
             shape = (r, count, geo.block)
             w = tile.weights()
@@ -174,6 +186,8 @@ class CacheTerm(torch.autograd.Function):
             d_probs = d_pair[:, :, geo.block :, : geo.slots].add_(g_ed[:, at].view(*shape, 1))
             d_w = d_moved.mul_(tile.coef)
             d_w[..., : geo.slots] += g_m[:, at].view(*shape, 1) * tile.exact
+            if tile.gain is not None:
+                d_w.mul_(tile.gain)
             d_s = d_probs.mul_(probs)  # 0 where not exact
             d_top[:, at] = -d_s.sum(-1).view(r, -1)
             d_v = moved.transpose(-1, -2) @ upstream[:, :, 0]
@@ -197,4 +211,4 @@ class CacheTerm(torch.autograd.Function):
                               picked * q.flatten(0, 1))
             d_ls = total * window_won
         return (d_q, d_qf, d_keys[:-1].view_as(keys), d_values[:-1].view_as(values),
-                d_features[:-1].view_as(features), d_ls, None, None, None, None)
+                d_features[:-1].view_as(features), d_ls, None, None, None, None, None)

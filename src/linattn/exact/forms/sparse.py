@@ -28,7 +28,8 @@ part. O(N·size) beside the window op's O(N·W).
 The decision at a boundary (the scores, the choice, a call's boundaries in order) is
 :mod:`linattn.exact.forms.boundary`, shared with the decoding step and the fit.
 
-Ordinary feature maps only (not log-space maps such as FAVOR+): the capability table says so.
+Log-space maps (FAVOR+ and kin): every pair at its own maximum, query t at c_t + R_t, the boundary sums at R_{t0−1}
+(:mod:`.sparse_scales`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...features import NEG_INF, finite
+from ...features import NEG_INF, finite, scale_between
 from ...state import LinearAttentionState, SparseCache, SparseCacheState, WindowAttentionState
 from .boundary import (  # noqa: F401  (re-exported: the names' old home)
     NEVER,
@@ -59,6 +60,7 @@ from .boundary import (  # noqa: F401  (re-exported: the names' old home)
 from .cache_term import CacheTerm, Geometry
 from .chunked import causal_window_parts, empty_window_state, next_state
 from .hybrid import Hybrid
+from .sparse_scales import carried_to, moved, own_scale, reading, start_scale, sums_at
 
 
 class _Slots(NamedTuple):
@@ -131,7 +133,13 @@ def sparse_parallel(
     xk = torch.cat([carried.keys, state.sink_keys[..., :own, :], state.keys, k], -2)
     xv = torch.cat([carried.values, state.sink_values[..., :own, :], state.values, v], -2)
     xkeep = torch.cat([slot_valid, state.sink_keep[..., :own], state.keep, keep], -1)
-    kf = hybrid.key_logs(xk, xkeep)  # 0 at invalid rows
+    kf = hybrid.key_logs(xk, xkeep)  # 0 at invalid rows (log-space: −inf)
+    m = big_r = None  # log-space maps: each row at its own maximum m, R_{n0−1} … R_{end−1} (sparse_scales.py)
+    if hybrid.log_space:
+        top = kf.amax(-1)  # (..., X): R takes its gradient from the keys' maxima, as the window op's
+        kf, m = own_scale(kf)
+        old = xk.shape[-2] - n
+        big_r = reading(start_scale(state.linear.shift, top[..., :old]), top[..., old:])
     is_slot = torch.zeros_like(xkeep)
     is_slot[..., :slots] = True
     member = is_member(xpos, carried.positions) & xkeep
@@ -146,8 +154,14 @@ def sparse_parallel(
     first = -(-n0 // block) * block
     for t0 in range(max(first, block), end, block):
         entered = (xkeep & (entry >= n0) & (entry <= t0 - 1)).unsqueeze(-1)
-        kv = state.linear.kv + (kf * entered).transpose(-1, -2) @ xv
-        k_sum = state.linear.k_sum + (kf * entered).sum(-2)
+        if m is not None and big_r is not None:  # the sums at R_{t0−1}
+            rho = big_r[..., t0 - n0]
+            kv, k_sum = carried_to(state.linear.kv, state.linear.k_sum, state.linear.shift, rho)
+            add_kv, add_sum = sums_at(kf * entered, m, xv, rho)
+            kv, k_sum = kv + add_kv, k_sum + add_sum
+        else:
+            kv = state.linear.kv + (kf * entered).transpose(-1, -2) @ xv
+            k_sum = state.linear.k_sum + (kf * entered).sum(-2)
         now = is_member(xpos, members) & xkeep
         leaving = xkeep & ~is_slot & (xpos >= max(sinks, t0 - window)) & (xpos < t0 - window + block)
         candidates = (now | leaving)
@@ -173,27 +187,40 @@ def sparse_parallel(
     exact = near | sink | cached
     linear = seen & ~exact & (entry.unsqueeze(-2) <= t.unsqueeze(-1))
 
-    qf, _ = hybrid.query_features(q)
+    qf, c = hybrid.query_features(q)
     weights = qf @ kf.transpose(-1, -2)  # (..., N, X)
+    lin_from_state = (qf @ state.linear.kv, (qf @ state.linear.k_sum.unsqueeze(-1)).squeeze(-1))
+    r = None
+    if m is not None and big_r is not None:  # query t reads at c_t + R_t: pair j moved by e^{m_j − R_t}
+        r = big_r[..., 1:]
+        weights = weights * moved(m, r, seen)
+        carry = scale_between(state.linear.shift.unsqueeze(-1), r)  # (..., N): the carried sums to R_t
+        lin_from_state = (lin_from_state[0] * carry.unsqueeze(-1), lin_from_state[1] * carry)
     lin_weights = weights.masked_fill(~linear, 0.0)
-    lin_num = lin_weights @ xv + qf @ state.linear.kv
-    lin_den = lin_weights.sum(-1) + (qf @ state.linear.k_sum.unsqueeze(-1)).squeeze(-1)
+    lin_num = lin_weights @ xv + lin_from_state[0]
+    lin_den = lin_weights.sum(-1) + lin_from_state[1]
     scores = ((q @ xk.transpose(-1, -2)) * hybrid.scale).masked_fill(~exact, NEG_INF)
     probs = torch.exp(scores - finite(scores.amax(-1, keepdim=True)))
     mass = weights.masked_fill(~exact, 0.0).sum(-1) if hybrid.factor is None else None
-    out = hybrid.combine(cache.weigh_linear((lin_num, lin_den)), (probs @ xv, probs.sum(-1), mass), None, None)
+    out = hybrid.combine(cache.weigh_linear((lin_num, lin_den)), (probs @ xv, probs.sum(-1), mass), c, r)
 
-    nxt = next_state(state, _linear_after(state.linear, kf, xv, xkeep, entry, n0, end), k, v, keep)
+    end_scale = big_r[..., -1] if big_r is not None else None
+    nxt = next_state(state, _linear_after(state.linear, kf, xv, xkeep, entry, n0, end, m, end_scale), k, v, keep)
     nxt.cache = _final_cache(cache, members, xpos, xkeep, xk, xv, queries_all, query_first, end, block)
     return out, nxt
 
 
 def _linear_after(linear: LinearAttentionState, kf: torch.Tensor, xv: torch.Tensor, xkeep: torch.Tensor,
-                  entry: torch.Tensor, n0: int, end: int) -> LinearAttentionState:
+                  entry: torch.Tensor, n0: int, end: int, m: torch.Tensor | None = None,
+                  end_scale: torch.Tensor | None = None) -> LinearAttentionState:
     """The linear sums after the call: the carried ones plus every row X (features kf, values xv) whose entry time
-    falls in the call (n0 … end − 1)."""
+    falls in the call (n0 … end − 1). Log-space maps (rows at their own maxima m): at ``end_scale``, R_{end−1}."""
     entered = (xkeep & (entry >= n0) & (entry <= end - 1)).unsqueeze(-1)
     features = kf * entered
+    if m is not None and end_scale is not None:
+        kv, k_sum = carried_to(linear.kv, linear.k_sum, linear.shift, end_scale)
+        add_kv, add_sum = sums_at(features, m, xv, end_scale)
+        return LinearAttentionState(kv + add_kv, k_sum + add_sum, end_scale, linear.num_tokens)
     return LinearAttentionState(linear.kv + features.transpose(-1, -2) @ xv, linear.k_sum + features.sum(-2),
                                 linear.shift, linear.num_tokens)
 
@@ -257,7 +284,16 @@ def sparse_chunked(
     xk = torch.cat([carried.keys, state.keys, k], -2)
     xv = torch.cat([carried.values, state.values, v], -2)
     slot_features = hybrid.key_logs(carried.keys, slot_valid)
-    kf = torch.cat([slot_features, parts.ring_features, parts.features], -2).masked_fill(~xkeep.unsqueeze(-1), 0.0)
+    kf = torch.cat([slot_features, parts.ring_features, parts.features], -2).masked_fill(
+        ~xkeep.unsqueeze(-1), NEG_INF if hybrid.log_space else 0.0)
+    scales = None  # log-space maps: (each row's own maximum m, R_{n0−1} … R_{end−1}) (sparse_scales.py)
+    if hybrid.log_space:
+        assert parts.r is not None
+        kf, m = own_scale(kf)
+        ring_scales = parts.ring_features.detach().amax(-1).masked_fill(~state.keep, NEG_INF)
+        sink_scales = hybrid.key_logs(state.sink_keys, state.sink_keep).detach().amax(-1)
+        start = start_scale(state.linear.shift, m[..., :slots], ring_scales, sink_scales)
+        scales = (m, torch.cat([start.unsqueeze(-1), parts.r.detach()], -1))
 
     def rows_in(table: torch.Tensor) -> Any:
         def index_of(positions: torch.Tensor) -> torch.Tensor:
@@ -277,10 +313,12 @@ def sparse_chunked(
     back = None if len(groups) == 1 else torch.argsort(torch.cat([index for index, _ in groups if index is not None]))
     with torch.no_grad():
         given = (xpos, xkeep, kf.detach(), xk.detach(), xv.detach(), carried.positions, state.linear.kv,
-                 state.linear.k_sum, queries_all.detach())
+                 state.linear.k_sum, queries_all.detach(), state.linear.shift.expand(batch),
+                 *(scales if scales is not None else ()))
         if len(groups) == 1:
-            selections, entry = decide(cache, hybrid, block, n0, end, slots, ring_start, *given[:6], state.linear,
-                                        index_of, given[8], query_first)
+            selections, entry = decide(cache, hybrid, block, n0, end, slots, ring_start, xpos, xkeep, kf.detach(),
+                                        xk.detach(), xv.detach(), carried.positions, state.linear, index_of,
+                                        given[8], query_first, scales=scales)
         else:  # each group of rows decides at its own width (its candidates: that many slots and the leaving pairs)
             rows_total = batch.numel()
 
@@ -293,12 +331,14 @@ def sparse_chunked(
             decided = []
             for index, width in groups:
                 assert index is not None
-                xp, xkp, f, xkk, xvv, members, kv, k_sum, qs = (flat(x).index_select(0, index) for x in given)
+                xp, xkp, f, xkk, xvv, members, kv, k_sum, qs, shift, *own = (flat(x).index_select(0, index)
+                                                                             for x in given)
                 sub = dataclasses.replace(cache, size=sizes.index_select(0, index).cpu(),
                                           keep=None if keep_rows is None else keep_rows.index_select(0, index))
-                linear = LinearAttentionState(kv, k_sum, kv.new_zeros(()))
+                linear = LinearAttentionState(kv, k_sum, shift)
                 decided.append(decide(sub, hybrid, block, n0, end, slots, ring_start, xp, xkp, f, xkk, xvv, members,
-                                      linear, rows_in(sorted_table(members)), qs, query_first, width=width))
+                                      linear, rows_in(sorted_table(members)), qs, query_first, width=width,
+                                      scales=(own[0], own[1]) if own else None))
             assert back is not None
 
             def joined(parts: list[torch.Tensor]) -> torch.Tensor:  # (R_g, width) each → (..., L), −1 beyond
@@ -334,6 +374,8 @@ def sparse_chunked(
     shape_only = hybrid.factor is None
     inputs = (padded(q), padded(parts.qf), rows_of(xk), rows_of(xv), rows_of(kf),
               padded(ls.detach() if shape_only else ls, NEG_INF))
+    # log-space maps: the rows' own maxima and each query's R_t (+inf at padding: no weight), as constants
+    term_scales = None if scales is None else (rows_of(scales[0]), padded(scales[1][..., 1:], float("inf")))
     chosen_rows, chosen_pos = rows_of(rows), rows_of(chosen)
     held_pos = rows_of(carried.positions.unsqueeze(-2).expand_as(chosen))
     held_out = rows_of(outside) if outside is not None else None
@@ -350,7 +392,8 @@ def sparse_chunked(
             u_pos = torch.cat([u_pos, pick(held_pos[..., :width])], -1)
         geo = Geometry(n0, front, block, window, width, hybrid.scale, shape_only)
         return CacheTerm.apply(*(pick(x) for x in inputs), u_rows, u_pos,
-                               pick(held_out[..., :width]) if held_out is not None else None, geo)
+                               pick(held_out[..., :width]) if held_out is not None else None, geo,
+                               None if term_scales is None else (pick(term_scales[0]), pick(term_scales[1])))
 
     if len(groups) == 1:
         terms = term(None, slots)
@@ -359,6 +402,10 @@ def sparse_chunked(
         parts_of = [term(index, width) for index, width in groups]
         terms = tuple(torch.cat(pieces).index_select(0, back) for pieces in zip(*parts_of, strict=True))
     lin_add, lin_den_add, ex_num, ex_den, cache_mass, top = (unpadded(x) for x in terms)
+    if parts.r is not None:  # at R_t held constant in the term: e^{R̂_t − R_t} (= 1) gives R_t its gradient
+        restore = torch.exp(parts.r.detach() - parts.r)
+        lin_add, lin_den_add = lin_add * restore.unsqueeze(-1), lin_den_add * restore
+        cache_mass = cache_mass * restore
     lin = (parts.lin[0] + lin_add, parts.lin[1] + lin_den_add)
     if win_den is None:  # the fused window part: already its softmax average, at the log-scale ls
         win_den = torch.ones_like(ls)
@@ -373,7 +420,8 @@ def sparse_chunked(
         exact_part = (num, den, None)
     out = hybrid.combine(cache.weigh_linear(lin), exact_part, parts.c, parts.r)
 
-    nxt = next_state(state, _linear_after(state.linear, kf, xv, xkeep, entry, n0, end), k, v, keep)
+    nxt = next_state(state, _linear_after(state.linear, kf, xv, xkeep, entry, n0, end, *_at_end(scales)), k, v,
+                     keep)
     final = selections[-1] if selections else carried.positions
     final_rows = index_of(final)
     filled = (final >= 0).unsqueeze(-1)
@@ -383,3 +431,8 @@ def sparse_chunked(
     return out, nxt
 
 
+
+
+def _at_end(scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the rows' own maxima, R_{end−1}) for :func:`_linear_after`, or (None, None) for ordinary maps."""
+    return (None, None) if scales is None else (scales[0], scales[1][..., -1])

@@ -34,8 +34,9 @@ from boundary to boundary (for ``"recall"`` only) by the linear op itself on tha
 (:mod:`.sparse_stream`); then the linear op runs once on the call's whole write stream, with gradients, and is
 read at the real query positions. ``form="parallel"`` writes the exact part's weights out and runs the linear op's
 token-by-token form (the definition); ``"recurrent"`` is that one token at a time; ``"chunked"`` takes the window's
-banded exact part, the cache's per-block term (:mod:`.cache_term`) and the linear op's chunked form. Ordinary
-feature maps only.
+banded exact part, the cache's per-block term (:mod:`.cache_term`) and the linear op's chunked form. Log-space
+maps: the delta family reads unit rows (no scale); beside the additive family each write-stream slot is stored at
+its step's R and the decayed sums run on ρ − G (:mod:`.sparse_scales`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .chunked import causal_window_parts, empty_window_state
 from .composed import add_to_average, composed_state, softmax_average
 from .hybrid import Hybrid
 from .sparse import _carried, _packed, _queries_since
+from .sparse_scales import moved, own_scale, reading, start_scale
 from .sparse_stream import Linear, LinearPart, Pairs, Stream, first_entries, run_stream, stream_piece
 
 
@@ -87,6 +89,12 @@ def _pairs(hybrid: Hybrid, part: LinearPart, cache: SparseCache, state: WindowAt
     keys = torch.cat([carried.keys, state.sink_keys[..., :own, :], state.keys, k], -2)
     values = torch.cat([carried.values, state.sink_values[..., :own, :], state.values, v], -2)
     phi = hybrid.key_logs(keys, valid)
+    scale = reading_scales = None
+    if hybrid.log_space:  # beside the additive state: rows at their own maxima, R_{n0−1} … R_{end−1}
+        top = phi.amax(-1)  # R takes its gradient from the keys' maxima, as the window op's
+        phi, scale = own_scale(phi)
+        old = pos.shape[-1] - k.shape[-2]
+        reading_scales = reading(start_scale(state.linear.shift, top[..., :old]), top[..., old:])
     beta = None
     if part.beta is not None:
         held = state.cache.betas if state.cache is not None and state.cache.betas is not None else None
@@ -94,7 +102,7 @@ def _pairs(hybrid: Hybrid, part: LinearPart, cache: SparseCache, state: WindowAt
         beta = torch.cat([held if held is not None else k.new_zeros(*batch, slots),
                           k.new_zeros(*batch, own), buffered, part.beta], -1) * valid
     return Pairs(pos, valid, keys, values, phi, part.features(phi), beta, slots, slots + own, ring_start,
-                 carried.positions)
+                 carried.positions, scale, reading_scales)
 
 
 def _decide(hybrid: Hybrid, cache: SparseCache, part: LinearPart, pairs: Pairs, linear: Linear,
@@ -177,19 +185,20 @@ def sparse_composed(
     with torch.no_grad():
         by_block, stream = _decide(hybrid, cache, part, pairs, state.linear, queries.detach(), query_first, n0,
                                       end, chunk)
-    phi_q, _ = hybrid.query_features(q)
+    phi_q, c = hybrid.query_features(q)
+    r = pairs.reading[..., 1:] if pairs.reading is not None else None  # log-space: query t reads at c_t + R_t
     lin_out, linear = run_stream(part, pairs, stream, part.features(phi_q), state.linear, chunk)
     assert lin_out is not None
     selections = [by_block.get(b, carried.positions) for b in range(n0 // block, (end - 1) // block + 1)]
     if form == "chunked":
         exact = _exact_chunked(hybrid, cache, pairs, q, k, v, keep, state, selections, chunk_size)
     else:
-        exact = _exact_parallel(hybrid, pairs, q, phi_q, selections, n0, block)
+        exact = _exact_parallel(hybrid, pairs, q, phi_q, selections, n0, block, r)
     if part.delta:
         read, _ = cache.weigh_linear((lin_out, lin_out[..., 0]))
         out = add_to_average(softmax_average(exact), read, hybrid.factor)
     else:
-        out = hybrid.combine(cache.weigh_linear((lin_out[..., :-1], lin_out[..., -1])), exact, None, None)
+        out = hybrid.combine(cache.weigh_linear((lin_out[..., :-1], lin_out[..., -1])), exact, c, r)
     nxt = composed_state(state, linear, k, v, full_keep, part.beta)
     final = selections[-1]
     rows = pairs.row_of(final)
@@ -205,7 +214,8 @@ def sparse_composed(
 
 
 def _exact_parallel(hybrid: Hybrid, pairs: Pairs, q: torch.Tensor, phi_q: torch.Tensor,
-                    selections: list[torch.Tensor], n0: int, block: int) -> tuple[torch.Tensor | None, ...]:
+                    selections: list[torch.Tensor], n0: int, block: int,
+                    r: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """The exact part's weights written out: (Σ e^{s−m} v, Σ e^{s−m}, mass) per query over the window, the sinks
     and the block's cached pairs j ≤ t − W (the mass form's mass φ(q)·Σ_exact φ(k); None in the γ form)."""
     window, sinks, n = hybrid.window, hybrid.sinks, q.shape[-2]
@@ -223,7 +233,10 @@ def _exact_parallel(hybrid: Hybrid, pairs: Pairs, q: torch.Tensor, phi_q: torch.
     probs = torch.exp(scores - finite(scores.amax(-1, keepdim=True)))
     mass = None
     if hybrid.factor is None:
-        mass = (phi_q @ pairs.phi.transpose(-1, -2)).masked_fill(~exact, 0.0).sum(-1)
+        weights = phi_q @ pairs.phi.transpose(-1, -2)  # (..., N, X)
+        if r is not None and pairs.scale is not None:  # log-space: pair j moved from m_j to R_t
+            weights = weights * moved(pairs.scale, r, exact)
+        mass = weights.masked_fill(~exact, 0.0).sum(-1)
     return probs @ pairs.values, probs.sum(-1), mass
 
 
@@ -254,9 +267,13 @@ def _exact_chunked(hybrid: Hybrid, cache: SparseCache, pairs: Pairs, q: torch.Te
     geo = Geometry(n0, front, block, window, chosen.shape[-1], hybrid.scale, shape_only)
     terms = CacheTerm.apply(padded(q), padded(parts.qf), rows_of(pairs.keys), rows_of(pairs.values),
                             rows_of(pairs.phi), padded(ls.detach() if shape_only else ls, NEG_INF),
-                            rows_of(pairs.row_of(chosen)), rows_of(chosen), None, geo)
+                            rows_of(pairs.row_of(chosen)), rows_of(chosen), None, geo,
+                            None if pairs.scale is None or parts.r is None else (
+                                rows_of(pairs.scale), padded(parts.r.detach(), float("inf"))))
     _, _, ex_num, ex_den, cache_mass, top = (x[:, front : front + n].reshape(*batch, n, *x.shape[2:])
                                              for x in terms)
+    if pairs.scale is not None and parts.r is not None:  # R_t held constant in the term: its gradient restored
+        cache_mass = cache_mass * torch.exp(parts.r.detach() - parts.r)
     if win_den is None:  # the fused window part: already its softmax average, at the log-scale ls
         win_den = torch.ones_like(ls)
     weight = torch.exp(ls - top)  # 0 where the window has no exact key (ls = −inf)

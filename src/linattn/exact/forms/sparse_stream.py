@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...features import unit_rows
+from ...features import scale_between, unit_rows
 from ...kinds.additive.forms.chunked import causal_chunked_attention
 from ...kinds.additive.forms.recurrent import recurrent_attention
 from ...kinds.delta.forms import delta_chunked, delta_recurrent
@@ -80,6 +80,10 @@ class Pairs:
     base: int
     ring_start: int
     carried: torch.Tensor  # (..., L) the carried cache's positions (−1: empty)
+    # log-space maps beside the additive state (sparse_scales.py): φ and the feature rows are at each row's own
+    # maximum ``scale`` (..., X); ``reading`` (..., N + 1) is R_{n0−1} … R_{end−1}, the scale of each step's sums
+    scale: torch.Tensor | None = None
+    reading: torch.Tensor | None = None
 
     def row_of(self, positions: torch.Tensor) -> torch.Tensor:
         """The row of each position (..., K) or (..., b, K) (−1 for none): a slot for a carried pair older than the
@@ -107,16 +111,18 @@ def first_entries(pairs: Pairs, window: int, sinks: int) -> torch.Tensor:
 @dataclass
 class Stream:
     """A write stream (module docstring): the row of X each slot writes (..., M) (−1: nothing), the call token
-    whose decay applies at each slot (M,) and the call token read at each slot (M,) (−1: none)."""
+    whose decay applies at each slot (M,), the call token read at each slot (M,) (−1: none) and the call token of
+    each slot's step (M,)."""
 
     rows: torch.Tensor
     gate_at: torch.Tensor
     read: torch.Tensor
+    step: torch.Tensor
 
     @staticmethod
     def join(pieces: list[Stream]) -> Stream:
         return Stream(torch.cat([p.rows for p in pieces], -1), torch.cat([p.gate_at for p in pieces]),
-                      torch.cat([p.read for p in pieces]))
+                      torch.cat([p.read for p in pieces]), torch.cat([p.step for p in pieces]))
 
 
 def stream_piece(pairs: Pairs, entry: torch.Tensor, lo: int, hi: int, n0: int, window: int,
@@ -143,7 +149,8 @@ def stream_piece(pairs: Pairs, entry: torch.Tensor, lo: int, hi: int, n0: int, w
         extra_gate[0], key_gate[0] = tokens[0], -1
     gate_at = torch.cat([extra_gate, key_gate])
     read = torch.cat([tokens.new_full((count,), -1), tokens])
-    return Stream(torch.cat([extra, key_rows], -1), gate_at, read)
+    step = torch.cat([tokens[:1].expand(count), tokens])
+    return Stream(torch.cat([extra, key_rows], -1), gate_at, read, step)
 
 
 def _at(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
@@ -155,10 +162,17 @@ def _at(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _summed(part: LinearPart, kf: torch.Tensor, values: torch.Tensor, stream: Stream,
-            state: Linear) -> LinearAttentionState:
+            state: Linear, slot_scales: torch.Tensor | None) -> LinearAttentionState:
     """The additive sums after the stream's slots i = 1 … M: S_M = e^{G_M}·S_0 + Σ_i e^{G_M − G_i}·φ_i v_iᵀ (and z
-    alike), G the cumulative log-decay over the slots (per feature with a per-feature gate)."""
+    alike), G the cumulative log-decay over the slots (per feature with a per-feature gate). Log-space maps: φ_i
+    stored at the slot's scale ρ_i (``slot_scales`` (..., M)), the sums at ρ_M."""
     assert isinstance(state, LinearAttentionState)
+    if slot_scales is not None:  # at ρ_M: the carried sums moved there, each row moved from ρ_i
+        end = slot_scales[..., -1]
+        carried = scale_between(state.shift, end)
+        kf = kf * torch.exp(slot_scales - end.unsqueeze(-1)).unsqueeze(-1)
+        state = LinearAttentionState(state.kv * carried[..., None, None], state.k_sum * carried[..., None], end,
+                                     state.num_tokens)
     gate = part.gate()
     if gate is not None:
         logs = _at(gate, stream.gate_at, -2)  # (..., M, F)
@@ -184,8 +198,13 @@ def run_stream(part: LinearPart, pairs: Pairs, stream: Stream, qf: torch.Tensor 
     written = (stream.rows >= 0).unsqueeze(-1)
     kf = gather_rows(pairs.lin, stream.rows) * written
     values = gather_rows(pairs.values, stream.rows) * written
+    slot_scales = None  # log-space maps: each slot's row stored at its step's scale ρ = R_step (≥ the row's m)
+    if pairs.scale is not None and pairs.reading is not None and not part.delta:
+        slot_scales = pairs.reading.index_select(-1, stream.step + 1)  # (..., M)
+        row_scales = pairs.scale.gather(-1, stream.rows.clamp(min=0))
+        kf = kf * scale_between(row_scales, slot_scales, written.squeeze(-1)).unsqueeze(-1)
     if qf is None and not part.delta:  # the additive sums after the stream, in one product
-        return None, _summed(part, kf, values, stream, state)
+        return None, _summed(part, kf, values, stream, state, slot_scales)
     queries = _at(qf, stream.read, -2) if qf is not None else kf.new_zeros(*kf.shape[:-1], pairs.lin.shape[-1])
     decay = _at(part.log_decay, stream.gate_at, -1) if part.log_decay is not None else None
     gate = part.gate()
@@ -207,18 +226,23 @@ def run_stream(part: LinearPart, pairs: Pairs, stream: Stream, qf: torch.Tensor 
     else:
         assert isinstance(state, LinearAttentionState)
         augmented = torch.cat([values, written.to(values.dtype)], -1)  # (..., M, Dv + 1): num and Σφ(k) at once
-        summed_state, eps, floor = with_sums(state, False), part.eps, part.min_denom  # ordinary maps only
+        summed_state, eps, floor = with_sums(state, slot_scales is not None), part.eps, part.min_denom
+        rho = slot_scales.to(torch.float64) if slot_scales is not None else None  # log-space: the slots' scales
         if gate is not None:
             if chunk_size is None:
                 scales = torch.cumsum(gate, dim=-2).neg_()
+                if rho is not None:
+                    scales = scales + rho.unsqueeze(-1)
                 out, summed = gated_recurrent_attention(queries, kf, augmented, scales=scales, state=summed_state,
                                                         normalize=False, eps=eps, min_denom=floor)
             else:
-                out, summed = gated_chunked_attention(queries, kf, augmented, gate=gate, ref=None, state=summed_state,
+                out, summed = gated_chunked_attention(queries, kf, augmented, gate=gate, ref=rho, state=summed_state,
                                                       chunk_size=chunk_size, normalize=False, eps=eps,
                                                       min_denom=floor)
         else:
             ref = torch.cumsum(decay, dim=-1).neg_() if decay is not None else None
+            if rho is not None:  # ref' = ρ − G: the decayed sums at each slot's scale
+                ref = rho if ref is None else rho + ref
             if chunk_size is None:
                 out, summed = recurrent_attention(queries, kf, augmented, ref=ref, state=summed_state,
                                                   normalize=False, eps=eps, min_denom=floor)
@@ -227,6 +251,9 @@ def run_stream(part: LinearPart, pairs: Pairs, stream: Stream, qf: torch.Tensor 
                                                        chunk_size=chunk_size, normalize=False, eps=eps,
                                                        min_denom=floor)
         linear = without_sums(summed)
+        if slot_scales is not None:  # sums stored at ρ_M − G_M are the decayed sums at ρ_M (the state's shift)
+            linear = LinearAttentionState(linear.kv, linear.k_sum, slot_scales[..., -1].to(linear.kv.dtype),
+                                          linear.num_tokens)
     if qf is None:
         return None, linear
     reading = (stream.read >= 0).nonzero().squeeze(-1)
