@@ -125,9 +125,16 @@ class SparseComposedDecodeStep:
             self.betas[:, slot] = beta.reshape(rows) if isinstance(beta, torch.Tensor) else beta
         self.live[slot] = live
 
+    def _map(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        """φ of rows x (B·H, [N,] d) → (B·H, [N,] F), each row's head on the axis a per-head map (``num_heads``)
+        reads it from: the map sees (B, H, N, d), as in the op."""
+        batch, heads = self.shape[:2]
+        phi = map_features(self.fmap, x.reshape(batch, heads, -1, x.shape[-1]), is_query=is_query)  # (B, H, N, F)
+        return phi.reshape(*x.shape[:-1], phi.shape[-1])
+
     def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        """The linear part's features of rows x (..., d): the delta rule's unit φ̂, the additive update's φ."""
-        phi = map_features(self.fmap, x, is_query=is_query)
+        """The linear part's features of rows x (B·H, [N,] d): the delta rule's unit φ̂, the additive update's φ."""
+        phi = self._map(x, is_query)
         return unit_rows(phi) if self.delta else phi
 
     @property
@@ -272,7 +279,7 @@ class SparseComposedDecodeStep:
         if lam is not None:
             den = den * lam
         if self.gamma is None:
-            phi_keys = map_features(self.fmap, keys, is_query=False)  # (R, slots, F)
+            phi_keys = self._map(keys, False)  # (R, slots, F)
             mass = torch.bmm(phi_keys, qf.unsqueeze(-1)).squeeze(-1).masked_fill(~exact, 0.0).sum(-1, keepdim=True)
             total = den + mass + self.eps
             return (num + mass * average) / torch.where(total == 0, 1.0, total)
