@@ -185,6 +185,7 @@ class Job:
             plan = plan_steps(self.args.budget, costs, end_to_end=self.args.end_to_end_steps > 0,
                               samples=self.args.end_to_end_samples)
         plan["options"] = self._options()
+        _config(self.args, plan, "")  # options refused there leave no plan behind (a corrected rerun is not "other")
         atomic_write(self.folder / "stages" / "plan.json", json.dumps(plan, indent=2))
         return plan
 
