@@ -340,6 +340,40 @@ def test_the_decoding_step_equals_the_chunked_form(kind, factor, score):
     torch.testing.assert_close(rest, whole[..., at:, :], rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("factor", [None, 0.7], ids=["no-factor", "factor"])
+@pytest.mark.parametrize("kind", ["decay", "kda"])
+def test_the_decoding_step_takes_a_map_per_head(kind, factor):
+    """A map with its own parameters per head (Hedgehog with num_heads=H, as a linearized model's) reads each
+    row's head in the step as in the op: the step equals the chunked form, the additive and the delta family."""
+    from linattn.decode import lean_step
+    from linattn.feature_maps import create
+
+    q, k, v, gen = inputs(h=4, n=26, heads_kv=2)
+    fmap = create("hedgehog", head_dim=6, num_heads=4).double()
+    with torch.no_grad():
+        for param in fmap.parameters():  # heads that differ: a step mixing them up shows
+            param.add_(torch.randn(param.shape, generator=gen, dtype=param.dtype))
+    options = linear_options(kind, q, gen, features=fmap.output_dim(6))
+    common = {"window": 5, "sinks": 2, "window_factor": factor,
+              "sparse_cache": SparseCache(size=(1, 3, 2, 4), block=3)}
+    whole = linattn.linear_attention(q, k, v, feature_map=fmap, causal=True, chunk_size=8, **common, **options)
+    prompt = 7
+    _, state = linattn.linear_attention(q[..., :prompt, :], k[..., :prompt, :], v[..., :prompt, :], feature_map=fmap,
+                                        causal=True, return_state=True, **common, **sliced(options, 0, prompt))
+    fixed = {n: x for n, x in options.items() if not torch.is_tensor(x)}
+    if "log_gate" in options:
+        fixed["log_gate"] = "with each token"
+    step = lean_step(fmap, state, {**common, **fixed}, kv_heads=2)
+    outs = []
+    with torch.no_grad():
+        for t in range(prompt, 26):
+            token = sliced(options, t, t + 1)
+            outs.append(step(q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :],
+                             beta=token["beta"][..., 0] if "beta" in token else None,
+                             log_decay=token["log_gate"][..., 0, :] if "log_gate" in token else None))
+        torch.testing.assert_close(torch.cat(outs, dim=-2), whole[..., prompt:, :], rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("options", [{"update": "delta", "gate": "token"}, {"gate": "feature", "decay": "retnet"},
                                      {"update": "delta", "gate": "feature"}],
                          ids=["gated-delta", "feature-gate+retnet", "kda"])

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from linattn import LinearAttentionError, hf  # noqa: E402
+from linattn import LinearAttentionError, SparseCache, hf  # noqa: E402
 from linattn.evaluate.capture import capture_attention  # noqa: E402
 from linattn.feature_maps import create  # noqa: E402
 from linattn.nn import KeyGates  # noqa: E402
@@ -63,11 +63,13 @@ def test_the_fit_brings_every_layer_closer_to_its_softmax_output(captured, gate)
     assert all(not torch.equal(a, b) for a, b in zip(after, before, strict=True))  # every parameter trained
 
 
-def test_the_students_layer_output_is_the_linearized_models(captured):
-    """student_outputs computes what the linearized model's attention computes (the fit trains the real thing)."""
+@pytest.mark.parametrize("cache", [None, SparseCache(size=(1, 3, 5, 2), block=8)], ids=["window", "sparse-cache"])
+def test_the_students_layer_output_is_the_linearized_models(captured, cache):
+    """student_outputs computes what the linearized model's attention computes (the fit trains the real thing),
+    with the sparse cache beside the window too."""
     model, capture = captured
     maps, gates = _student("token")
-    options = {"window": 16, "sinks": 2, "update": "delta"}
+    options = {"window": 16, "sinks": 2, "update": "delta", **({} if cache is None else {"sparse_cache": cache})}
     hf.linearize(model, maps, gates=gates, **options)
     seen = {}
 
@@ -106,6 +108,34 @@ def test_sequences_within_the_window_are_left_out_of_the_fit(captured):
     assert all(torch.isfinite(torch.tensor(loss)) for _, loss in info["history"])
 
 
+def test_the_fit_gives_each_layer_its_own_cache(captured, monkeypatch):
+    """sparse_cache= one per layer: every layer's call of the fit has its layer's cache (per-head sizes), with
+    gradients on (the memory beside the cache is what is trained), and every map and gate moves."""
+    from linattn.train import student
+
+    _, capture = captured
+    maps, gates = _student("feature")
+    caches = [SparseCache(size=(1, 3, 5, 2), block=8), SparseCache(size=4, block=8, linear_weight=0.5)]
+    seen = []
+    real = student.linear_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("sparse_cache"), kwargs.get("update"), torch.is_grad_enabled()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(student, "linear_attention", spy)
+    before = [p.detach().clone() for module in [*maps, *gates] for p in module.parameters()]
+    info = fit_student(capture, maps, gates, {"window": 16, "sinks": 2, "update": "delta"}, steps=3, lr=0.02,
+                       sparse_cache=caches)
+    assert seen == [(caches[i % 2], "delta", True) for i in range(6)]  # 3 steps × 2 layers, in layer order
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in info["history"])
+    after = [p for module in [*maps, *gates] for p in module.parameters()]
+    assert all(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    seen.clear()
+    fit_student(capture, maps, gates, {"window": 16, "update": "delta"}, steps=1, sparse_cache=caches[0])
+    assert [cache for cache, _, _ in seen] == [caches[0]] * 2  # one cache for every layer
+
+
 def test_bad_fits_are_refused(captured):
     _, capture = captured
     maps, gates = _student("token")
@@ -115,3 +145,10 @@ def test_bad_fits_are_refused(captured):
         fit_student(capture, maps, gates, {"window": 500, "update": "delta"})
     with pytest.raises(LinearAttentionError, match="nothing to train"):
         fit_student(capture, [create("elu")] * 2, [None, None], {"window": 16, "update": "delta", "beta": 0.5})
+    cache = SparseCache(size=2, block=8)
+    with pytest.raises(LinearAttentionError, match="one per layer"):
+        fit_student(capture, maps, gates, {"window": 16, "update": "delta"}, sparse_cache=[cache])
+    with pytest.raises(LinearAttentionError, match="beside the window"):
+        fit_student(capture, maps, gates, {"update": "delta"}, sparse_cache=cache)
+    with pytest.raises(LinearAttentionError, match="pass it once"):
+        fit_student(capture, maps, gates, {"window": 16, "update": "delta", "sparse_cache": cache}, sparse_cache=cache)

@@ -136,10 +136,17 @@ class SparseComposedDecodeStep:
             self.betas[:, slot] = beta.reshape(rows) if isinstance(beta, torch.Tensor) else beta
         self.live[slot] = live
 
+    def _map(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        """φ of rows x (B·H, [N,] d) → (B·H, [N,] F), each row's head on the axis a per-head map (``num_heads``)
+        reads it from: the map sees (B, H, N, d), as in the op."""
+        batch, heads = self.shape[:2]
+        phi = map_features(self.fmap, x.reshape(batch, heads, -1, x.shape[-1]), is_query=is_query)  # (B, H, N, F)
+        return phi.reshape(*x.shape[:-1], phi.shape[-1])
+
     def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        """The linear part's features of rows x (..., d): the delta rule's unit φ̂, the additive update's φ (a
+        """The linear part's features of rows x (B·H, [N,] d): the delta rule's unit φ̂, the additive update's φ (a
         log-space map's at each row's own maximum)."""
-        phi = map_features(self.fmap, x, is_query=is_query)
+        phi = self._map(x, is_query)
         if self.log_space:
             phi = stabilise_queries(phi)[0]
         return unit_rows(phi) if self.delta else phi
@@ -147,7 +154,7 @@ class SparseComposedDecodeStep:
     def _stored(self, x: torch.Tensor) -> torch.Tensor:
         """Key rows x (R, ·, d) as the additive sums hold them: φ, or (log-space maps) e^{log φ − R} (≤ 1 for every
         key seen; clamped for empty slots)."""
-        phi = map_features(self.fmap, x, is_query=False)
+        phi = self._map(x, False)
         if self.shift is None:
             return phi
         scale = finite(self.shift).view(-1, *([1] * (phi.dim() - 1)))
@@ -186,7 +193,7 @@ class SparseComposedDecodeStep:
             writes.append((self.keys[:, slot].clone(), self.values[:, slot].clone(),
                            (self.kept[:, slot] & ~stays).to(dtype) * (self.betas[:, slot] if self.delta else 1.0)))
         if self.shift is not None:  # R takes key t (a kept one) before the step's writes
-            top = map_features(self.fmap, k, is_query=False).amax(-1).masked_fill(~token_keep, NEG_INF)
+            top = self._map(k, False).amax(-1).masked_fill(~token_keep, NEG_INF)
             self._rescale(torch.maximum(self.shift, top))
         self._advance(writes, log_decay)
         if 0 <= leaving < self.sinks:  # a sink leaves the window: from now on a separate exact key
@@ -313,7 +320,7 @@ class SparseComposedDecodeStep:
             return (num + mass * average) / torch.where(total == 0, 1.0, total)
         gamma = self.gamma.unsqueeze(-1)
         if self.shift is not None:  # the two parts meet on u = max(c_t + R_t, 0), as the op's combiner
-            both = map_features(self.fmap, q, is_query=True).amax(-1, keepdim=True) + finite(self.shift).unsqueeze(-1)
+            both = self._map(q, True).amax(-1, keepdim=True) + finite(self.shift).unsqueeze(-1)
             common = both.clamp(min=0)
             num, den, gamma = num * torch.exp(both - common), den * torch.exp(both - common), gamma * torch.exp(-common)
         total = den + gamma * soft_den + self.eps

@@ -5,7 +5,10 @@ The fit's cost is measured as one capture, then fits of 1 and 9 steps on it (the
 student's own fit: Hedgehog maps on attention weights, or a delta-rule student layer by layer with its gates), an
 end-to-end step as one softmax forward pass and one forward and backward pass of the student (its maps and gates
 alone taking gradients, as in training) on a sequence as long as the stage's, and the measuring stage from one
-forward pass over 256 tokens (every row reads about the same number of tokens).
+forward pass over 256 tokens of the original and one of the linearized model (every row reads about the same
+number of tokens; the softmax window's row is counted as the original's). With ``--sparse-cache`` the fit, the
+end-to-end step and the linearized forward pass run with the cache in place (N pairs for every head: a split
+across heads, decided later, holds as many pairs), so its decisions and its exact term are counted.
 
 Sampling is timed as 8 tokens generated for one batch of short prompts, plus what a token costs more at the end of
 a sample than at its start: one decoding step of the batch after a prompt as long as a whole sample, against one
@@ -34,6 +37,7 @@ from ..errors import LinearAttentionError
 from ..evaluate.capture import capture_attention
 from ..evaluate.lm_config import HELD_OUT_SAMPLES, LMCompareConfig
 from ..evaluate.lm_stages import PROMPT_TOKENS
+from ..state import SparseCache
 from ..train.distill import fit_model_feature_maps
 from ..train.student import fit_student
 from .students import STUDENT_LR, STUDENTS, Student, attention_options, new_student
@@ -87,20 +91,31 @@ def _decode_step(model: Any, ids: torch.Tensor, batch: int) -> float:
     return best
 
 
+def calibration_cache(config: LMCompareConfig) -> SparseCache | None:
+    """The sparse cache the fit is timed with: ``--sparse-cache`` N pairs for every head (a split across heads,
+    decided later on the sampled texts, holds the same pairs in all), with its linear weight; None without one."""
+    options = config.end_to_end
+    if not options.sparse_cache:
+        return None
+    return SparseCache(size=options.sparse_cache, linear_weight=options.cache_linear_weight)
+
+
 def _fitter(model: Any, name: str, capture: Any, config: LMCompareConfig, chosen: Student
             ) -> Callable[[int], tuple[Any, list[Any] | None]]:
     """``steps ↦ (maps, gates)``: the fit stage of ``chosen`` on ``capture`` (new parameters at every call)."""
-    fit = config.fit
+    fit, cache = config.fit, calibration_cache(config)
     if not chosen.delta:
         options: dict[str, Any] = {"progress": False, "window": config.window, "sinks": config.sinks}
         if fit.num_features is not None:
             options["num_features"] = fit.num_features
+        if cache is not None:
+            options["sparse_cache"] = cache
         return lambda steps: (fit_model_feature_maps(capture, kind="hedgehog", steps=steps, **options), None)
     layer_options = {"window": config.window, "sinks": config.sinks, **attention_options(chosen)}
 
     def delta(steps: int) -> tuple[Any, list[Any] | None]:
         maps, gates = new_student(model, name, chosen, fit.num_features, config.window, config.sinks)
-        fit_student(capture, maps.maps, gates, layer_options, steps=steps, lr=STUDENT_LR)
+        fit_student(capture, maps.maps, gates, layer_options, steps=steps, lr=STUDENT_LR, sparse_cache=cache)
         return maps, gates
 
     return delta
@@ -141,6 +156,8 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
         for param, flag in flags:
             param.requires_grad_(flag)
         model.zero_grad(set_to_none=True)
+    with torch.no_grad():  # the linearized row as it is measured (with the cache, when there is one)
+        linear, _ = _timed(lambda: model(input_ids=ids[:, :256]), repeats=2)
     model.set_attn_implementation("sdpa")
     batch = min(SAMPLING_BATCH, config.end_to_end.samples)
     prompt = torch.randint(0, int(model.config.vocab_size), (batch, SAMPLING_PROMPT))
@@ -151,8 +168,8 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
     with torch.no_grad():
         forward, _ = _timed(lambda: model(input_ids=ids[:, :256]), repeats=2)
     heldout_tokens = len(tokenizer(heldout)["input_ids"])
-    # three rows; the linear rows are the slower
-    measure = 3 * 1.5 * forward / min(256, length) * _probe_tokens(config, heldout_tokens, repeat_gaps)
+    # three rows: the original and the softmax window (timed as the original), the linearized model
+    measure = (2 * forward + linear) / min(256, length) * _probe_tokens(config, heldout_tokens, repeat_gaps)
     return {"fit_fixed": capture_seconds + max(short - fit_step, 0.0), "fit_step": fit_step,
             "end_to_end_step": (teacher + student) * EVAL_OVERHEAD,
             "sampling_batch": (eight / 8 + growth / 2) * config.end_to_end.tokens, "measure": measure,

@@ -17,14 +17,17 @@ from ..evaluate.capture import reordered
 from ..evaluate.lm_stages import read_text
 from ..feature_maps.fitted import load_feature_maps
 from ..train.end_to_end import cache_split
-from .folder import read_index
+from .folder import load_gates, read_index
 
 
 def folder_setting(folder: Path) -> tuple[Any, dict[str, Any], int, int]:
     """A folder's maps (its fitted maps loaded, or a registered name), its linearize options without a cache (a
-    cache is what the caller sets), its window and sinks."""
+    cache is what the caller sets) and with its gates (``gates``: a delta-rule student's, loaded; so that
+    ``hf.linearize(model, maps, **options)`` is the folder's model), its window and sinks."""
     entry = read_index(folder)
     options = {key: value for key, value in entry["options"].items() if key != "sparse_cache"}
+    if entry.get("gates"):
+        options["gates"] = load_gates(folder, entry["gates"])
     maps: Any = entry["maps"].get("name")
     if "file" in entry["maps"]:
         maps = load_feature_maps(str(folder / entry["maps"]["file"]))

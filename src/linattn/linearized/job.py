@@ -3,10 +3,12 @@ linearized folder (:mod:`linattn.linearized.folder`).
 
 Stages, each reusing the comparison's own (:mod:`~linattn.evaluate.lm_stages`):
 
-1. ``fit``: Hedgehog maps fitted with the softmax window and sinks in place, on pieces as long as the contexts
-   served (``--fit-max-tokens``, 1,024 by default);
-2. ``end_to_end``: text sampled from the model itself (and copying sequences built from it), then the maps (or,
-   with ``--lora R``, rank-R adapters) trained on the KL to the original's next-token distribution;
+1. ``fit``: the student fitted with the softmax window and sinks (and ``--sparse-cache``'s cache) in place, on
+   pieces as long as the contexts served (``--fit-max-tokens``, 1,024 by default): Hedgehog maps on attention
+   weights, or a delta-rule student's maps and gates layer by layer on each layer's output;
+2. ``end_to_end``: text sampled from the model itself (and copying sequences built from it), then the maps (and a
+   delta-rule student's gates; or, with ``--lora R``, rank-R adapters) trained on the KL to the original's
+   next-token distribution, with the same exact part in place;
 3. ``measure``: the original, the softmax window of equal memory and the linearized model scored (perplexity,
    repeated passage, passkey; perplexity by position), then the folder and its card written.
 
@@ -140,11 +142,6 @@ class Job:
         self.student = student(getattr(args, "student", "hedgehog"))
         if args.window is None:  # the student's own window (an explicit --window is kept, and saved in the plan)
             args.window = self.student.window
-        if self.student.delta and args.sparse_cache:
-            raise LinearAttentionError(
-                f"--student {self.student.name}: the pipeline does not fit or train a delta-rule student with the "
-                "sparse cache in place yet (the op takes it: linear_attention(..., update='delta', sparse_cache=...)); "
-                "drop --sparse-cache, or pass --student hedgehog")
         self.gates: list[Any] | None = None  # a delta-rule student's KeyGates, one per layer
         self.args, self.folder = args, prepare_out(args.out)
         self.stages = Stages(self.folder, args.quiet)
@@ -188,6 +185,7 @@ class Job:
             plan = plan_steps(self.args.budget, costs, end_to_end=self.args.end_to_end_steps > 0,
                               samples=self.args.end_to_end_samples)
         plan["options"] = self._options()
+        _config(self.args, plan, "")  # options refused there leave no plan behind (a corrected rerun is not "other")
         atomic_write(self.folder / "stages" / "plan.json", json.dumps(plan, indent=2))
         return plan
 
@@ -214,21 +212,22 @@ class Job:
             return load_feature_maps(str(self.stages.folder / "fit.safetensors"))
         self._starting("fit")
         begin = time.perf_counter()
+        caches = self._fit_caches()
+        cache = " and the sparse cache" if caches is not None else ""
         if self.student.delta:
             fitted, self.gates, info = fit_delta_student(self.model, self.tokenizer, self.name, self.train,
-                                                         self.config, self.student)
+                                                         self.config, self.student, sparse_cache=caches)
             self.stages.save_maps(fitted, "fit")
             entry = save_stage_gates(self.gates, self.stages.folder, "fit")
             self.stages.finish("fit", {"seconds": time.perf_counter() - begin, "steps": self.config.fit.steps,
-                                       **info, "gates": entry, "summary": f"{self.student.summary}: fitted layer by "
-                                       f"layer to the softmax outputs, {self.config.fit.steps} steps on "
+                                       **info, "sparse_cache": caches is not None, "gates": entry,
+                                       "summary": f"{self.student.summary}: fitted layer by layer to the softmax "
+                                       f"outputs with the window{cache} in place, {self.config.fit.steps} steps on "
                                        f"{info['captured_tokens']} captured tokens"})
             return fitted
-        caches = self._fit_caches()
         fitted, tokens = fit_hedgehog(self.model, self.tokenizer, self.name, self.train, self.config, with_window=True,
                                       sparse_cache=caches)
         self.stages.save_maps(fitted, "fit")
-        cache = " and the sparse cache" if caches is not None else ""
         self.stages.finish("fit", {"seconds": time.perf_counter() - begin, "steps": self.config.fit.steps,
                                    "captured_tokens": tokens, "sparse_cache": caches is not None,
                                    "summary": f"Hedgehog maps fitted with the window{cache} in place, "
@@ -273,7 +272,8 @@ class Job:
             os.replace(partial, adapters_folder)
         self.stages.save_maps(tuned, "end_to_end")
         info["gates"] = save_stage_gates(self.gates, self.stages.folder, "end_to_end")
-        what = f"LoRA r={options.lora_rank} adapters (fine-tuned)" if adapters is not None else "the maps"
+        what = (f"LoRA r={options.lora_rank} adapters (fine-tuned)" if adapters is not None
+                else "the maps and gates" if self.gates is not None else "the maps")
         self.stages.finish("end_to_end", {
             "seconds": time.perf_counter() - begin, **info,
             "summary": f"{what} trained end to end, {options.steps} steps on {len(plain)} samples of "

@@ -11,6 +11,7 @@ linear part beside them for the keys that have left the window:
 
 The additive student is fitted on attention weights (:mod:`linattn.train.distill`); the delta-rule students on
 each layer's output with the student in place (:mod:`linattn.train.student`); all are then trained end to end.
+With ``--sparse-cache`` every student has the cache in place in both stages and in the measured row.
 """
 
 from __future__ import annotations
@@ -84,9 +85,12 @@ def new_student(model: Any, model_name: str, chosen: Student, num_features: int 
 
 
 def fit_delta_student(model: Any, tokenizer: Any, model_name: str, train: str, config: LMCompareConfig,
-                      chosen: Student) -> tuple[FittedFeatureMaps, list[KeyGates], dict[str, Any]]:
+                      chosen: Student, sparse_cache: Any = None
+                      ) -> tuple[FittedFeatureMaps, list[KeyGates], dict[str, Any]]:
     """The fit stage of a delta-rule student: captured under softmax, fitted layer by layer with the student in
-    place (:func:`linattn.train.student.fit_student`). Returns the maps, the gates and what it took."""
+    place (:func:`linattn.train.student.fit_student`), with ``sparse_cache`` (one
+    :class:`~linattn.SparseCache` for every layer, or one per layer) in place too when given. Returns the maps,
+    the gates and what it took."""
     fit = config.fit
     model.set_attn_implementation("sdpa")
     capture = capture_attention(model, tokenizer, train, max_tokens=fit.max_tokens, model_name=model_name,
@@ -94,7 +98,7 @@ def fit_delta_student(model: Any, tokenizer: Any, model_name: str, train: str, c
     fitted, gates = new_student(model, model_name, chosen, fit.num_features, config.window, config.sinks)
     options = {"window": config.window, "sinks": config.sinks, **attention_options(chosen)}
     info = fit_student(capture, fitted.maps, gates, options, steps=fit.steps or 0, lr=STUDENT_LR,
-                       progress=not config.quiet)
+                       progress=not config.quiet, sparse_cache=sparse_cache)
     history = info["history"]
     return fitted, gates, {"captured_tokens": capture.num_tokens, "student_seconds": info["seconds"],
                            "first_loss": history[0][1] if history else None,

@@ -8,6 +8,12 @@ delta rule does not (its read-out is a value, not a sum of weights). Here the lo
 head, the mean squared error over the positions past the window, divided by the teacher output's mean square there
 (so that every head and layer counts alike), averaged. The layers are independent (each sees its captured q, k, v),
 so one step runs every layer on one captured sequence and updates all maps and gates together.
+
+With a sparse exact cache (``sparse_cache=``, one for every layer or one per layer) the student's output is the
+call the linearized model makes, ``linear_attention(..., update="delta", sparse_cache=...)``: the cache's
+decisions (which pairs stay exact, made by the op under the maps and gates of the current step, without a
+gradient: the choice is discrete) and the delta-rule memory the other pairs enter as they leave the exact part
+(with gradients), so the memory is trained for the pairs it will hold.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from .._progress import progress_bar
 from ..errors import LinearAttentionError
 from ..functional import linear_attention
 from ..hf import readout_options
+from ..state import SparseCache
 
 
 def teacher_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -45,19 +52,37 @@ def student_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmap: nn.
     return out if weight is None else out * weight.to(out.dtype)[:, None, None]
 
 
+def layer_caches(sparse_cache: Any, layers: int) -> list[Any]:
+    """``sparse_cache`` as one entry per layer: None, one cache for every layer (a :class:`~linattn.SparseCache`
+    or what ``linear_attention`` takes for it, e.g. an int), or a sequence of one per layer."""
+    if sparse_cache is None or isinstance(sparse_cache, SparseCache | int):
+        return [sparse_cache] * layers
+    caches = list(sparse_cache)
+    if len(caches) != layers:
+        raise LinearAttentionError(f"sparse_cache: one cache for every layer or one per layer ({layers}), got "
+                                   f"{len(caches)}")
+    return caches
+
+
 def fit_student(capture: Any, maps: Sequence[nn.Module], gates: Sequence[nn.Module | None], options: dict[str, Any],
-                *, steps: int = 100, lr: float = 0.01, gate_lr: float = 0.05,
-                progress: bool = False) -> dict[str, Any]:
+                *, steps: int = 100, lr: float = 0.01, gate_lr: float = 0.05, progress: bool = False,
+                sparse_cache: Any = None) -> dict[str, Any]:
     """Train ``maps`` and ``gates`` (one per layer, in place) so that every layer's linearized output, with the
     ``linear_attention`` ``options`` (``window``, ``sinks``, ``update``, ...), matches its softmax output on the
     sequences of ``capture`` (an :class:`~linattn.evaluate.AttentionCapture`). ``steps`` Adam steps, one captured
     sequence longer than the window each (in turn), the maps at ``lr`` and the gates at ``gate_lr`` (their biases
     must travel several units from a start near the teacher). Returns ``{"history": [(step, loss)], "seconds":
     s}``; the parameters after the last step are kept (the end-to-end stage that follows has a held-out set to
-    choose by)."""
+    choose by). ``sparse_cache``: a sparse exact cache in place (one for every layer, or one per layer: per-head
+    sizes differ by layer), passed to each layer's call as the linearized model passes it."""
     layers, window = capture.num_layers, int(options.get("window") or 0)
     if len(maps) != layers or len(gates) != layers:
         raise LinearAttentionError(f"maps/gates: one per layer ({layers}), got {len(maps)}/{len(gates)}")
+    if sparse_cache is not None and ("sparse_cache" in options or not window):
+        raise LinearAttentionError("sparse_cache: the cache sits beside the window; pass it once (not in options "
+                                   "too), with options' window=W")
+    per_layer = [options if cache is None else {**options, "sparse_cache": cache}
+                 for cache in layer_caches(sparse_cache, layers)]
     if not capture.queries or steps < 0:
         raise LinearAttentionError(f"capture/steps: need a captured sequence and steps ≥ 0, got "
                                    f"{len(capture.queries)}/{steps}")
@@ -93,7 +118,8 @@ def fit_student(capture: Any, maps: Sequence[nn.Module], gates: Sequence[nn.Modu
         total = 0.0
         for layer in range(layers):
             q, k, v = (t[sequence][layer][None] for t in (capture.queries, capture.keys, capture.values))
-            out = student_outputs(q, k, v, maps[layer], gates[layer], capture.scaling, options)[..., window:, :]
+            out = student_outputs(q, k, v, maps[layer], gates[layer], capture.scaling,
+                                  per_layer[layer])[..., window:, :]
             wanted, scale = target(sequence, layer)
             loss = ((out - wanted).square().mean(dim=(-1, -2)) / scale).mean() / layers
             if not torch.isfinite(loss):

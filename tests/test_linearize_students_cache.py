@@ -1,0 +1,249 @@
+"""`linattn linearize --student gated-delta|kda --sparse-cache N`: the delta-rule students fitted layer by layer and
+trained end to end with the sparse cache in place (spied on the very calls), saved with the cache's sizes, reloaded
+with the logits of the measured model, generating as they recompute, resumed after an interruption, budgeted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from linattn import SparseCache, hf  # noqa: E402
+from linattn.linearized import load_linearized  # noqa: E402
+from linattn.linearized.caches import folder_setting  # noqa: E402
+from test_linearize_job import command, events, tiny  # noqa: E402, F401  (tiny: a fixture)
+from test_linearized import TEXT  # noqa: E402
+
+UNIFORM = ("--sparse-cache", "4", "--sparse-cache-linear-weight", "0.5")
+RETRIEVAL = ("--sparse-cache", "4", "--sparse-cache-heads", "retrieval", "--sparse-cache-floor", "1",
+             "--end-to-end-tokens", "120")  # samples as long as a passage, the gap and the repeat at W = 8
+PROMPT = TEXT[:48]  # past the window (8), a sink and a block (8): the cache holds pairs when decoding starts
+
+
+def size_of(cache):
+    """A cache's per-head sizes as a tuple, or its one size: from a SparseCache or an option as saved (an int)."""
+    if isinstance(cache, int):
+        return cache
+    return cache.size if isinstance(cache, SparseCache) else tuple(cache)
+
+
+def calls_while_fitting(monkeypatch):
+    """(update, sparse_cache, grad enabled) of every linear_attention call the layer-wise fit makes."""
+    from linattn.train import student
+
+    seen = []
+    real = student.linear_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("update"), kwargs.get("sparse_cache"), torch.is_grad_enabled()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(student, "linear_attention", spy)
+    return seen
+
+
+def calls_while_training(monkeypatch):
+    """(update, sparse_cache, β takes a gradient) of every attention call while the end-to-end stage trains (the
+    held-out evaluations, without gradients, included)."""
+    from linattn.evaluate import lm_stages
+
+    seen, training = [], []
+    real_call, real_fit = hf.linear_attention, lm_stages.fit_end_to_end
+
+    def call(*args, **kwargs):
+        if training:
+            beta = kwargs.get("beta")
+            seen.append((kwargs.get("update"), kwargs.get("sparse_cache"),
+                         isinstance(beta, torch.Tensor) and beta.requires_grad))
+        return real_call(*args, **kwargs)
+
+    def fit(*args, **kwargs):
+        training.append(1)
+        try:
+            return real_fit(*args, **kwargs)
+        finally:
+            training.clear()
+
+    monkeypatch.setattr(hf, "linear_attention", call)
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", fit)
+    return seen
+
+
+def keep_measured(monkeypatch):
+    """The model as the measuring stage left it (linearized as its row was measured), in a dict."""
+    from linattn.linearized import job as linearize_job
+
+    measured = {}
+    real = linearize_job.Job.measure
+
+    def measure(self, *args):
+        result = real(self, *args)
+        measured["model"] = self.model
+        return result
+
+    monkeypatch.setattr(linearize_job.Job, "measure", measure)
+    return measured
+
+
+def expected_sizes(out, heads):
+    """The cache's sizes per layer the run chose: read back from the split, or N for every layer."""
+    if heads == "retrieval":
+        return [tuple(row) for row in json.loads((out / "stages" / "cache_sizes.json").read_text())["sizes"]]
+    return [4, 4]
+
+
+@pytest.mark.slow  # ~10 s each: the pipeline once, then generation from the folder
+@pytest.mark.parametrize("heads", ["uniform", "retrieval"])
+@pytest.mark.parametrize("name, gate", [("gated-delta", "token"), ("kda", "feature")])
+def test_a_delta_student_with_a_cache_is_trained_in_place_saved_and_reloaded(tiny, tmp_path, monkeypatch, capsys,  # noqa: F811
+                                                                             name, gate, heads):
+    from linattn.cli import main
+    from linattn.decode import SparseComposedDecodeStep
+
+    fitting, training = calls_while_fitting(monkeypatch), calls_while_training(monkeypatch)
+    measured = keep_measured(monkeypatch)
+    out = tmp_path / f"{name}-{heads}"
+    assert main(command(tiny, out, "--student", name, *(UNIFORM if heads == "uniform" else RETRIEVAL))) == 0
+    sizes = expected_sizes(out, heads)
+    # the fit: every layer's call has the delta rule and that layer's cache, with gradients (2 steps × 2 layers)
+    assert [(update, size_of(cache), grad) for update, cache, grad in fitting] == [("delta", sizes[i % 2], True)
+                                                                                  for i in range(4)]
+    if heads == "uniform":
+        assert all(cache.linear_weight == 0.5 for _, cache, _ in fitting)
+    # the end-to-end stage: every attention call (layer after layer) too, β from the gates taking gradients
+    assert training and [(update, size_of(cache)) for update, cache, _ in training] == [
+        ("delta", sizes[i % 2]) for i in range(len(training))]
+    assert any(grad for _, _, grad in training)
+    entry = json.loads((out / "linattn.json").read_text())
+    saved = {"size": 4, "linear_weight": 0.5} if heads == "uniform" else [list(row) for row in sizes]
+    assert entry["options"] == {"sparse_cache": saved, "update": "delta"} and entry["gates"]["config"]["gate"] == gate
+    results = json.loads((out / "results.json").read_text())
+    assert results["student"] == name and results["stages"]["fit"]["sparse_cache"] is True
+    assert results["stages"]["end_to_end"]["sparse_cache"] == 4
+    card = (out / "README.md").read_text()
+    assert "sparse exact cache of 4" in card and "the window and the sparse cache in place" in card
+    assert "the maps and gates trained end to end" in card
+    # reloaded: the same maps, gates, cache and operations as the measured row, in one process
+    model, tokenizer = load_linearized(out)
+    modules = hf.attention_modules(model)
+    assert [size_of(getattr(module, hf.OPTIONS_ATTRIBUTE)["sparse_cache"]) for module in modules] == sizes
+    ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
+    with torch.no_grad():
+        expected = measured["model"](input_ids=ids).logits
+        assert torch.equal(model(input_ids=ids).logits, expected)
+    # the benchmarks' reading of a folder (its maps, options and gates; the cache theirs to set) is the same model
+    maps, options, _, _ = folder_setting(out)
+    hf.linearize(model, maps, **options, sparse_cache=entry["options"]["sparse_cache"])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected)
+    # generation: the lean step from the prefill's state, against every token recomputed (one call each); the two
+    # sum in different orders in fp32 (the chunked form's blocks against one token's update), so the logits agree
+    # to rounding: 1e-4, as the op's own test of the step through transformers
+    prompt = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
+                                return_dict_in_generate=True)
+        recomputed = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0, use_cache=False,
+                                    output_logits=True, return_dict_in_generate=True)
+    layers = cached.past_key_values.layers
+    assert all(isinstance(layer.stepper, SparseComposedDecodeStep) for layer in layers)
+    assert all(int((layer.state.cache.packed_positions >= 0).sum()) > 0 for layer in layers)  # pairs are cached
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    for ours, full in zip(cached.logits, recomputed.logits, strict=True):
+        torch.testing.assert_close(ours, full, rtol=1e-4, atol=1e-4)
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", PROMPT, "--max-new-tokens", "12"]) == 0
+    assert tokenizer.decode(recomputed.sequences[0, prompt.shape[1]:]) in capsys.readouterr().out
+
+
+@pytest.mark.slow  # ~15 s: the pipeline interrupted in the end-to-end stage, then run again
+def test_a_delta_student_with_a_split_cache_resumes_after_the_fit(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """Interrupted in the end-to-end stage, a rerun skips the fit, reads the split back (never scored again) and
+    trains from the fit's saved maps and gates with the split cache in place."""
+    from linattn.cli import main
+    from linattn.evaluate import lm_stages
+    from linattn.linearized import job as linearize_job
+    from linattn.linearized import students
+
+    out = tmp_path / "resumed"
+    real = lm_stages.fit_end_to_end
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        main(command(tiny, out, "--student", "kda", *RETRIEVAL))
+    done = json.loads((out / "stages" / "fit.done").read_text())
+    assert done["sparse_cache"] is True and not (out / "stages" / "end_to_end.done").exists()
+    fitted_gates = students.load_stage_gates(out / "stages", done["gates"])
+    sizes = expected_sizes(out, "retrieval")
+    fits, started = [], {}
+    monkeypatch.setattr(students, "fit_student", lambda *a, **k: fits.append(1))
+    monkeypatch.setattr(linearize_job, "cache_split", None)  # the split is read back, not scored again
+
+    def spy(model, *args, **kwargs):
+        modules = hf.attention_modules(model)
+        started["bias"] = modules[0].linattn_gates.beta_bias.detach().clone()
+        started["sizes"] = [size_of(getattr(module, hf.OPTIONS_ATTRIBUTE)["sparse_cache"]) for module in modules]
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", spy)
+    assert main(command(tiny, out, "--student", "kda", *RETRIEVAL)) == 0
+    assert not fits and ("fit", "skipped (finished before)") in events(out)
+    assert torch.equal(started["bias"], fitted_gates[0].beta_bias.detach())  # the fit's gates, read back
+    assert started["sizes"] == sizes
+    assert json.loads((out / "linattn.json").read_text())["options"]["sparse_cache"] == [list(row) for row in sizes]
+
+
+def test_a_budget_times_the_delta_student_with_its_cache(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """--budget with a delta student and a cache: the timed fits and the timed end-to-end step have the cache in
+    place (N pairs per head), and so does the timed forward pass of the linearized row. (The run stops once the
+    plan is written: a budget of minutes plans as many steps as fit, which is no test's business here.)"""
+    from linattn.cli import main
+    from linattn.linearized import budget
+    from linattn.linearized import job as linearize_job
+
+    fits, linearized = [], []
+    real_fit, real_linearize, real_calibrate = budget.fit_student, hf.linearize, budget.calibrate
+
+    def spy_fit(*args, **kwargs):
+        fits.append(kwargs.get("sparse_cache"))
+        return real_fit(*args, **kwargs)
+
+    def spy_linearize(model, maps, gates=None, **kwargs):
+        linearized.append((kwargs.get("sparse_cache"), kwargs.get("update")))
+        return real_linearize(model, maps, gates=gates, **kwargs)
+
+    def spy_calibrate(*args, **kwargs):
+        monkeypatch.setattr(hf, "linearize", spy_linearize)
+        try:
+            return real_calibrate(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(hf, "linearize", real_linearize)
+
+    monkeypatch.setattr(budget, "fit_student", spy_fit)
+    monkeypatch.setattr(budget, "calibrate", spy_calibrate)
+    monkeypatch.setattr(linearize_job.Job, "run", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))
+    out = tmp_path / "budgeted"
+    with pytest.raises(KeyboardInterrupt):
+        main(command(tiny, out, "--student", "kda", "--sparse-cache", "4", "--budget", "30"))
+    assert fits == [SparseCache(size=4), SparseCache(size=4)]  # the fits of 1 and 9 steps
+    assert linearized == [(4, "delta")]  # the end-to-end step and the linearized row's forward pass
+    plan = json.loads((out / "stages" / "plan.json").read_text())
+    assert plan["options"]["sparse_cache"] == 4 and plan["costs"]["measure"] > 0
+
+
+def test_bad_cache_options_with_a_delta_student_are_refused(tiny, tmp_path, capsys):  # noqa: F811
+    """Each refused before any stage, leaving no plan behind: the corrected run into the same folder is not taken
+    for a run with other options."""
+    from linattn.cli import main
+
+    out = tmp_path / "refused"
+    for extra, message in ((("--sparse-cache", "4", "--sparse-cache-floor", "1"), "--sparse-cache-floor"),
+                           (("--sparse-cache-heads", "retrieval"), "--sparse-cache-heads retrieval"),
+                           (("--sparse-cache-linear-weight", "0.5"), "--sparse-cache-linear-weight"),
+                           (("--sparse-cache", "-1"), "--sparse-cache: need pairs per head")):
+        assert main(command(tiny, out, "--student", "gated-delta", *extra)) == 2
+        assert message in capsys.readouterr().err
+    assert not (out / "stages" / "plan.json").exists()
