@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from . import _packed, _validate
-from ._dispatch import Job, run_causally, torch_runner
+from ._causal import run_causally
+from ._dispatch import Job, torch_runner
 from .backends import select_backend
 from .capabilities import Call, check_window_combination, choose_backend, choose_route
 from .capabilities import chunk_size as route_chunk
