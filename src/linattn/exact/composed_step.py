@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..backends import native
 from ..errors import LinearAttentionError
 from ..features import (
     NEG_INF,
@@ -45,6 +46,7 @@ class ComposedDecodeStep:
     Per-token write strengths and log-decays (per token (B, H), or per feature (B, H, F)) come with each call."""
 
     lean = True  # a kept token of a delta-rule part takes _delta_token (False: the general path, for comparison)
+    native = True  # _delta_token's arithmetic in C++ where it builds (False: the torch code, the reference)
 
     def __init__(self, fmap: nn.Module, state: WindowAttentionState, options: dict[str, Any]) -> None:
         check_memory(state, WindowAttentionState, "ComposedDecodeStep")
@@ -65,8 +67,12 @@ class ComposedDecodeStep:
         self.log_rate: torch.Tensor | None = None
         self.log_space = is_log_space(fmap)
         self.shift: torch.Tensor | None = None  # log-space additive part: the sums' log-scale R (B, H)
+        self._native: Any = None  # the C++ token (linattn.backends.native) for a delta-rule part on the CPU
         if isinstance(linear, DeltaRuleState):
             self.delta = DeltaDecodeStep(fmap, linear, beta=options.get("beta"), decay=options.get("decay"))
+            if self.native and device.type == "cpu":
+                self._native = native.module()
+            self._fixed_beta = torch.full((batch, heads), self.delta.beta, dtype=dtype, device=device)
         else:
             self.kv = linear.kv.detach().clone(memory_format=torch.contiguous_format)
             self.k_sum = linear.k_sum.detach().clone()
@@ -179,9 +185,13 @@ class ComposedDecodeStep:
         assert delta is not None
         batch, heads = self.keys.shape[:2]
         out_dtype, dtype = q.dtype, self.keys.dtype
-        q, k, v = q.to(dtype), _repeat_heads(k.to(dtype), heads), _repeat_heads(v.to(dtype), heads)
         position = self.num_tokens
         leaving, ring = position - self.window, self.sinks + position % self.window
+        kernels = self._native if position >= self.sinks else None  # a token that is also a sink: the torch code
+        if kernels is not None:
+            return self._native_token(kernels, q.to(dtype), k.to(dtype), v.to(dtype), beta, log_decay,
+                                      leaving, ring).to(out_dtype)
+        q, k, v = q.to(dtype), _repeat_heads(k.to(dtype), heads), _repeat_heads(v.to(dtype), heads)
         qf = unit_features(delta.fmap, q, is_query=True, log_space=delta.log_space)
         kf = value = strength = None
         if leaving >= self.sinks:  # the key leaving the window writes (β = 0 where it was masked: nothing)
@@ -201,6 +211,34 @@ class ComposedDecodeStep:
         average = torch.matmul(torch.softmax(scores, dim=-1), self.values)  # (B, H, 1, Dv)
         out = lin.add_(average if self.gamma is None else average.mul_(self.gamma.unsqueeze(-1)))
         return out.to(out_dtype)
+
+    def _native_token(self, kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      beta: torch.Tensor | None, log_decay: torch.Tensor | None, leaving: int, ring: int
+                      ) -> torch.Tensor:
+        """:meth:`_delta_token` with its arithmetic after the feature stage in one C++ call
+        (:func:`linattn.backends.native` ``delta_window_token``: the decay, the leaving key's write, the read-out,
+        the new token into the ring and the window's softmax), the same values up to rounding. In the step's dtype;
+        q (B, H, 1, d), k and v (B, Hkv, 1, ·)."""
+        delta = self.delta
+        assert delta is not None
+        batch, heads = self.keys.shape[:2]
+        qf = unit_features(delta.fmap, q, is_query=True, log_space=delta.log_space)
+        kf = None
+        if leaving >= self.sinks:  # the key leaving the window writes (β = 0 where it was masked: nothing)
+            key = torch.where(self.kept[..., ring, None], self.keys[..., ring, :], 0.0).unsqueeze(-2)
+            kf = unit_features(delta.fmap, key, is_query=False, log_space=delta.log_space).contiguous()
+        elif leaving >= 0:  # a sink leaves the window: from now on a separate exact key
+            self.live[leaving] = True
+        factors = delta.log_factors(log_decay)
+        if factors is not None:
+            factors = factors.expand(batch, heads, factors.shape[-1]).contiguous()
+        strength = self._fixed_beta if beta is None else beta.reshape(batch, heads).to(q.dtype).contiguous()
+        out = kernels.delta_window_token(
+            delta.kv, qf.contiguous(), kf, factors, q.contiguous(), k.contiguous(), v.contiguous(), strength,
+            self.keys, self.values, self.kept, self.live, self.betas, ring, self.gamma, self.scale)
+        delta.num_tokens += 1
+        self.num_tokens += 1
+        return out
 
     def _linear(self, q: torch.Tensor, leaving: int, slot: int, log_decay: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -86,7 +86,16 @@ class KeyGates(nn.Module):
         if num_heads % self.num_kv_heads:
             raise LinearAttentionError(f"num_heads: {num_heads} query heads for {self.num_kv_heads} key heads; "
                                        "expected a multiple")
-        return torch.sigmoid(self.readout).repeat_interleave(num_heads // self.num_kv_heads)
+        if torch.is_grad_enabled() and self.readout.requires_grad:
+            return torch.sigmoid(self.readout).repeat_interleave(num_heads // self.num_kv_heads)
+        # without a gradient (decoding): kept until the weight changes, so a token pays nothing for it
+        key = (self.readout._version, self.readout.data_ptr(), self.readout.dtype, num_heads)
+        cached = getattr(self, "_readout_cache", None)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, torch.sigmoid(self.readout).repeat_interleave(num_heads // self.num_kv_heads))
+            self._readout_cache = cached
+        return cached[1]
 
     def descriptor(self, key: torch.Tensor) -> torch.Tensor:
         """u = log(1 + r), r the lengths of the RoPE pairs (i, i + d/2): (B, Hkv, N, d/2)."""

@@ -89,10 +89,7 @@ class DeltaDecodeStep:
         write), v (B, H, 1, Dv) and ``strength`` (B, H, 1) in the memory's dtype: the decay, the write, the read
         Sᵀq̂ (B·H, 1, Dv). Nothing is checked: :meth:`__call__` and the composed step check before they call it."""
         batch, heads, features, values = self.kv.shape
-        total = self.log_rate  # (H, 1)
-        if log_decay is not None:
-            gate = self._gate(log_decay)
-            total = gate if total is None else total + gate  # (B, H, 1) or (B, H, F)
+        total = self.log_factors(log_decay)
         memory = self.kv.view(self._flat)
         if total is not None:  # diag(a)·S: one factor per row of S, the same for every row without per-feature gates
             factor = torch.exp(total).to(memory.dtype)
@@ -104,6 +101,15 @@ class DeltaDecodeStep:
             memory.addcmul_(kf.transpose(1, 2), write)  # S += k̂ uᵀ
         self.num_tokens += 1
         return torch.bmm(qf.reshape(-1, 1, features), memory)  # (B·H, 1, Dv)
+
+    def log_factors(self, log_decay: torch.Tensor | None) -> torch.Tensor | None:
+        """log a of this token, fp64: the fixed rate's (H, 1) and the call's gate ((B, H, 1) per head or (B, H, F)
+        per feature) added; None when neither decays."""
+        total = self.log_rate  # (H, 1)
+        if log_decay is not None:
+            gate = self._gate(log_decay)
+            total = gate if total is None else total + gate  # (B, H, 1) or (B, H, F)
+        return total
 
     def _gate(self, log_decay: torch.Tensor) -> torch.Tensor:
         """A token's log-gates as (B, H, 1) per head or (B, H, F) per feature, fp64."""

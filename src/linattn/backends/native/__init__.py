@@ -1,0 +1,73 @@
+"""linattn's native CPU kernels: C++ that torch's extension API builds on first use (a C++ compiler and ninja are
+needed; the build takes about 20 s and is kept in torch's extension cache, ``$TORCH_EXTENSIONS_DIR`` or
+``~/.cache/torch_extensions``), with the torch code they replace kept as their reference and fallback.
+
+What they are for: a decoding token of a small model does a few hundred thousand multiply-adds per layer, and in
+torch each of its ~40 small operations costs more in dispatch than in arithmetic; one C++ call does the token's
+memory update, read-out and window softmax at once (:func:`delta_window_token`, used by
+:class:`~linattn.exact.composed_step.ComposedDecodeStep` for the delta family beside the window).
+
+Where the build cannot run (no compiler, no ninja, a platform torch cannot build for) the steps run their torch
+code, with the same results up to rounding; :func:`status` says which and why. ``LINATTN_NATIVE=0`` turns the
+kernels off (for a comparison, or to rule them out).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode.cpp")
+_state: dict[str, Any] = {}
+
+
+def _arch_flags() -> tuple[str, list[str]]:
+    """The instruction set to build for, from what torch found on this CPU (the name of the build says it, so a
+    cache folder shared between machines never hands one a build for instructions it lacks)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "generic", []
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512"):
+        return "avx512", ["-march=x86-64-v4", "-mprefer-vector-width=512"]
+    if capability == "AVX2":
+        return "avx2", ["-march=x86-64-v3"]
+    return "generic", []
+
+
+def module() -> Any | None:
+    """The built extension, or None (:func:`status` says why); built once per process, on the first call."""
+    if "module" in _state:
+        return _state["module"]
+    _state["module"] = None
+    if os.environ.get("LINATTN_NATIVE", "1") == "0":
+        _state["reason"] = "turned off by LINATTN_NATIVE=0"
+        return None
+    try:
+        from torch.utils.cpp_extension import load, verify_ninja_availability
+
+        verify_ninja_availability()
+    except Exception as error:  # noqa: BLE001 - any failure to find the tools means: run the torch code
+        _state["reason"] = f"torch's extension builder is unavailable ({error}); pip install ninja"
+        return None
+    arch, flags = _arch_flags()
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+    try:
+        _state["module"] = load(f"linattn_native_{arch}_{digest}", [str(SOURCE)],
+                                extra_cflags=["-O3", "-fopenmp-simd", *flags], verbose=False)
+    except Exception as error:  # noqa: BLE001 - a failed build (no compiler, no headers) falls back, with its reason
+        lines = str(error).strip().splitlines()
+        _state["reason"] = f"the build failed ({type(error).__name__}: {lines[-1] if lines else ''})"
+        return None
+    _state["reason"] = f"built for {arch}"
+    return _state["module"]
+
+
+def status() -> str:
+    """One line: whether the native kernels run here, and why not where they do not."""
+    found = module()
+    return f"native kernels: {'on' if found is not None else 'off'} ({_state.get('reason', '')})"
