@@ -144,3 +144,45 @@ def test_turned_off_by_the_environment(monkeypatch):
     assert native.status() == "native kernels: off (turned off by LINATTN_NATIVE=0)"
     _, _, step = _decode("gated-delta", True, torch.float64, 9, None, 2)
     assert step._native is None  # the torch code runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_key_gates_step_arguments_equal_the_layer(kernels, dtype):
+    """β and the per-head log-gate of one token in C++ (KeyGates.step_arguments) against the layer's forward,
+    repeated over each key head's group as the decoding step takes them."""
+    from linattn.hf_cache import step_arguments
+    from linattn.nn import KeyGates
+
+    gen = torch.Generator().manual_seed(5)
+    gates = KeyGates(2, 8).to(dtype)
+    with torch.no_grad():
+        for parameter in gates.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=gen, dtype=torch.float64) * 2)
+        key = (torch.randn(3, 2, 1, 8, generator=gen, dtype=torch.float64) * 3).to(dtype)
+        got = gates.step_arguments(key, 6)
+        expected = step_arguments(gates(key), 6)
+    assert got is not None and set(got) == set(expected) == {"beta", "log_decay"}
+    tolerance = 1e-14 if dtype == torch.float64 else 2e-6
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=tolerance, atol=tolerance)
+    assert gates.step_arguments(key, 6) is None  # a gradient to take (outside no_grad): the layer's forward
+    assert KeyGates(2, 8, gate="feature", num_features=4).to(dtype).step_arguments(key, 6) is None
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per-head", "shared"])
+def test_the_hedgehog_map_in_cpp_equals_the_feature_stage(kernels, shared):
+    from linattn.features import unit_features
+
+    gen = torch.Generator().manual_seed(7)
+    fmap = HedgehogFeatureMap(head_dim=8, num_features=5, num_heads=None if shared else 3).double()
+    with torch.no_grad():
+        for parameter in fmap.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=gen, dtype=torch.float64))
+    x = torch.randn(2, 3, 1, 8, generator=gen, dtype=torch.float64) * 4
+    for is_query, index in ((True, 0), (False, 1)):
+        got = kernels.hedgehog_unit_features(x.reshape(2, 3, 8).contiguous(), fmap.weight[index].detach(),
+                                             fmap.bias[index].detach(), None if is_query else fmap.gate[0].detach(),
+                                             fmap.GATE_LIMIT, torch.finfo(torch.float64).tiny)
+        with torch.no_grad():
+            expected = unit_features(fmap, x, is_query=is_query, log_space=False)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-14)

@@ -215,7 +215,8 @@ def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: to
             return layer.stepper(q, k, v, keep)
         if isinstance(layer.stepper, RowSteps):
             return layer.stepper(q, k, v, keep, gates=gates)
-        per_token = step_arguments(gates(k), q.shape[1])
+        fast = getattr(gates, "step_arguments", None)  # KeyGates: one C++ call where it applies
+        per_token = (fast(k, q.shape[1]) if fast is not None else None) or step_arguments(gates(k), q.shape[1])
         lean = (ComposedDecodeStep, DeltaDecodeStep, SparseComposedDecodeStep)
         if getattr(gates, "bounded", False) and isinstance(layer.stepper, lean):
             # β from a sigmoid and log-gates from a logsigmoid: in range by construction, not read back per token

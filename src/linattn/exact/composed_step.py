@@ -24,6 +24,7 @@ from torch import nn
 
 from ..backends import native
 from ..errors import LinearAttentionError
+from ..feature_maps import HedgehogFeatureMap
 from ..features import (
     NEG_INF,
     finite,
@@ -68,10 +69,15 @@ class ComposedDecodeStep:
         self.log_space = is_log_space(fmap)
         self.shift: torch.Tensor | None = None  # log-space additive part: the sums' log-scale R (B, H)
         self._native: Any = None  # the C++ token (linattn.backends.native) for a delta-rule part on the CPU
+        self._hedgehog = False
         if isinstance(linear, DeltaRuleState):
             self.delta = DeltaDecodeStep(fmap, linear, beta=options.get("beta"), decay=options.get("decay"))
             if self.native and device.type == "cpu":
                 self._native = native.module()
+            # the Hedgehog map's features in C++ too: this exact map (a subclass may change them), per head or
+            # shared, its weights in the step's dtype
+            self._hedgehog = self._native is not None and type(fmap) is HedgehogFeatureMap and (
+                fmap.num_heads in (None, heads) and fmap.weight.dtype == dtype and fmap.head_dim == dim)
             self._fixed_beta = torch.full((batch, heads), self.delta.beta, dtype=dtype, device=device)
         else:
             self.kv = linear.kv.detach().clone(memory_format=torch.contiguous_format)
@@ -222,11 +228,11 @@ class ComposedDecodeStep:
         delta = self.delta
         assert delta is not None
         batch, heads = self.keys.shape[:2]
-        qf = unit_features(delta.fmap, q, is_query=True, log_space=delta.log_space)
+        qf = self._unit(kernels, q, is_query=True)
         kf = None
         if leaving >= self.sinks:  # the key leaving the window writes (β = 0 where it was masked: nothing)
             key = torch.where(self.kept[..., ring, None], self.keys[..., ring, :], 0.0).unsqueeze(-2)
-            kf = unit_features(delta.fmap, key, is_query=False, log_space=delta.log_space).contiguous()
+            kf = self._unit(kernels, key, is_query=False)
         elif leaving >= 0:  # a sink leaves the window: from now on a separate exact key
             self.live[leaving] = True
         factors = delta.log_factors(log_decay)
@@ -234,11 +240,23 @@ class ComposedDecodeStep:
             factors = factors.expand(batch, heads, factors.shape[-1]).contiguous()
         strength = self._fixed_beta if beta is None else beta.reshape(batch, heads).to(q.dtype).contiguous()
         out = kernels.delta_window_token(
-            delta.kv, qf.contiguous(), kf, factors, q.contiguous(), k.contiguous(), v.contiguous(), strength,
+            delta.kv, qf, kf, factors, q.contiguous(), k.contiguous(), v.contiguous(), strength,
             self.keys, self.values, self.kept, self.live, self.betas, ring, self.gamma, self.scale)
         delta.num_tokens += 1
         self.num_tokens += 1
         return out
+
+    def _unit(self, kernels: Any, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        """The delta rule's unit features of one token x (B, H, 1, d), contiguous: in C++ for a Hedgehog map of
+        the step's dtype (its features and the normalisation in one call), else the feature stage's torch code."""
+        fmap: Any = self.fmap  # a HedgehogFeatureMap where _hedgehog is set
+        if self._hedgehog:
+            index = 0 if is_query or fmap.tied else 1
+            return kernels.hedgehog_unit_features(
+                x.reshape(x.shape[0], x.shape[1], x.shape[-1]).contiguous(), fmap.weight[index], fmap.bias[index],
+                None if is_query else fmap.gate[0], fmap.GATE_LIMIT, torch.finfo(x.dtype).tiny)
+        assert self.delta is not None
+        return unit_features(fmap, x, is_query=is_query, log_space=self.delta.log_space).contiguous()
 
     def _linear(self, q: torch.Tensor, leaving: int, slot: int, log_decay: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

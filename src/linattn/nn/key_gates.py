@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backends import native
 from ..errors import LinearAttentionError
 
 GATE_KINDS = (None, "token", "feature")
@@ -119,6 +120,25 @@ class KeyGates(nn.Module):
             gate = F.logsigmoid(logit)
             out["log_gate"] = gate.squeeze(-1) if self.gate == "token" else gate
         return out
+
+    def step_arguments(self, key: torch.Tensor, num_heads: int) -> dict[str, torch.Tensor] | None:
+        """One decoding token's ``beta`` and ``log_decay`` per query head, (B, H) each, from its key (B, Hkv, 1, d)
+        in one C++ call (:mod:`linattn.backends.native`), or None where that does not apply (a gradient to take,
+        not the CPU, per-feature gates or no β, another dtype, the kernels not built): then the caller takes
+        :meth:`forward`. The same values up to rounding (tests/test_native_decode.py)."""
+        if torch.is_grad_enabled() or self.gate != "token" or self.beta_weight is None or key.device.type != "cpu" \
+                or key.dim() != 4 or key.shape[2] != 1 or key.shape[1] != self.num_kv_heads \
+                or key.shape[-1] != self.head_dim or key.dtype != self._dtype() or num_heads % self.num_kv_heads:
+            return None
+        kernels = native.module()
+        if kernels is None:
+            return None
+        assert self.beta_bias is not None and self.gate_weight is not None and self.gate_bias is not None
+        batch, heads_kv, _, dim = key.shape
+        beta, log_gate = kernels.key_gates(key.reshape(batch, heads_kv, dim).contiguous(), self.beta_weight,
+                                           self.beta_bias, self.gate_weight.reshape(heads_kv, dim // 2),
+                                           self.gate_bias.reshape(heads_kv), num_heads)
+        return {"beta": beta, "log_decay": log_gate}
 
     def _dtype(self) -> torch.dtype:
         weight = self.beta_weight if self.beta_weight is not None else self.gate_weight

@@ -164,9 +164,105 @@ at::Tensor delta_window_token(at::Tensor memory, const at::Tensor& qf, const std
   return out;
 }
 
+// The Hedgehog map of one token per (b, h), unit-normalised (linattn.feature_maps.HedgehogFeatureMap.features,
+// then linattn.features.unit_rows): z = W x + b, phi = [softmax(z), softmax(-z)]; keys phi e^{clamp(u.x)} + floor,
+// queries phi + floor; then f / max(|f|, 1e-12). x (B, H, d); weight (H | 1, m, d), bias (H | 1, m), u (H | 1, d).
+template <typename T>
+void hedgehog(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+              const std::optional<at::Tensor>& gate, double limit, double floor, at::Tensor& out) {
+  const int64_t batch = x.size(0), heads = x.size(1), dim = x.size(2), m = weight.size(1);
+  const bool shared = weight.size(0) == 1;
+  const T* x_p = x.data_ptr<T>();
+  const T* w_p = weight.data_ptr<T>();
+  const T* b_p = bias.data_ptr<T>();
+  const T* u_p = gate ? gate->data_ptr<T>() : nullptr;
+  T* out_p = out.data_ptr<T>();
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> z(m);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t h = shared ? 0 : row % heads;
+      const T* xr = x_p + row * dim;
+      T* f = out_p + row * 2 * m;
+      T top = -std::numeric_limits<T>::infinity(), bottom = std::numeric_limits<T>::infinity();
+      for (int64_t i = 0; i < m; ++i) {
+        z[i] = dot(w_p + (h * m + i) * dim, xr, dim) + b_p[h * m + i];
+        top = z[i] > top ? z[i] : top;
+        bottom = z[i] < bottom ? z[i] : bottom;
+      }
+      T up = 0, down = 0;
+      for (int64_t i = 0; i < m; ++i) {
+        f[i] = std::exp(z[i] - top);
+        f[m + i] = std::exp(bottom - z[i]);
+        up += f[i];
+        down += f[m + i];
+      }
+      T scale = T(1);
+      if (u_p != nullptr) {  // a key: its learned weight e^{u.k}, u.k clipped to +-limit
+        T logit = dot(u_p + h * dim, xr, dim);
+        logit = std::min(std::max(logit, static_cast<T>(-limit)), static_cast<T>(limit));
+        scale = std::exp(logit);
+      }
+      T norm = 0;
+      for (int64_t i = 0; i < m; ++i) {
+        f[i] = static_cast<T>(floor) + (f[i] / up) * scale;
+        f[m + i] = static_cast<T>(floor) + (f[m + i] / down) * scale;
+        norm += f[i] * f[i] + f[m + i] * f[m + i];
+      }
+      const T inverse = T(1) / std::max(std::sqrt(norm), static_cast<T>(1e-12));
+      for (int64_t i = 0; i < 2 * m; ++i) f[i] *= inverse;
+    }
+  });
+}
+
+at::Tensor hedgehog_unit_features(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                  const std::optional<at::Tensor>& gate, double limit, double floor) {
+  at::Tensor out = at::empty({x.size(0), x.size(1), 1, 2 * weight.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hedgehog_unit_features", [&] {
+    hedgehog<scalar_t>(x, weight, bias, gate, limit, floor, out);
+  });
+  return out;
+}
+
+// A token's write strength and per-head log-gate from its keys (linattn.nn.KeyGates with gate="token"):
+// u = log1p(sqrt(k_i^2 + k_{i+d/2}^2 + 1e-12)), beta = sigmoid(u.w_b + b_b), g = logsigmoid(u.w_g + b_g), each key
+// head's pair repeated over its group of query heads. k (B, Hkv, d) -> beta (B, H), g (B, H).
+template <typename T>
+void gates(const at::Tensor& k, const at::Tensor& beta_w, const at::Tensor& beta_b, const at::Tensor& gate_w,
+           const at::Tensor& gate_b, at::Tensor& beta, at::Tensor& log_gate) {
+  const int64_t batch = k.size(0), kv_heads = k.size(1), dim = k.size(2), half = dim / 2;
+  const int64_t heads = beta.size(1), group = heads / kv_heads;
+  const T* k_p = k.data_ptr<T>();
+  std::vector<T> u(half);
+  for (int64_t row = 0; row < batch * kv_heads; ++row) {
+    const int64_t h = row % kv_heads, b = row / kv_heads;
+    const T* kr = k_p + row * dim;
+    for (int64_t i = 0; i < half; ++i) u[i] = std::log1p(std::sqrt(kr[i] * kr[i] + kr[half + i] * kr[half + i] + T(1e-12)));
+    const T strength = dot(u.data(), beta_w.data_ptr<T>() + h * half, half) + beta_b.data_ptr<T>()[h];
+    const T logit = dot(u.data(), gate_w.data_ptr<T>() + h * half, half) + gate_b.data_ptr<T>()[h];
+    const T s = T(1) / (T(1) + std::exp(-strength));
+    const T g = std::min(logit, T(0)) - std::log1p(std::exp(-std::abs(logit)));
+    for (int64_t j = 0; j < group; ++j) {
+      beta.data_ptr<T>()[b * heads + h * group + j] = s;
+      log_gate.data_ptr<T>()[b * heads + h * group + j] = g;
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> key_gates(const at::Tensor& k, const at::Tensor& beta_w, const at::Tensor& beta_b,
+                                             const at::Tensor& gate_w, const at::Tensor& gate_b, int64_t heads) {
+  at::Tensor beta = at::empty({k.size(0), heads}, k.options());
+  at::Tensor log_gate = at::empty({k.size(0), heads}, k.options());
+  AT_DISPATCH_FLOATING_TYPES(k.scalar_type(), "key_gates", [&] {
+    gates<scalar_t>(k, beta_w, beta_b, gate_w, gate_b, beta, log_gate);
+  });
+  return {beta, log_gate};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("delta_window_token", &delta_window_token,
         "one decoding token of the window beside a delta-rule memory (see decode.cpp)");
+  m.def("hedgehog_unit_features", &hedgehog_unit_features, "the Hedgehog map's unit features of one token");
+  m.def("key_gates", &key_gates, "beta and a per-head log-gate of one token from its keys (KeyGates)");
 }
