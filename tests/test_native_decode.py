@@ -36,7 +36,7 @@ def _options(kind: str, shape: tuple[int, ...], features: int, gen: torch.Genera
 
 
 def _decode(kind: str, use_native: bool, dtype: torch.dtype, prompt: int, factor: float | None,
-            heads_kv: int, fixed_beta: bool = False):
+            heads_kv: int, fixed_beta: bool = False, poison: bool = False):
     """(stepped outputs, the chunked form's outputs for the same tokens, the step)."""
     gen = torch.Generator().manual_seed(3)
     b, h, n, d, dv, window, sinks = 2, 4, 24, 8, 6, 5, 2
@@ -56,6 +56,9 @@ def _decode(kind: str, use_native: bool, dtype: torch.dtype, prompt: int, factor
     for row, position in ((0, 1), (1, prompt - 2)):  # masked keys in the prompt: they sit in the ring, write nothing
         if 0 <= position < prompt:
             keep[row, position] = False
+            if poison:  # padding with NaN and inf in it: never read, not even by the map when it leaves the window
+                k[row, :, position] = float("nan")
+                v[row, :, position, 0] = float("inf")
     common = {"window": window, "sinks": sinks, "window_factor": factor}
     whole = linattn.linear_attention(q, k, v, feature_map=fmap, causal=True, key_padding_mask=keep, **common,
                                      **options)
@@ -186,3 +189,12 @@ def test_the_hedgehog_map_in_cpp_equals_the_feature_stage(kernels, shared):
         with torch.no_grad():
             expected = unit_features(fmap, x, is_query=is_query, log_space=False)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_masked_keys_with_nan_leave_the_window_unread(kernels, kind):
+    got, whole, _ = _decode(kind, True, torch.float64, 9, 0.7, 2, poison=True)
+    reference, _, _ = _decode(kind, False, torch.float64, 9, 0.7, 2, poison=True)
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got, whole, rtol=0, atol=1e-10)

@@ -69,15 +69,19 @@ class ComposedDecodeStep:
         self.log_space = is_log_space(fmap)
         self.shift: torch.Tensor | None = None  # log-space additive part: the sums' log-scale R (B, H)
         self._native: Any = None  # the C++ token (linattn.backends.native) for a delta-rule part on the CPU
-        self._hedgehog = False
+        self._hedgehog: dict[bool, tuple[Any, ...]] | None = None
         if isinstance(linear, DeltaRuleState):
             self.delta = DeltaDecodeStep(fmap, linear, beta=options.get("beta"), decay=options.get("decay"))
             if self.native and device.type == "cpu":
                 self._native = native.module()
             # the Hedgehog map's features in C++ too: this exact map (a subclass may change them), per head or
-            # shared, its weights in the step's dtype
-            self._hedgehog = self._native is not None and type(fmap) is HedgehogFeatureMap and (
-                fmap.num_heads in (None, heads) and fmap.weight.dtype == dtype and fmap.head_dim == dim)
+            # shared, its weights in the step's dtype; the arguments of its call for queries and keys, kept
+            if self._native is not None and type(fmap) is HedgehogFeatureMap and fmap.num_heads in (None, heads) \
+                    and fmap.weight.dtype == dtype and fmap.head_dim == dim:
+                weight, bias, key = fmap.weight.detach(), fmap.bias.detach(), 0 if fmap.tied else 1
+                common = (fmap.GATE_LIMIT, torch.finfo(dtype).tiny)
+                self._hedgehog = {True: (weight[0], bias[0], None, *common),
+                                  False: (weight[key], bias[key], fmap.gate.detach()[0], *common)}
             self._fixed_beta = torch.full((batch, heads), self.delta.beta, dtype=dtype, device=device)
         else:
             self.kv = linear.kv.detach().clone(memory_format=torch.contiguous_format)
@@ -230,9 +234,8 @@ class ComposedDecodeStep:
         batch, heads = self.keys.shape[:2]
         qf = self._unit(kernels, q, is_query=True)
         kf = None
-        if leaving >= self.sinks:  # the key leaving the window writes (β = 0 where it was masked: nothing)
-            key = torch.where(self.kept[..., ring, None], self.keys[..., ring, :], 0.0).unsqueeze(-2)
-            kf = self._unit(kernels, key, is_query=False)
+        if leaving >= self.sinks:  # the key leaving the window writes; a masked one (kept False) the C++ skips, so
+            kf = self._unit(kernels, self.keys[..., ring : ring + 1, :], is_query=False)  # its raw values are unread
         elif leaving >= 0:  # a sink leaves the window: from now on a separate exact key
             self.live[leaving] = True
         factors = delta.log_factors(log_decay)
@@ -249,14 +252,13 @@ class ComposedDecodeStep:
     def _unit(self, kernels: Any, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         """The delta rule's unit features of one token x (B, H, 1, d), contiguous: in C++ for a Hedgehog map of
         the step's dtype (its features and the normalisation in one call), else the feature stage's torch code."""
-        fmap: Any = self.fmap  # a HedgehogFeatureMap where _hedgehog is set
-        if self._hedgehog:
-            index = 0 if is_query or fmap.tied else 1
-            return kernels.hedgehog_unit_features(
-                x.reshape(x.shape[0], x.shape[1], x.shape[-1]).contiguous(), fmap.weight[index], fmap.bias[index],
-                None if is_query else fmap.gate[0], fmap.GATE_LIMIT, torch.finfo(x.dtype).tiny)
+        if self._hedgehog is not None:
+            return kernels.hedgehog_unit_features(x.reshape(x.shape[0], x.shape[1], x.shape[-1]).contiguous(),
+                                                  *self._hedgehog[is_query])
         assert self.delta is not None
-        return unit_features(fmap, x, is_query=is_query, log_space=self.delta.log_space).contiguous()
+        if not is_query:  # a masked key's raw values (NaN or inf perhaps) never reach the map
+            x = torch.where(self.kept[..., self.sinks + self.num_tokens % self.window, None, None], x, 0.0)
+        return unit_features(self.fmap, x, is_query=is_query, log_space=self.delta.log_space).contiguous()
 
     def _linear(self, q: torch.Tensor, leaving: int, slot: int, log_decay: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -78,8 +78,8 @@ void token(at::Tensor& memory, const at::Tensor& qf, const std::optional<at::Ten
         for (int64_t f = 0; f < features; ++f) factor[f] = T(1);
       }
       // the leaving key's write: u = beta (v - S^T kf) after the decay; then S += kf u^T and the read S^T qf
-      const bool writes = kf_p != nullptr;
-      const T strength = writes && kept_p[row * slots + slot] ? betas_p[row * slots + slot] : T(0);
+      const bool writes = kf_p != nullptr && kept_p[row * slots + slot];  // a masked key: its features unread
+      const T strength = writes ? betas_p[row * slots + slot] : T(0);
       for (int64_t j = 0; j < dv; ++j) recalled[j] = T(0);
       const T* krow = writes ? kf_p + row * features : nullptr;
       for (int64_t f = 0; f < features; ++f) {
