@@ -54,17 +54,20 @@ def module() -> Any | None:
     except Exception as error:  # noqa: BLE001 - any failure to find the tools means: run the torch code
         _state["reason"] = f"torch's extension builder is unavailable ({error}); pip install ninja"
         return None
-    arch, flags = _arch_flags()
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
-    try:
-        _state["module"] = load(f"linattn_native_{arch}_{digest}", [str(SOURCE)],
-                                extra_cflags=["-O3", "-fopenmp-simd", *flags], verbose=False)
-    except Exception as error:  # noqa: BLE001 - a failed build (no compiler, no headers) falls back, with its reason
-        lines = str(error).strip().splitlines()
-        _state["reason"] = f"the build failed ({type(error).__name__}: {lines[-1] if lines else ''})"
-        return None
-    _state["reason"] = f"built for {arch}"
-    return _state["module"]
+    arch, flags = _arch_flags()
+    # an older compiler may not know the instruction-set level's name: then the portable build
+    for target, options in ((arch, flags), ("generic", [])) if flags else ((arch, flags),):
+        try:
+            _state["module"] = load(f"linattn_native_{target}_{digest}", [str(SOURCE)],
+                                    extra_cflags=["-O3", "-fopenmp-simd", *options], verbose=False)
+        except Exception as error:  # noqa: BLE001 - a failed build (no compiler, no headers) falls back
+            lines = str(error).strip().splitlines()
+            _state["reason"] = f"the build failed ({type(error).__name__}: {lines[-1] if lines else ''})"
+            continue
+        _state["reason"] = f"built for {target}"
+        return _state["module"]
+    return None
 
 
 def status() -> str:
