@@ -40,6 +40,28 @@ from ..kinds.delta.step import DeltaDecodeStep
 from ..state import DeltaRuleState, LinearAttentionState, WindowAttentionState
 
 
+def fill_slots(step: Any, state: WindowAttentionState, first: int) -> None:
+    """A step's exact slots from a window state, at once: the buffered keys (positions ``first`` on) into their
+    ring slots S + p mod W, the sinks into slots 0…S−1 (live once they have left the window). ``step`` holds
+    ``keys``, ``values``, ``kept``, ``betas`` and ``live`` with the slots on dim −2 (−1 for the flags), its batch
+    dims as the state's or flattened into one (the sparse cache's step)."""
+    buffered, sunk, device = state.keys.shape[-2], state.sink_keys.shape[-2], step.keys.device
+    leading = step.keys.shape[:-2]
+    if buffered:
+        index = (step.sinks + (first + torch.arange(buffered, device=device)) % step.window)
+        step.keys[..., index, :] = state.keys.reshape(*leading, buffered, -1).to(step.keys)
+        step.values[..., index, :] = state.values.reshape(*leading, buffered, -1).to(step.values)
+        step.kept[..., index] = state.keep.reshape(*leading, buffered).to(device)
+        if state.betas is not None:
+            step.betas[..., index] = state.betas.reshape(*leading, buffered).to(step.betas)
+        step.live[index] = True
+    if sunk:
+        step.keys[..., :sunk, :] = state.sink_keys.reshape(*leading, sunk, -1)
+        step.values[..., :sunk, :] = state.sink_values.reshape(*leading, sunk, -1)
+        step.kept[..., :sunk] = state.sink_keep.reshape(*leading, sunk)
+        step.live[:sunk] = torch.arange(sunk, device=device) < first
+
+
 class ComposedDecodeStep:
     """The window op with a decayed, gated or delta-rule linear part, one token at a time, from the
     :class:`~linattn.WindowAttentionState` such a call returned (batch shape (B, H)); the options as given to
@@ -96,13 +118,7 @@ class ComposedDecodeStep:
         self.live = torch.zeros(slots, dtype=torch.bool, device=device)  # an exact key now
         self.betas = torch.zeros(batch, heads, slots, dtype=dtype, device=device)
         first = self.num_tokens - state.keys.shape[-2]  # the oldest buffered position
-        for offset in range(state.keys.shape[-2]):
-            slot = self.sinks + (first + offset) % self.window
-            self._put(slot, state.keys[..., offset, :], state.values[..., offset, :], state.keep[..., offset],
-                      state.betas[..., offset] if state.betas is not None else None)
-        for position in range(state.sink_keys.shape[-2]):
-            self._put(position, state.sink_keys[..., position, :], state.sink_values[..., position, :],
-                      state.sink_keep[..., position], None, live=position < first)
+        fill_slots(self, state, first)
         if self.log_space and self.delta is None:  # R starts ≥ the state's scale and every buffered key
             self.shift = linear.shift.detach().to(dtype).clone()
             self._rescale(self._key_logs(self.keys, self.kept).amax((-1, -2)))

@@ -34,6 +34,7 @@ from ..errors import LinearAttentionError
 from ..features import NEG_INF, finite, is_log_space, map_features, scale_between, stabilise_queries, unit_rows
 from ..kinds._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
 from ..state import DeltaRuleState, LinearAttentionState, SparseCache, SparseCacheState, WindowAttentionState
+from .composed_step import fill_slots
 from .forms.boundary import attention_scores, choose, oracle_scores, recall_scores
 
 
@@ -99,14 +100,7 @@ class SparseComposedDecodeStep:
         self.kept = torch.zeros(rows, slots, dtype=torch.bool, device=device)
         self.betas = torch.zeros(rows, slots, dtype=dtype, device=device)
         self.live = torch.zeros(slots, dtype=torch.bool, device=device)
-        first = self.num_tokens - state.keys.shape[-2]
-        for offset in range(state.keys.shape[-2]):
-            self._put(self.sinks + (first + offset) % self.window, state.keys[..., offset, :],
-                      state.values[..., offset, :], state.keep[..., offset],
-                      state.betas[..., offset] if state.betas is not None else None)
-        for position in range(state.sink_keys.shape[-2]):
-            self._put(position, state.sink_keys[..., position, :], state.sink_values[..., position, :],
-                      state.sink_keep[..., position], None, live=position < first)
+        fill_slots(self, state, self.num_tokens - state.keys.shape[-2])
         # the cache: (B·H, λ) slots, positions ascending, −1 where empty
         self.positions = held.positions.to(device).reshape(rows, self.slots).clone()
         self.cached_keys = held.keys.to(device, dtype).reshape(rows, self.slots, dim).clone()
