@@ -36,11 +36,12 @@ def _options(kind: str, shape: tuple[int, ...], features: int, gen: torch.Genera
 
 
 def _decode(kind: str, use_native: bool, dtype: torch.dtype, prompt: int, factor: float | None,
-            heads_kv: int, fixed_beta: bool = False, poison: bool = False):
+            heads_kv: int, fixed_beta: bool = False, poison: bool = False,
+            map_class: type = HedgehogFeatureMap):
     """(stepped outputs, the chunked form's outputs for the same tokens, the step)."""
     gen = torch.Generator().manual_seed(3)
     b, h, n, d, dv, window, sinks = 2, 4, 24, 8, 6, 5, 2
-    fmap = HedgehogFeatureMap(head_dim=d, num_features=4, num_heads=h).to(dtype)
+    fmap = map_class(head_dim=d, num_features=4, num_heads=h).to(dtype)
     with torch.no_grad():
         for parameter in fmap.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=gen, dtype=torch.float64) * 0.5)
@@ -191,10 +192,17 @@ def test_the_hedgehog_map_in_cpp_equals_the_feature_stage(kernels, shared):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-14)
 
 
+class _OwnMap(HedgehogFeatureMap):
+    """The same map under another class: the step's C++ call for Hedgehog does not take it (a subclass may change
+    the features), so the torch feature stage runs beside the C++ memory-and-window call."""
+
+
+@pytest.mark.parametrize("map_class", [HedgehogFeatureMap, _OwnMap], ids=["map-in-cpp", "map-in-torch"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_masked_keys_with_nan_leave_the_window_unread(kernels, kind):
-    got, whole, _ = _decode(kind, True, torch.float64, 9, 0.7, 2, poison=True)
-    reference, _, _ = _decode(kind, False, torch.float64, 9, 0.7, 2, poison=True)
+def test_masked_keys_with_nan_leave_the_window_unread(kernels, kind, map_class):
+    got, whole, step = _decode(kind, True, torch.float64, 9, 0.7, 2, poison=True, map_class=map_class)
+    reference, _, _ = _decode(kind, False, torch.float64, 9, 0.7, 2, poison=True, map_class=map_class)
+    assert step._native is kernels and (step._hedgehog is None) == (map_class is _OwnMap)
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
     torch.testing.assert_close(got, whole, rtol=0, atol=1e-10)

@@ -250,8 +250,9 @@ class ComposedDecodeStep:
         batch, heads = self.keys.shape[:2]
         qf = self._unit(kernels, q, is_query=True)
         kf = None
-        if leaving >= self.sinks:  # the key leaving the window writes; a masked one (kept False) the C++ skips, so
-            kf = self._unit(kernels, self.keys[..., ring : ring + 1, :], is_query=False)  # its raw values are unread
+        if leaving >= self.sinks:  # the key leaving the window writes; for a masked one (kept False) the C++ never
+            # reads its features, so its raw values (NaN or inf perhaps) go through the map harmlessly
+            kf = self._unit(kernels, self.keys[..., ring : ring + 1, :], is_query=False)
         elif leaving >= 0:  # a sink leaves the window: from now on a separate exact key
             self.live[leaving] = True
         factors = delta.log_factors(log_decay)
@@ -272,8 +273,6 @@ class ComposedDecodeStep:
             return kernels.hedgehog_unit_features(x.reshape(x.shape[0], x.shape[1], x.shape[-1]).contiguous(),
                                                   *self._hedgehog[is_query])
         assert self.delta is not None
-        if not is_query:  # a masked key's raw values (NaN or inf perhaps) never reach the map
-            x = torch.where(self.kept[..., self.sinks + self.num_tokens % self.window, None, None], x, 0.0)
         return unit_features(self.fmap, x, is_query=is_query, log_space=self.delta.log_space).contiguous()
 
     def _linear(self, q: torch.Tensor, leaving: int, slot: int, log_decay: torch.Tensor | None

@@ -3,9 +3,11 @@ needed; the build takes about 20 s and is kept in torch's extension cache, ``$TO
 ``~/.cache/torch_extensions``), with the torch code they replace kept as their reference and fallback.
 
 What they are for: a decoding token of a small model does a few hundred thousand multiply-adds per layer, and in
-torch each of its ~40 small operations costs more in dispatch than in arithmetic; one C++ call does the token's
-memory update, read-out and window softmax at once (:func:`delta_window_token`, used by
-:class:`~linattn.exact.composed_step.ComposedDecodeStep` for the delta family beside the window).
+torch each of its ~115 small operations (for the shipped SmolLM2 student) costs more in dispatch than in
+arithmetic. Three calls replace most of them (decode.cpp): ``delta_window_token`` (the memory's decay, write and
+read-out, the ring and the window's softmax; :class:`~linattn.exact.composed_step.ComposedDecodeStep` for the
+delta family beside the window), ``hedgehog_unit_features`` (the Hedgehog map of one token, normalised) and
+``key_gates`` (:meth:`linattn.nn.KeyGates.step_arguments`).
 
 Where the build cannot run (no compiler, no ninja, a platform torch cannot build for) the steps run their torch
 code, with the same results up to rounding; :func:`status` says which and why. ``LINATTN_NATIVE=0`` turns the
