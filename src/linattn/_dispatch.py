@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from . import _validate
+from .backends.native import forms as native_forms
 from .capabilities import Route
+from .errors import LinearAttentionError
 from .exact import (
     Hybrid,
     causal_window_chunked,
@@ -270,11 +272,14 @@ def _run_sparse_composed(job: Job, form: str) -> Result:
     return sparse_composed(hybrid, cache, part, job.q, job.k, job.v, job.keep, state, form, job.chunk_size or 64)
 
 
-def run_delta(job: Job, form: str) -> Result:
+def run_delta(job: Job, form: str, native: bool = False) -> Result:
     """The delta rule (kinds/delta/forms.py; per-feature gates: kinds/kda/forms.py) on unit features: masked tokens
-    write nothing (β = 0), the decay applies."""
+    write nothing (β = 0), the decay applies. ``native``: the recurrence in C++ (backends/native), where the values'
+    width and the absence of gradients allow; else the torch form."""
     state = job.state
     assert job.beta is not None and (state is None or isinstance(state, DeltaRuleState))
+    if native and not native_delta_reasons(job):
+        return native_forms.delta(job)
     qf, kf, beta = delta_inputs(job.fmap, job.q, job.k, job.keep, job.beta, log_space=job.log_space,
                                 finite=job.check_finite, nonnegative=job.nonnegative)
     _validate.check_state_features(state, kf.shape[-1], job.map_name)
@@ -294,13 +299,13 @@ def run_delta(job: Job, form: str) -> Result:
     return delta_chunked(qf, kf, job.v, beta=beta, log_decay=job.log_decay, state=state, chunk_size=size)
 
 
-def run_composed(job: Job, form: str) -> Result:
+def run_composed(job: Job, form: str, native: bool = False) -> Result:
     """The window's exact part beside a linear part of another kind (a decay or gate, the delta rule, KDA): the
     exact part alone, the linear op of that kind on the stream delayed by W, one combiner
     (:mod:`linattn.exact.forms.composed`). Causal. Log-space maps: the delta rule reads each token at its own
     scale (its normalisation cancels it); an additive part reads key rows stored at the exact part's scales."""
     if form == "recurrent" and job.q.shape[-2] > 1:  # token by token: each step sees O(W + S) exact keys
-        return _token_by_token(job)
+        return _token_by_token(job, native)
     state = job.state
     assert state is None or isinstance(state, WindowAttentionState)
     delta = job.beta is not None
@@ -327,7 +332,7 @@ def run_composed(job: Job, form: str) -> Result:
     if delta:
         linear_job = replace(mapped, k=keys, v=values, keep=kept, beta=betas, state=linear_state, return_state=True,
                              window=0, sinks=0)
-        linear_out, final = run_delta(linear_job, form)
+        linear_out, final = run_delta(linear_job, form, native)
     else:  # the numerator and Σφ(k) in one pass: values [v | 1], unnormalised
         assert linear_state is None or isinstance(linear_state, LinearAttentionState)
         if parts.r is not None:  # log-space: row i (key i − W) stored at R_i, the scale query i reads it at
@@ -369,14 +374,14 @@ def _at(x: torch.Tensor | None, t: int, dim: int) -> torch.Tensor | None:
     return x.narrow(dim, t, 1) if x is not None else None
 
 
-def _token_by_token(job: Job) -> Result:
+def _token_by_token(job: Job, native: bool) -> Result:
     """:func:`run_composed` one token at a time, each continuing the state the one before left."""
     outs, state = [], job.state
     for t in range(job.q.shape[-2]):
         step = replace(job, q=job.q[..., t : t + 1, :], k=job.k[..., t : t + 1, :], v=job.v[..., t : t + 1, :],
                        keep=_at(job.keep, t, -1), state=state, log_decay=_at(job.log_decay, t, -1),
                        feature_gate=_at(job.feature_gate, t, -2), beta=_at(job.beta, t, -1))
-        out, state = run_composed(step, "recurrent")
+        out, state = run_composed(step, "recurrent", native)
         outs.append(out)
     return torch.cat(outs, dim=-2), state
 
@@ -399,3 +404,36 @@ def torch_runner(route: Route, causal: bool) -> Runner:
     if route.form == "chunked" and not causal:
         return run_noncausal_chunked
     return lambda job: run_plain(job, route.form)
+
+
+def native_delta_reasons(job: Job) -> list[str]:
+    """Why a delta-rule job runs on the torch forms although the native backend was chosen: what is known only
+    with the tensors (gradients, the values' width); [] when the kernels take it."""
+    return native_forms.grad_reasons(job.q, job.k, job.v, job.beta, job.log_decay, job.feature_gate) + \
+        native_forms.value_reasons(job.v.shape[-1], job.v.dtype)
+
+
+def native_runner(route: Route, causal: bool, forced: bool) -> Runner:
+    """The runner of ``route`` on the native CPU kernels (:mod:`linattn.backends.native`): plain attention and the
+    delta rule whole, the window's composition with the delta rule with its linear part native (the exact part on
+    the torch forms). A job the kernels do not take (gradients needed, a value width they lack) runs on the torch
+    forms, or raises when the backend was asked for by name."""
+    torch_run = torch_runner(route, causal)
+
+    def refused(job: Job) -> list[str]:
+        found = native_forms.grad_reasons(job.q, job.k, job.v, job.beta, job.log_decay, job.feature_gate,
+                                          job.window_factor) + native_forms.value_reasons(job.v.shape[-1], job.v.dtype)
+        if found and forced:
+            raise LinearAttentionError("backend='native' does not cover this call: " + "; ".join(found))
+        return found
+
+    def run(job: Job) -> Result:
+        if refused(job):
+            return torch_run(job)
+        if route.kind == "plain":
+            return native_forms.additive(job)
+        if route.kind == "delta":
+            return run_delta(job, route.form, native=True)
+        return run_composed(job, route.form, native=True)
+
+    return run

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .backends import native as native_backend
 from .backends import triton as triton_backend
 from .errors import LinearAttentionError
 from .exact import rules as exact_rules
@@ -33,11 +34,11 @@ from .kinds.gated import rules as gated_rules
 __all__ = [
     "BACKENDS", "COMPOSED_STEP_OPTIONS", "DELTA_STEP_OPTIONS", "KINDS", "ROUTES", "SPARSE_STEP_OPTIONS",
     "STEP_OPTIONS", "WINDOW_STEP_OPTIONS", "Call", "Route", "auto_form", "backend_reasons", "check_window_combination",
-    "choose_backend", "choose_route", "choose_step", "chunk_size", "context_parallel_reasons", "refuse",
-    "step_kernel_reasons", "step_reasons",
+    "choose_backend", "choose_route", "choose_step", "chunk_size", "context_parallel_reasons", "native_reasons",
+    "refuse", "step_kernel_reasons", "step_reasons",
 ]
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "native")
 # "auto" runs non-causal attention chunked beyond this many keys: measured faster from 8192 keys on (features and
 # GEMM operands stay in cache), while the global form wins up to 4096 (docs/benchmarks.md, benchmarks/run.py)
 NONCAUSAL_CHUNKED_ABOVE = 4096
@@ -108,20 +109,63 @@ def check_window_combination(window: object, **others: object) -> None:
 # ---- backends -------------------------------------------------------------------------------------------------
 
 
+def native_reasons(call: Call, route: Route, q: torch.Tensor, *, forced: bool = False) -> list[str]:
+    """Why the native CPU kernels (linattn/backends/native/causal.cpp) do not cover the call (before the feature map
+    runs); [] when they do. They run the causal recurrence of plain linear attention (an ordinary map, no decay, no
+    packing) and of the delta rule (gated, per-feature gated), also as the linear part beside the window. With
+    ``backend="auto"`` they take only ``form="auto"`` calls: a form asked for by name runs as that form. What is
+    known only with the tensors (gradients, the value width) is checked when the call runs."""
+    found = []
+    if q.device.type != "cpu":
+        found.append(f"device {q.device}: the native kernels run on CPU tensors")
+    if not call.causal:
+        found.append("causal=False: the native kernels compute causal attention")
+    delta = call.update == "delta"
+    if route.kind not in ("plain", "delta") and not (route.kind == "composed" and delta):
+        found.append(f"{route.kind} attention: the native kernels compute plain causal linear attention and the delta "
+                     "rule (alone or beside the window)")
+    if route.form not in ("chunked", "recurrent") or (call.form != "auto" and not forced):
+        found.append(f"form {call.form!r}: the native kernels run the recurrence; with backend='auto' they take "
+                     "form='auto' calls (backend='native' takes 'chunked' and 'recurrent' too)")
+    if route.kind == "plain":
+        if call.log_space:
+            found.append("a log-space feature map: the native additive kernel keeps sums at scale 1")
+        given = [name for name, value in call.options if value is not None]
+        if given:
+            found.append(f"{', '.join(given)}: the native additive kernel has no decay or packing (the delta rule's "
+                         "kernel takes decays and gates)")
+    if not found and native_backend.module("causal") is None:
+        found.append(f"the native kernels are not available here ({native_backend.status()})")
+    return found
+
+
 def backend_reasons(backend: str, call: Call, route: Route, q: torch.Tensor, dtype: torch.dtype) -> list[str]:
     """Why ``backend`` does not cover the call (before the feature map runs); [] when it does. ``torch`` runs every
-    route; ``triton`` declares its own limits per kind (the kinds' ``triton_reasons``)."""
+    route; ``triton`` declares its own limits per kind (the kinds' ``triton_reasons``); ``native``:
+    :func:`native_reasons`."""
     if backend == "torch":
         return []
+    if backend == "native":
+        return native_reasons(call, route, q, forced=True)
     return _TRITON.get(route.kind, additive_rules.triton_reasons)(call, route, q, dtype)
 
 
 def choose_backend(backend: str, call: Call, route: Route, q: torch.Tensor, dtype: torch.dtype) -> str:
-    """"torch" or "triton" for this call: "auto" takes triton for covered calls on CUDA tensors; a forced backend
-    that does not cover the call raises, listing every reason."""
+    """"torch", "triton" or "native" for this call: "auto" takes triton for covered calls on CUDA tensors and the
+    native kernels for covered calls on CPU tensors; a forced backend that does not cover the call raises, listing
+    every reason."""
     if backend not in BACKENDS:
         raise LinearAttentionError(f"backend: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "torch" or (backend == "auto" and q.device.type != "cuda"):
+    if backend == "torch":
+        return "torch"
+    if backend == "native" or (backend == "auto" and q.device.type == "cpu"):
+        found = native_reasons(call, route, q, forced=backend == "native")
+        if not found:
+            return "native"
+        if backend == "native":
+            raise LinearAttentionError("backend='native' does not cover this call: " + "; ".join(found))
+        return "torch"
+    if backend == "auto" and q.device.type != "cuda":
         return "torch"
     found = backend_reasons("triton", call, route, q, dtype)
     if not found:

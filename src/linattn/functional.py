@@ -11,7 +11,7 @@ import torch
 
 from . import _packed, _validate
 from ._causal import run_causally
-from ._dispatch import Job, torch_runner
+from ._dispatch import Job, native_runner, torch_runner
 from .backends import select_backend
 from .capabilities import Call, check_window_combination, choose_backend, choose_route
 from .capabilities import chunk_size as route_chunk
@@ -101,8 +101,9 @@ def linear_attention(
         cu_seqlens: packed variable-length input: int offsets ``[0, n_1, n_1+n_2, …, N]`` of sequences laid end to
             end along the token dimension; no token attends across a boundary. ``initial_state`` then holds one
             state per sequence (a leading dimension S on every tensor) and the returned state likewise.
-        backend: ``"auto"`` (Triton kernels for covered causal calls on CUDA tensors when triton is importable,
-            else torch), ``"torch"``, or ``"triton"`` (raises, listing why, when a call is not covered).
+        backend: ``"auto"`` (Triton kernels for covered causal calls on CUDA tensors when triton is importable;
+            on CPU tensors the native C++ recurrence for covered causal calls that need no gradients; else torch),
+            ``"torch"``, ``"triton"`` or ``"native"`` (either raises, listing why, when a call is not covered).
         window: the sliding-window hybrid (docs/window.md): exact softmax weights e^{softmax_scale·q·k} over the
             W most recent keys (causal; non-causal: |t − j| < W) and the first ``sinks`` tokens, linear weights for
             the other keys, one normaliser. ``window_factor=None`` keeps the window's softmax shape with the mass
@@ -192,11 +193,14 @@ def linear_attention(
     route = choose_route(call)
     out_dtype = q.dtype
     chosen = choose_backend(backend, call, route, q, out_dtype)
-    torch_run = torch_runner(route, causal)
-    run = select_backend(chosen, dtype=out_dtype, forced=backend == "triton", torch_run=torch_run, kind=route.kind)
+    if chosen == "native":
+        run = native_runner(route, causal, forced=backend == "native")
+    else:
+        run = select_backend(chosen, dtype=out_dtype, forced=backend == "triton", torch_run=torch_runner(route, causal),
+                             kind=route.kind)
 
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if chosen == "torch":  # the triton backend takes q, k, v in the caller's dtype (it may make elu + 1 itself)
+    if chosen != "triton":  # the triton backend takes q, k, v in the caller's dtype (it may make elu + 1 itself)
         q, k, v = q.to(compute), k.to(compute), v.to(compute)
     k, v = repeat_kv_heads(k, group), repeat_kv_heads(v, group)  # (..., Hkv, N, D) → (..., H, N, D)
     keep = None

@@ -2,12 +2,19 @@
 needed; the build takes about 20 s and is kept in torch's extension cache, ``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``), with the torch code they replace kept as their reference and fallback.
 
-What they are for: a decoding token of a small model does a few hundred thousand multiply-adds per layer, and in
+Two extensions, one per source file: ``decode`` and ``causal``.
+
+What ``decode`` is for: a decoding token of a small model does a few hundred thousand multiply-adds per layer, and in
 torch each of its ~115 small operations (for the shipped SmolLM2 student) costs more in dispatch than in
 arithmetic. Three calls replace most of them (decode.cpp): ``delta_window_token`` (the memory's decay, write and
 read-out, the ring and the window's softmax; :class:`~linattn.exact.composed_step.ComposedDecodeStep` for the
 delta family beside the window), ``hedgehog_unit_features`` (the Hedgehog map of one token, normalised) and
 ``key_gates`` (:meth:`linattn.nn.KeyGates.step_arguments`).
+
+What ``causal`` is for: a causal forward without gradients (inference, a prompt's prefill) spends most of its time
+in the chunked forms' passes over whole tensors; causal.cpp runs the recurrence token by token with each (batch,
+head) row's state in the first-level cache, block by block of features made in torch (:mod:`.forms`, the
+``"native"`` backend of ``linear_attention``).
 
 Where the build cannot run (no compiler, no ninja, a platform torch cannot build for) the steps run their torch
 code, with the same results up to rounding; :func:`status` says which and why. ``LINATTN_NATIVE=0`` turns the
@@ -24,8 +31,8 @@ from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_name("decode.cpp")
-_state: dict[str, Any] = {}
+SOURCES = {name: Path(__file__).with_name(f"{name}.cpp") for name in ("decode", "causal")}
+_state: dict[str, dict[str, Any]] = {}
 
 
 def _arch_flags() -> tuple[str, list[str]]:
@@ -41,38 +48,46 @@ def _arch_flags() -> tuple[str, list[str]]:
     return "generic", []
 
 
-def module() -> Any | None:
-    """The built extension, or None (:func:`status` says why); built once per process, on the first call."""
-    if "module" in _state:
-        return _state["module"]
-    _state["module"] = None
+def module(name: str = "decode") -> Any | None:
+    """The built extension ``name`` ("decode" or "causal"), or None (:func:`status` says why); built once per
+    process, on the first call."""
+    found = _state.setdefault(name, {})
+    if "module" in found:
+        return found["module"]
+    found["module"] = None
     if os.environ.get("LINATTN_NATIVE", "1") == "0":
-        _state["reason"] = "turned off by LINATTN_NATIVE=0"
+        found["reason"] = "turned off by LINATTN_NATIVE=0"
         return None
     try:
         from torch.utils.cpp_extension import load, verify_ninja_availability
 
         verify_ninja_availability()
     except Exception as error:  # noqa: BLE001 - any failure to find the tools means: run the torch code
-        _state["reason"] = f"torch's extension builder is unavailable ({error}); pip install ninja"
+        found["reason"] = f"torch's extension builder is unavailable ({error}); pip install ninja"
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+    source = SOURCES[name]
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:10]
     arch, flags = _arch_flags()
+    # -fopenmp: at::parallel_for is inlined from torch's headers, so without it the rows would run on one thread
+    parallel = ["-fopenmp"] if platform.system() == "Linux" else []
     # an older compiler may not know the instruction-set level's name: then the portable build
     for target, options in ((arch, flags), ("generic", [])) if flags else ((arch, flags),):
         try:
-            _state["module"] = load(f"linattn_native_{target}_{digest}", [str(SOURCE)],
-                                    extra_cflags=["-O3", "-fopenmp-simd", *options], verbose=False)
+            found["module"] = load(f"linattn_native_{name}_{target}_{digest}", [str(source)],
+                                   extra_cflags=["-O3", *parallel, *options], extra_ldflags=parallel, verbose=False)
         except Exception as error:  # noqa: BLE001 - a failed build (no compiler, no headers) falls back
             lines = str(error).strip().splitlines()
-            _state["reason"] = f"the build failed ({type(error).__name__}: {lines[-1] if lines else ''})"
+            found["reason"] = f"the build failed ({type(error).__name__}: {lines[-1] if lines else ''})"
             continue
-        _state["reason"] = f"built for {target}"
-        return _state["module"]
+        found["reason"] = f"built for {target}"
+        return found["module"]
     return None
 
 
 def status() -> str:
     """One line: whether the native kernels run here, and why not where they do not."""
-    found = module()
-    return f"native kernels: {'on' if found is not None else 'off'} ({_state.get('reason', '')})"
+    parts = []
+    for name in SOURCES:
+        built = module(name)
+        parts.append(f"{name} {'on' if built is not None else 'off'} ({_state[name].get('reason', '')})")
+    return "native kernels: " + "; ".join(parts)

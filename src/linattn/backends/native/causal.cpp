@@ -1,0 +1,369 @@
+// Causal linear attention token by token with the state in cache: linattn's native forward (no gradients).
+//
+// On a CPU with a few cores the chunked forms spend most of their time in passes over whole (N, F) tensors and in
+// small batched products; the recurrence itself is small (an F x Dv state, 16 KiB at 64 x 64 fp32) and stays in
+// the first-level cache when one thread carries one (batch, head) row through all its tokens. Each call here
+// continues the state it is given over a block of tokens (the Python side, linattn/backends/native/forms.py, makes
+// the features of one block at a time in torch, so any feature map works and no (N, F) feature tensor is kept):
+//
+//   additive_block:  S <- S + phi(k_t) v_t^T,  z <- z + phi(k_t),  out_t = S^T phi(q_t) / max(phi(q_t).z + eps, m)
+//                    (kinds/additive/forms/recurrent.py is the reference; unnormalised when asked)
+//   delta_block:     S <- diag(a_t) S,  u = beta_t (v_t - S^T k_t),  S <- S + k_t u^T,  out_t = S^T q_t
+//                    (kinds/delta/forms.py and kinds/kda/forms.py; a_t = exp(g_t), one g per token or per feature)
+//
+// The value rows are held in vectors of 64 bytes (GCC's vector extension: zmm registers where the build targets
+// AVX-512, pairs or quads of narrower registers elsewhere), so Dv must be a multiple of 16 (fp32) or 8 (fp64) and
+// at most 16 such vectors: the Python side checks it and leaves other sizes to the torch forms. Rows (batch x
+// heads) run in parallel in torch's OpenMP pool. Nothing here checks its inputs: the Python caller does, once.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/python.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+template <typename T>
+struct Lanes {
+  typedef T vec __attribute__((vector_size(64)));
+  static constexpr int count = 64 / sizeof(T);
+};
+
+// a row-major (rows, tokens, width) view: x[r][t][i] at base + r * row + t * token + i
+template <typename T>
+struct View {
+  T* base;
+  int64_t row, token;
+  T* at(int64_t r, int64_t t) const { return base + r * row + t * token; }
+};
+
+template <typename T>
+View<T> view(const at::Tensor& x) {
+  return {x.data_ptr<T>(), x.stride(0), x.stride(1)};
+}
+
+template <typename T, int NV>
+void load_row(typename Lanes<T>::vec* out, const T* from) {
+#pragma GCC unroll 16
+  for (int j = 0; j < NV; ++j) std::memcpy(&out[j], from + j * Lanes<T>::count, sizeof(out[j]));
+}
+
+template <typename T, int NV>
+void store_row(T* to, const typename Lanes<T>::vec* from, T factor) {
+#pragma GCC unroll 16
+  for (int j = 0; j < NV; ++j) {
+    const typename Lanes<T>::vec scaled = from[j] * factor;
+    std::memcpy(to + j * Lanes<T>::count, &scaled, sizeof(scaled));
+  }
+}
+
+// 1 / max(den + eps, min_denom), a zero denominator dividing by 1 (kinds/additive/forms/_common.py, finalize)
+template <typename T>
+T inverse_denominator(T den, bool normalize, double eps, double min_denom, bool clamp) {
+  if (!normalize) return T(1);
+  den += static_cast<T>(eps);
+  if (clamp && den < static_cast<T>(min_denom)) den = static_cast<T>(min_denom);
+  return den == T(0) ? T(1) : T(1) / den;
+}
+
+// e^x for x <= 0, floored at the dtype's smallest normal number: the elu map's negative side
+// (linattn/feature_maps/elementwise.py). Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, then a Taylor
+// polynomial of r (degree 7 in fp32, 12 in fp64: truncation below half an ulp) and 2^n put in the exponent bits,
+// in arithmetic the compiler vectorises. NaN stays NaN.
+template <typename T>
+struct ExpConstants;
+template <>
+struct ExpConstants<float> {
+  using Bits = int32_t;
+  static constexpr int degree = 7, mantissa = 23, bias = 127;
+  static constexpr float low = -87.33654f;  // log of the smallest normal float
+  static constexpr float tiny = 1.17549435e-38f;
+};
+template <>
+struct ExpConstants<double> {
+  using Bits = int64_t;
+  static constexpr int degree = 12, mantissa = 52, bias = 1023;
+  static constexpr double low = -708.3964185322641;
+  static constexpr double tiny = 2.2250738585072014e-308;
+};
+
+template <typename T>
+inline T exp_nonpositive(T x) {
+  using C = ExpConstants<T>;
+  using Bits = typename C::Bits;
+  const T clipped = x < C::low ? C::low : x;  // false for NaN: NaN goes on
+  const T n = std::nearbyint(clipped * T(1.4426950408889634));
+  const T r = (clipped - n * T(0.693145751953125)) - n * T(1.4286068203094173e-06);
+  T p = T(1);
+  for (int i = C::degree; i >= 1; --i) p = T(1) + p * r / T(i);  // Horner form of sum r^i / i!
+  const Bits bits = (static_cast<Bits>(n) + C::bias) << C::mantissa;
+  T scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const T e = p * scale;
+  return x <= C::low || e < C::tiny ? C::tiny : e;
+}
+
+// phi(x) = elu(x) + 1 = e^{min(x, 0)} (floored) + max(x, 0) of one row, into `out`
+template <typename T>
+void elu_row(T* out, const T* x, int64_t width) {
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) {
+    // NaN goes to the negative side (and stays NaN), as torch's clamp passes it on
+    const T negative = x[i] > T(0) ? T(0) : x[i], positive = x[i] > T(0) ? x[i] : T(0);
+    out[i] = exp_nonpositive(negative) + positive;
+  }
+}
+
+template <typename T, int NV>
+void additive(View<T> q_in, View<T> k_in, View<T> v, T* kv, T* k_sum, View<T> out, int64_t rows, int64_t n,
+              int64_t features, bool normalize, double eps, double min_denom, bool clamp, bool elu) {
+  using V = typename Lanes<T>::vec;
+  constexpr int dv = NV * Lanes<T>::count;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<V> state(features * NV);
+    // with `elu`, q_in and k_in are the raw rows: each token's features are made here, two tokens at a time
+    std::vector<T> mapped(elu ? 4 * features : 0);
+    T* mapped_p = mapped.data();
+    auto qrow = [&](int64_t r, int64_t t, int slot) -> const T* {
+      if (!elu) return q_in.at(r, t);
+      elu_row(mapped_p + slot * features, q_in.at(r, t), features);
+      return mapped_p + slot * features;
+    };
+    auto krow = [&](int64_t r, int64_t t, int slot) -> const T* {
+      if (!elu) return k_in.at(r, t);
+      elu_row(mapped_p + (2 + slot) * features, k_in.at(r, t), features);
+      return mapped_p + (2 + slot) * features;
+    };
+    for (int64_t r = begin; r < end; ++r) {
+      V* S = state.data();
+      T* row_kv = kv + r * features * dv;
+      T* z = k_sum + r * features;
+      for (int64_t f = 0; f < features; ++f) load_row<T, NV>(S + f * NV, row_kv + f * dv);
+      int64_t t = 0;
+      for (; t + 1 < n; t += 2) {  // two tokens per pass over S: half the loads and stores of S per product
+        const T *q1 = qrow(r, t, 0), *k1 = krow(r, t, 0), *q2 = qrow(r, t + 1, 1), *k2 = krow(r, t + 1, 1);
+        V v1[NV], v2[NV], o1[NV], o2[NV];
+        load_row<T, NV>(v1, v.at(r, t));
+        load_row<T, NV>(v2, v.at(r, t + 1));
+#pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) o1[j] = o2[j] = V{};
+        for (int64_t f = 0; f < features; ++f) {
+          V* s = S + f * NV;
+          const T a1 = k1[f], b1 = q1[f], a2 = k2[f], b2 = q2[f];
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) {
+            V x = s[j] + a1 * v1[j];
+            o1[j] += b1 * x;
+            x += a2 * v2[j];
+            o2[j] += b2 * x;
+            s[j] = x;
+          }
+        }
+        T d1 = 0, d2 = 0;
+        for (int64_t f = 0; f < features; ++f) {
+          T sum = z[f] + k1[f];
+          d1 += q1[f] * sum;
+          sum += k2[f];
+          d2 += q2[f] * sum;
+          z[f] = sum;
+        }
+        store_row<T, NV>(out.at(r, t), o1, inverse_denominator(d1, normalize, eps, min_denom, clamp));
+        store_row<T, NV>(out.at(r, t + 1), o2, inverse_denominator(d2, normalize, eps, min_denom, clamp));
+      }
+      if (t < n) {  // an odd last token
+        const T *q1 = qrow(r, t, 0), *k1 = krow(r, t, 0);
+        V v1[NV], o1[NV];
+        load_row<T, NV>(v1, v.at(r, t));
+#pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) o1[j] = V{};
+        for (int64_t f = 0; f < features; ++f) {
+          V* s = S + f * NV;
+          const T a1 = k1[f], b1 = q1[f];
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) {
+            s[j] += a1 * v1[j];
+            o1[j] += b1 * s[j];
+          }
+        }
+        T d1 = 0;
+        for (int64_t f = 0; f < features; ++f) {
+          z[f] += k1[f];
+          d1 += q1[f] * z[f];
+        }
+        store_row<T, NV>(out.at(r, t), o1, inverse_denominator(d1, normalize, eps, min_denom, clamp));
+      }
+      for (int64_t f = 0; f < features; ++f) store_row<T, NV>(row_kv + f * dv, S + f * NV, T(1));
+    }
+  });
+}
+
+// the decay factors of token t: exp of its one log-gate (copied to every feature) or of its F log-gates
+template <typename T>
+void factors(T* out, const double* gate, int64_t gates, int64_t features) {
+  if (gate == nullptr) {
+    for (int64_t f = 0; f < features; ++f) out[f] = T(1);
+  } else if (gates == 1) {
+    const T a = static_cast<T>(std::exp(gate[0]));
+    for (int64_t f = 0; f < features; ++f) out[f] = a;
+  } else {
+    for (int64_t f = 0; f < features; ++f) out[f] = static_cast<T>(std::exp(gate[f]));
+  }
+}
+
+// one query or key row as the delta rule reads it: the map (elu + 1 here, or features given) and, with `unit`,
+// divided by max(|row|, 1e-12) (linattn.features.unit_rows)
+template <typename T>
+const T* prepare(T* into, const T* row, int64_t features, bool elu, bool unit) {
+  if (!elu && !unit) return row;
+  if (elu) {
+    elu_row(into, row, features);
+  } else {
+    for (int64_t f = 0; f < features; ++f) into[f] = row[f];
+  }
+  if (unit) {
+    T norm = 0;
+#pragma omp simd reduction(+ : norm)
+    for (int64_t f = 0; f < features; ++f) norm += into[f] * into[f];
+    norm = std::sqrt(norm);
+    const T inverse = T(1) / (norm > T(1e-12) ? norm : T(1e-12));
+    for (int64_t f = 0; f < features; ++f) into[f] *= inverse;
+  }
+  return into;
+}
+
+template <typename T, int NV>
+void delta(View<T> q, View<T> k, View<T> v, View<T> beta, const double* gate, int64_t gate_row, int64_t gate_token,
+           int64_t gates, T* kv, View<T> out, int64_t rows, int64_t n, int64_t features, bool elu, bool unit) {
+  using V = typename Lanes<T>::vec;
+  constexpr int dv = NV * Lanes<T>::count;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<V> state(features * NV);
+    std::vector<T> now(features), next(features), recall(features), rows_buffer(3 * features);
+    T* query_buffer = rows_buffer.data();
+    T* key_buffers[2] = {rows_buffer.data() + features, rows_buffer.data() + 2 * features};
+    for (int64_t r = begin; r < end; ++r) {
+      V* S = state.data();
+      T* row_kv = kv + r * features * dv;
+      for (int64_t f = 0; f < features; ++f) load_row<T, NV>(S + f * NV, row_kv + f * dv);
+      const double* g = gate != nullptr ? gate + r * gate_row : nullptr;
+      const T* b = beta.at(r, 0);
+      // S^T (a_0 * k_0) for the first token: each later one is summed in the pass before it
+      V recalled[NV];
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) recalled[j] = V{};
+      factors(now.data(), g, gates, features);
+      const T* key = nullptr;  // token t's key row, prepared in the pass before (never for a token that writes nothing)
+      int slot = 0;
+      if (n > 0 && b[0] != T(0)) {
+        key = prepare(key_buffers[slot], k.at(r, 0), features, elu, unit);
+        for (int64_t f = 0; f < features; ++f) {
+          const T c = now[f] * key[f];
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) recalled[j] += c * S[f * NV + j];
+        }
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const T strength = b[t * beta.token];
+        const bool writes = strength != T(0);  // a masked token writes nothing (its key is never read)
+        V u[NV], o[NV], ahead[NV];
+        if (writes) {
+          V value[NV];
+          load_row<T, NV>(value, v.at(r, t));
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) u[j] = strength * (value[j] - recalled[j]);
+        }
+#pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) o[j] = ahead[j] = V{};
+        // the next token's recall S_t^T (a_{t+1} * k_{t+1}) is summed in this token's pass over S
+        const bool recalls = t + 1 < n && b[(t + 1) * beta.token] != T(0);
+        if (t + 1 < n) factors(next.data(), g != nullptr ? g + (t + 1) * gate_token : nullptr, gates, features);
+        const T* following = nullptr;
+        if (recalls) {
+          following = prepare(key_buffers[1 - slot], k.at(r, t + 1), features, elu, unit);
+          for (int64_t f = 0; f < features; ++f) recall[f] = next[f] * following[f];
+        }
+        const T* query = prepare(query_buffer, q.at(r, t), features, elu, unit);
+        for (int64_t f = 0; f < features; ++f) {
+          V* s = S + f * NV;
+          const T a = now[f], written = writes ? key[f] : T(0), read = query[f], c = recalls ? recall[f] : T(0);
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) {
+            V x = a * s[j];
+            if (writes) x += written * u[j];
+            s[j] = x;
+            o[j] += read * x;
+            ahead[j] += c * x;
+          }
+        }
+        store_row<T, NV>(out.at(r, t), o, T(1));
+#pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) recalled[j] = ahead[j];
+        now.swap(next);
+        key = following;
+        slot = 1 - slot;
+      }
+      for (int64_t f = 0; f < features; ++f) store_row<T, NV>(row_kv + f * dv, S + f * NV, T(1));
+    }
+  });
+}
+
+// Dv in vectors of 64 bytes, dispatched to a compiled width (the Python side admits only these)
+#define LINATTN_VECTORS(vectors, ...)                       \
+  switch (vectors) {                                        \
+    case 1: { constexpr int NV = 1; __VA_ARGS__; break; }   \
+    case 2: { constexpr int NV = 2; __VA_ARGS__; break; }   \
+    case 4: { constexpr int NV = 4; __VA_ARGS__; break; }   \
+    case 8: { constexpr int NV = 8; __VA_ARGS__; break; }   \
+    case 16: { constexpr int NV = 16; __VA_ARGS__; break; } \
+    default: TORCH_CHECK(false, "linattn native: unsupported value width"); \
+  }
+
+// qf, kf (R, n, F); v, out (R, n, Dv): last dimension contiguous; kv (R, F, Dv) and k_sum (R, F) contiguous,
+// updated in place. min_denom is NaN for none. elu: qf and kf are the raw q and k, mapped here by elu + 1.
+void additive_block(const at::Tensor& qf, const at::Tensor& kf, const at::Tensor& v, at::Tensor kv, at::Tensor k_sum,
+                    at::Tensor out, bool normalize, double eps, double min_denom, bool elu) {
+  const int64_t rows = qf.size(0), n = qf.size(1), features = qf.size(2);
+  AT_DISPATCH_FLOATING_TYPES(qf.scalar_type(), "additive_block", [&] {
+    const int vectors = static_cast<int>(v.size(2) / Lanes<scalar_t>::count);
+    LINATTN_VECTORS(vectors, additive<scalar_t, NV>(view<scalar_t>(qf), view<scalar_t>(kf), view<scalar_t>(v),
+                                                    kv.data_ptr<scalar_t>(), k_sum.data_ptr<scalar_t>(),
+                                                    view<scalar_t>(out), rows, n, features, normalize, eps,
+                                                    min_denom, !std::isnan(min_denom), elu));
+  });
+}
+
+// qf, kf (R, n, F) features (unit: normalised here; elu: the raw q and k, mapped and normalised here); v, out
+// (R, n, Dv); beta (R, n); log_gate (R, n, G) fp64 with G = 1 or F, or None; kv (R, F, Dv) contiguous, updated
+// in place.
+void delta_block(const at::Tensor& qf, const at::Tensor& kf, const at::Tensor& v, const at::Tensor& beta,
+                 const std::optional<at::Tensor>& log_gate, at::Tensor kv, at::Tensor out, bool elu, bool unit) {
+  const int64_t rows = qf.size(0), n = qf.size(1), features = qf.size(2);
+  const double* gate = log_gate ? log_gate->data_ptr<double>() : nullptr;
+  const int64_t gate_row = log_gate ? log_gate->stride(0) : 0, gate_token = log_gate ? log_gate->stride(1) : 0;
+  const int64_t gates = log_gate ? log_gate->size(2) : 0;
+  AT_DISPATCH_FLOATING_TYPES(qf.scalar_type(), "delta_block", [&] {
+    const int vectors = static_cast<int>(v.size(2) / Lanes<scalar_t>::count);
+    View<scalar_t> strengths{beta.data_ptr<scalar_t>(), beta.stride(0), beta.stride(1)};
+    LINATTN_VECTORS(vectors, delta<scalar_t, NV>(view<scalar_t>(qf), view<scalar_t>(kf), view<scalar_t>(v),
+                                                 strengths, gate, gate_row, gate_token, gates,
+                                                 kv.data_ptr<scalar_t>(), view<scalar_t>(out), rows, n, features,
+                                                 elu, unit || elu));
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("additive_block", &additive_block, "causal linear attention over a block of tokens, continuing (kv, k_sum)");
+  m.def("elu_features", [](const at::Tensor& x) {  // (R, n, D) contiguous rows: the map alone, for the tests
+    at::Tensor out = at::empty_like(x);
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "elu_features", [&] {
+      const int64_t rows = x.numel() / x.size(-1), width = x.size(-1);
+      for (int64_t i = 0; i < rows; ++i) elu_row(out.data_ptr<scalar_t>() + i * width, x.data_ptr<scalar_t>() + i * width, width);
+    });
+    return out;
+  }, "elu + 1 of contiguous rows, as the additive kernel makes it");
+  m.def("delta_block", &delta_block, "the (gated, per-feature gated) delta rule over a block of tokens");
+}

@@ -1,0 +1,130 @@
+"""The native causal forward (causal.cpp) from Python: features made in torch one block of tokens at a time, the
+recurrence in C++ with each (batch, head) row's state in cache. No gradients: calls that need them, and sizes the
+kernels do not take, run the torch forms (:func:`reasons` says why, before anything runs).
+
+The feature stage is linattn's own (:func:`linattn.features.query_features`, :func:`~linattn.features.key_features`,
+:func:`~linattn.features.delta_inputs`), called on slices of BLOCK tokens: any feature map works, the maps' checks
+run as on the torch backend, and no (N, F) feature tensor is ever whole (at N = 16,384 and F = 64 one would be
+32 MiB of fresh pages for each of q and k).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import _validate
+from ...feature_maps.elementwise import EluFeatureMap
+from ...features import check_feature_dims, delta_inputs, key_features, query_features
+from ...state import DeltaRuleState, LinearAttentionState
+from . import module
+
+BLOCK = 1024  # tokens of features made at a time: (8 heads, 1024, 64) fp32 is 2 MiB
+MAX_VECTORS = 16  # Dv in 64-byte vectors the kernels are compiled for: 1, 2, 4, 8 or 16
+WIDTHS = (1, 2, 4, 8, 16)
+
+
+def value_reasons(dv: int, dtype: torch.dtype) -> list[str]:
+    """Why the kernels do not take values of width ``dv`` in ``dtype``; [] when they do."""
+    if dtype not in (torch.float32, torch.float64):
+        return [f"dtype {dtype}: the native kernels compute in fp32 or fp64"]
+    lanes = 16 if dtype == torch.float32 else 8
+    if dv % lanes or dv // lanes not in WIDTHS:
+        return [f"value dim {dv}: the native kernels take {', '.join(str(w * lanes) for w in WIDTHS)} in {dtype}"]
+    return []
+
+
+def grad_reasons(*tensors: torch.Tensor | None) -> list[str]:
+    """Why the call cannot run natively because it needs gradients; [] when none is needed."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return ["gradients: the native kernels compute the forward only; the torch backend runs calls that need "
+                "gradients (or run under torch.no_grad() / torch.inference_mode())"]
+    return []
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(..., n, d) → (R, n, d), a view where the batch dims allow, the last dim contiguous."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+def _kernels() -> Any:
+    found = module("causal")
+    assert found is not None, "checked by the capability table"
+    return found
+
+
+def additive(job: Any) -> tuple[torch.Tensor, LinearAttentionState]:
+    """Causal linear attention of a job of an ordinary map (no decay, no packing): as
+    kinds/additive/forms/recurrent.py, the state continued in place of a copy. The elu map without padding is made
+    in the kernel from q and k (the default map: no feature tensor at all, as the Triton kernels do)."""
+    kernels = _kernels()
+    q, k, v, keep, state = job.q, job.k, job.v, job.keep, job.state
+    batch, n, dv = q.shape[:-2], q.shape[-2], v.shape[-1]
+    out = v.new_empty(*batch, n, dv)
+    kv = k_sum = None
+    elu = type(job.fmap) is EluFeatureMap and keep is None
+    for start in range(0, n, BLOCK):
+        end = min(n, start + BLOCK)
+        if elu:
+            qf, kf = q[..., start:end, :], k[..., start:end, :]
+        else:
+            qf = query_features(job.fmap, q[..., start:end, :], False, **job.checks())
+            block_keep = keep[..., start:end] if keep is not None else None
+            kf, _ = key_features(job.fmap, k[..., start:end, :], block_keep, False, True, None, **job.checks())
+        if kv is None or k_sum is None:  # the first block: the map's width is known now
+            check_feature_dims(qf.shape[-1], kf.shape[-1], job.fmap)
+            _validate.check_state_features(state, kf.shape[-1], job.map_name)
+            shape = (*batch, kf.shape[-1])
+            kv = state.kv.clone() if state is not None else v.new_zeros(*shape, dv)
+            k_sum = state.k_sum.clone() if state is not None else v.new_zeros(shape)
+            kv, k_sum = kv.contiguous(), k_sum.contiguous()
+        kernels.additive_block(_rows(qf), _rows(kf), _rows(v[..., start:end, :]), kv.view(-1, *kv.shape[-2:]),
+                               k_sum.view(-1, k_sum.shape[-1]), out.view(-1, n, dv)[:, start:end],
+                               job.normalize, job.eps, float("nan") if job.min_denom is None else job.min_denom, elu)
+    assert kv is not None and k_sum is not None
+    seen = state.num_tokens if state is not None else 0
+    return out, LinearAttentionState(kv, k_sum, q.new_zeros(batch), seen + n)
+
+
+def delta(job: Any) -> tuple[torch.Tensor, DeltaRuleState]:
+    """The delta rule of a job, with its per-token log-decay (..., N) and per-feature log-gates (..., N, F) if any:
+    as kinds/delta/forms.py's ``delta_recurrent`` and kinds/kda/forms.py's ``kda_recurrent``. The kernel divides
+    each row by its norm as it reads it; the elu map without padding it makes itself."""
+    kernels = _kernels()
+    q, k, v, keep, state = job.q, job.k, job.v, job.keep, job.state
+    batch, n, dv = q.shape[:-2], q.shape[-2], v.shape[-1]
+    out = v.new_empty(*batch, n, dv)
+    kv = None
+    beta = job.beta.expand(*batch, n)
+    gates = None  # fp64 log-gates (R, N, 1) or (R, N, F)
+    if job.feature_gate is not None:  # KDA; a decay adds to every feature's gate
+        gates = job.feature_gate.to(torch.float64)
+        gates = gates + job.log_decay.unsqueeze(-1) if job.log_decay is not None else gates
+    elif job.log_decay is not None:
+        gates = job.log_decay.to(torch.float64).unsqueeze(-1)
+    if gates is not None:
+        gates = _rows(gates.expand(*batch, n, gates.shape[-1]))
+    elu = type(job.fmap) is EluFeatureMap and keep is None
+    for start in range(0, n, BLOCK):
+        end = min(n, start + BLOCK)
+        if elu:
+            qf, kf, strengths = q[..., start:end, :], k[..., start:end, :], beta[..., start:end]
+        else:
+            block_keep = keep[..., start:end] if keep is not None else None
+            qf, kf, strengths = delta_inputs(job.fmap, q[..., start:end, :], k[..., start:end, :], block_keep,
+                                             beta[..., start:end], log_space=job.log_space,
+                                             finite=job.check_finite, nonnegative=job.nonnegative, normalized=False)
+        if kv is None:
+            _validate.check_state_features(state, kf.shape[-1], job.map_name)
+            if job.feature_gate is not None:
+                _validate.check_gate_features(job.feature_gate, kf.shape[-1])
+            kv = (state.kv.clone() if state is not None else v.new_zeros(*batch, kf.shape[-1], dv)).contiguous()
+        strengths = strengths.to(v.dtype).expand(*batch, end - start).reshape(-1, end - start)
+        kernels.delta_block(_rows(qf), _rows(kf), _rows(v[..., start:end, :]), strengths,
+                            gates[:, start:end] if gates is not None else None, kv.view(-1, *kv.shape[-2:]),
+                            out.view(-1, n, dv)[:, start:end], elu, True)
+    assert kv is not None
+    seen = state.num_tokens if state is not None else 0
+    return out, DeltaRuleState(kv, seen + n)
