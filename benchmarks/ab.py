@@ -88,10 +88,15 @@ class Spec:
 
 
 CALLS: dict[str, Spec] = {
-    "causal_fwd": Spec("causal forward, elu, form auto (chunked), no_grad", _forward(), ()),
+    "causal_fwd": Spec("causal forward, elu, form auto, no_grad (the native kernels where the tree has them)",
+                       _forward(), ()),
+    "causal_fwd_torch": Spec("causal forward, elu, the torch backend (chunked), no_grad", _forward(backend="torch"),
+                             ()),
     "causal_fwd_bwd": Spec("causal forward + backward, elu, form auto (chunked)", _training(), ()),
     "window_fwd": Spec("window op W=64, 4 sinks, causal forward, no_grad", _forward(window=64, sinks=4),
                        ("window", "sinks")),
+    "delta_fwd": Spec("delta rule, β per token, causal forward, no_grad", _forward(update="delta", beta="@beta"),
+                      ("update", "beta")),
     "delta_fwd_bwd": Spec("delta rule, β per token, causal forward + backward",
                           _training(update="delta", beta="@beta"), ("update", "beta")),
     "composed_fwd_bwd": Spec("gated delta rule beside the window W=64, 4 sinks, forward + backward",

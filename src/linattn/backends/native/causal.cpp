@@ -94,14 +94,14 @@ inline T exp_nonpositive(T x) {
   using C = ExpConstants<T>;
   using Bits = typename C::Bits;
   const T clipped = x < C::low ? C::low : x;  // false for NaN: NaN goes on
-  const T n = std::nearbyint(clipped * T(1.4426950408889634));
+  // round to nearest by adding and removing 1.5 * 2^mantissa (no libm call, so the loop vectorises)
+  const T shifter = T(1.5) * static_cast<T>(Bits(1) << C::mantissa);
+  const T n = (clipped * T(1.4426950408889634) + shifter) - shifter;
   const T r = (clipped - n * T(0.693145751953125)) - n * T(1.4286068203094173e-06);
   T p = T(1);
-  for (int i = C::degree; i >= 1; --i) p = T(1) + p * r / T(i);  // Horner form of sum r^i / i!
+  for (int i = C::degree; i >= 1; --i) p = T(1) + p * r * (T(1) / T(i));  // Horner form of sum r^i / i!
   const Bits bits = (static_cast<Bits>(n) + C::bias) << C::mantissa;
-  T scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  const T e = p * scale;
+  const T e = p * __builtin_bit_cast(T, bits);  // 2^n (GCC and Clang; a memcpy here would stop vectorisation)
   return x <= C::low || e < C::tiny ? C::tiny : e;
 }
 
