@@ -111,11 +111,12 @@ def delta(job: Any) -> tuple[torch.Tensor, DeltaRuleState]:
         end = min(n, start + BLOCK)
         if elu:
             qf, kf, strengths = q[..., start:end, :], k[..., start:end, :], beta[..., start:end]
-        else:
-            block_keep = keep[..., start:end] if keep is not None else None
-            qf, kf, strengths = delta_inputs(job.fmap, q[..., start:end, :], k[..., start:end, :], block_keep,
+        else:  # masked keys write nothing (β = 0) and the kernel never reads their features: no masking pass here
+            qf, kf, strengths = delta_inputs(job.fmap, q[..., start:end, :], k[..., start:end, :], None,
                                              beta[..., start:end], log_space=job.log_space,
                                              finite=job.check_finite, nonnegative=job.nonnegative, normalized=False)
+            if keep is not None:
+                strengths = strengths * keep[..., start:end].to(strengths.dtype)
         if kv is None:
             _validate.check_state_features(state, kf.shape[-1], job.map_name)
             if job.feature_gate is not None:
