@@ -18,6 +18,7 @@ def test_info_lists_forms_and_maps(capsys):
     assert "forms: parallel, global, chunked, recurrent" in printed
     for name in linattn.feature_maps.available():
         assert name in printed
+    assert "native kernels: decode " in printed and "; causal " in printed  # on, or off with the reason
 
 
 def test_python_dash_m_entry_point():

@@ -40,6 +40,9 @@ def _info(_: argparse.Namespace) -> int:
     print(f"device: {device}" + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""))
     print(f"forms: {', '.join(f for f in FORMS if f != 'auto')}")
     print(f"feature maps: {', '.join(feature_maps.available())}")
+    from .backends import native  # the C++ kernels: built here on first use if `make` has not built them
+
+    print(native.status())
     return 0
 
 
