@@ -66,10 +66,10 @@ def main() -> None:
             gap = 0.0
             for _ in range(args.rounds):
                 times["original"].append(decode(original, ids, args.steps)[0])
-                native._state["module"] = None  # hidden: the steps made now run the torch code
+                native._state["decode"]["module"] = None  # hidden: the steps made now run the torch code
                 ms, reference = decode(linearized, ids, args.steps)
                 times["torch"].append(ms)
-                native._state["module"] = built
+                native._state["decode"]["module"] = built
                 ms, logits = decode(linearized, ids, args.steps)
                 times["native"].append(ms)
                 gap = max(gap, float((logits - reference).abs().max()))
