@@ -276,3 +276,48 @@ def test_turned_off_the_auto_choice_is_torch(monkeypatch):
     assert calls == []
     with pytest.raises(LinearAttentionError, match="LINATTN_NATIVE=0"):
         linattn.linear_attention(q, k, v, causal=True, backend="native")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_hedgehog_activation_equals_the_maps_features(kernels, dtype):
+    """The Hedgehog map's activation in C++ (the window beside the delta rule, natively) against the map itself:
+    float64 to 1e-14 relative (a few smallest-normal numbers at the floor aside), fp32 to 1e-6 of each row's norm."""
+    from linattn.feature_maps import HedgehogFeatureMap
+
+    fmap = HedgehogFeatureMap(head_dim=16, num_features=8, num_heads=3).to(dtype)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for parameter in fmap.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=gen, dtype=torch.float64) * 2)
+        x = torch.randn(2, 3, 70, 16, generator=gen, dtype=torch.float64).to(dtype) * 3
+        for is_query in (True, False):
+            reference = fmap.features(x, is_query=is_query)
+            got = native_forms.hedgehog_features(fmap, x, is_query)
+            assert got is not None
+            if dtype == torch.float64:
+                assert ((got - reference).abs() <= 1e-14 * reference + 4 * torch.finfo(dtype).tiny).all()
+            else:  # below the smallest normal number the kernel's exp gives 0 where torch's keeps a subnormal,
+                # which a key's weight (up to e^30) can lift to ~1e-25: measured against each row's norm (what the
+                # delta rule reads, its rows normalised)
+                norms = torch.linalg.vector_norm(reference, dim=-1, keepdim=True)
+                assert ((got - reference).abs() <= 1e-6 * norms).all()
+    assert native_forms.hedgehog_features(fmap, x, True) is None  # gradients wanted for the map's parameters
+
+
+@pytest.mark.parametrize("kind", ["gated", "kda"])
+def test_hedgehog_delta_beside_the_window_float64(kernels, kind):
+    """The shipped student's call: the Hedgehog map (activation in C++), the delta rule natively, the window's band."""
+    from linattn.feature_maps import HedgehogFeatureMap
+
+    n = 700
+    q, k, v = _inputs(n, 16, torch.float64, heads_kv=1)
+    fmap = HedgehogFeatureMap(head_dim=8, num_features=4, num_heads=3).double()
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for parameter in fmap.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=gen, dtype=torch.float64))
+        options = _delta_options(kind, (2, 3, n), gen)
+        reference = linattn.linear_attention(q, k, v, causal=True, backend="torch", feature_map=fmap, window=24,
+                                             sinks=4, **options)
+        got = linattn.linear_attention(q, k, v, causal=True, feature_map=fmap, window=24, sinks=4, **options)
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)

@@ -38,6 +38,7 @@ from .exact.forms.naive import exact_parallel, maps_features
 from .exact.forms.sparse import sparse_chunked, sparse_parallel, sparse_recurrent
 from .exact.forms.sparse_composed import sparse_composed
 from .exact.forms.sparse_stream import LinearPart
+from .feature_maps.learned import HedgehogFeatureMap
 from .features import (
     NEG_INF,
     check_feature_dims,
@@ -313,7 +314,7 @@ def run_composed(job: Job, form: str, native: bool = False) -> Result:
     # the exact part alone: with the delta rule, its softmax sums (a factor turns off the mass), which need no
     # log-scale (the delta rule's unit features cancel a log-space map's per-token scale)
     factor = job.window_factor if not delta or job.window_factor is not None else torch.ones((), dtype=job.q.dtype)
-    hybrid = _hybrid(job, factor, log_space=job.log_space and not delta)
+    hybrid = _hybrid(job, factor, log_space=job.log_space and not delta, native=native)
     # q and every key mapped (and checked) once, by the exact part (explicit weights: where it needs features, for
     # the mass or the log-scales): the linear part reads those features
     if form == "chunked":
@@ -354,15 +355,18 @@ def run_composed(job: Job, form: str, native: bool = False) -> Result:
     return out, composed_state(parts.state, final, job.k, job.v, keep, job.beta)
 
 
-def _hybrid(job: Job, factor: torch.Tensor | None, log_space: bool | None = None, row_scale: bool = False
-            ) -> Hybrid:
+def _hybrid(job: Job, factor: torch.Tensor | None, log_space: bool | None = None, row_scale: bool = False,
+            native: bool = False) -> Hybrid:
     """The window's options; ``row_scale``: a log-space map's features read at each row's own maximum, as an
-    ordinary map's (for the delta family, whose unit rows cancel each row's scale)."""
+    ordinary map's (for the delta family, whose unit rows cancel each row's scale). ``native``: the Hedgehog map's
+    activation in C++ where no gradient is needed (backends/native/forms.py)."""
     fmap, checks = job.fmap, job.checks()
     log_space = job.log_space if log_space is None else log_space  # False: the features as the map returns them
+    fused = native and type(fmap) is HedgehogFeatureMap and not any(checks.values())
 
     def features(x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        mapped = map_features(fmap, x, is_query=is_query, **checks)
+        made = native_forms.hedgehog_features(fmap, x, is_query) if fused else None
+        mapped = made if made is not None else map_features(fmap, x, is_query=is_query, **checks)
         return stabilise_queries(mapped)[0] if row_scale else mapped
 
     return Hybrid(features, log_space=log_space and not row_scale, window=job.window, sinks=job.sinks,

@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -89,7 +90,7 @@ struct ExpConstants<double> {
   static constexpr double tiny = 2.2250738585072014e-308;
 };
 
-template <typename T>
+template <typename T, bool floored = true>
 inline T exp_nonpositive(T x) {
   using C = ExpConstants<T>;
   using Bits = typename C::Bits;
@@ -102,6 +103,7 @@ inline T exp_nonpositive(T x) {
   for (int i = C::degree; i >= 1; --i) p = T(1) + p * r * (T(1) / T(i));  // Horner form of sum r^i / i!
   const Bits bits = (static_cast<Bits>(n) + C::bias) << C::mantissa;
   const T e = p * __builtin_bit_cast(T, bits);  // 2^n (GCC and Clang; a memcpy here would stop vectorisation)
+  if (!floored) return x <= C::low ? T(0) : e;  // below the smallest normal number: 0, as softmax's exp gives
   return x <= C::low || e < C::tiny ? C::tiny : e;
 }
 
@@ -353,6 +355,45 @@ void delta_block(const at::Tensor& qf, const at::Tensor& kf, const at::Tensor& v
   });
 }
 
+// The Hedgehog map's activation after its projection (linattn.feature_maps.HedgehogFeatureMap.features): z (R, n,
+// 2m) = [Wx + b, -(Wx + b)], each half's softmax, times e^{clamp(u.k, +-limit)} for keys, plus the floor. One pass
+// over z, the exponentials vectorised; log_weight (R, n) for keys, None for queries.
+template <typename T>
+void hedgehog_rows(const T* z, const T* log_weight, T* out, int64_t rows, int64_t half, double limit, double floor) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T weight = log_weight == nullptr ? T(1)
+          : std::exp(std::min(std::max(log_weight[r], static_cast<T>(-limit)), static_cast<T>(limit)));
+      for (int side = 0; side < 2; ++side) {
+        const T* x = z + (r * 2 + side) * half;
+        T* y = out + (r * 2 + side) * half;
+        T top = -std::numeric_limits<T>::infinity();
+        for (int64_t i = 0; i < half; ++i) top = x[i] > top ? x[i] : top;
+        T total = 0;
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < half; ++i) {
+          y[i] = exp_nonpositive<T, false>(x[i] - top);
+          total += y[i];
+        }
+        const T scale = weight / total;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) y[i] = y[i] * scale + static_cast<T>(floor);
+      }
+    }
+  });
+}
+
+at::Tensor hedgehog_activation(const at::Tensor& z, const std::optional<at::Tensor>& log_weight, double limit,
+                               double floor) {
+  at::Tensor out = at::empty_like(z);
+  const int64_t half = z.size(-1) / 2, rows = z.numel() / z.size(-1);
+  AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "hedgehog_activation", [&] {
+    hedgehog_rows<scalar_t>(z.data_ptr<scalar_t>(), log_weight ? log_weight->data_ptr<scalar_t>() : nullptr,
+                            out.data_ptr<scalar_t>(), rows, half, limit, floor);
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -365,5 +406,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     });
     return out;
   }, "elu + 1 of contiguous rows, as the additive kernel makes it");
+  m.def("hedgehog_activation", &hedgehog_activation, "the Hedgehog map after its projection (keys: with their weight)");
   m.def("delta_block", &delta_block, "the (gated, per-feature gated) delta rule over a block of tokens");
 }

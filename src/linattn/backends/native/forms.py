@@ -16,6 +16,7 @@ import torch
 
 from ... import _validate
 from ...feature_maps.elementwise import EluFeatureMap
+from ...feature_maps.learned import HedgehogFeatureMap
 from ...features import check_feature_dims, delta_inputs, key_features, query_features
 from ...state import DeltaRuleState, LinearAttentionState
 from . import module
@@ -129,3 +130,20 @@ def delta(job: Any) -> tuple[torch.Tensor, DeltaRuleState]:
     assert kv is not None
     seen = state.num_tokens if state is not None else 0
     return out, DeltaRuleState(kv, seen + n)
+
+
+def hedgehog_features(fmap: HedgehogFeatureMap, x: torch.Tensor, is_query: bool) -> torch.Tensor | None:
+    """The Hedgehog map's features of x (..., H, N, d) as ``fmap.features`` gives them, the projection in torch and
+    the activation (the two softmaxes, the keys' weight, the floor) in one C++ pass; None where the kernels do not
+    take it (no build, a dtype other than fp32/fp64, gradients needed)."""
+    kernels = module("causal")
+    if kernels is None or x.dtype not in (torch.float32, torch.float64) or grad_reasons(x, *fmap.parameters()):
+        return None
+    z = fmap.project(x, is_query=is_query).contiguous()  # (..., 2m): [Wx + b, −(Wx + b)]
+    log_weight = None
+    if not is_query:
+        gate = fmap.gate[0].to(x.dtype)  # (H, d)
+        log_weight = (x @ gate[0].unsqueeze(-1) if fmap.num_heads is None else x @ gate.unsqueeze(-1)).squeeze(-1)
+        log_weight = log_weight.contiguous()
+    floor = torch.finfo(x.dtype).tiny
+    return kernels.hedgehog_activation(z, log_weight, float(fmap.GATE_LIMIT), floor)
