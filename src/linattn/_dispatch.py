@@ -362,10 +362,10 @@ def _hybrid(job: Job, factor: torch.Tensor | None, log_space: bool | None = None
     activation in C++ where no gradient is needed (backends/native/forms.py)."""
     fmap, checks = job.fmap, job.checks()
     log_space = job.log_space if log_space is None else log_space  # False: the features as the map returns them
-    fused = native and type(fmap) is HedgehogFeatureMap and not any(checks.values())
+    hedgehog = fmap if native and type(fmap) is HedgehogFeatureMap and not any(checks.values()) else None
 
     def features(x: torch.Tensor, is_query: bool) -> torch.Tensor:
-        made = native_forms.hedgehog_features(fmap, x, is_query) if fused else None
+        made = native_forms.hedgehog_features(hedgehog, x, is_query) if hedgehog is not None else None
         mapped = made if made is not None else map_features(fmap, x, is_query=is_query, **checks)
         return stabilise_queries(mapped)[0] if row_scale else mapped
 
