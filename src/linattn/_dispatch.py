@@ -16,8 +16,7 @@ from torch import nn
 
 from . import _validate
 from .backends.native import forms as native_forms
-from .capabilities import Route
-from .errors import LinearAttentionError
+from .capabilities import Route, native_refusal
 from .exact import (
     Hybrid,
     causal_window_chunked,
@@ -279,7 +278,7 @@ def run_delta(job: Job, form: str, native: bool = False) -> Result:
     width and the absence of gradients allow; else the torch form."""
     state = job.state
     assert job.beta is not None and (state is None or isinstance(state, DeltaRuleState))
-    if native and not native_delta_reasons(job):
+    if native and not native_job_reasons(job):
         return native_forms.delta(job)
     qf, kf, beta = delta_inputs(job.fmap, job.q, job.k, job.keep, job.beta, log_space=job.log_space,
                                 finite=job.check_finite, nonnegative=job.nonnegative)
@@ -410,11 +409,11 @@ def torch_runner(route: Route, causal: bool) -> Runner:
     return lambda job: run_plain(job, route.form)
 
 
-def native_delta_reasons(job: Job) -> list[str]:
-    """Why a delta-rule job runs on the torch forms although the native backend was chosen: what is known only
-    with the tensors (gradients, the values' width); [] when the kernels take it."""
-    return native_forms.grad_reasons(job.q, job.k, job.v, job.beta, job.log_decay, job.feature_gate) + \
-        native_forms.value_reasons(job.v.shape[-1], job.v.dtype)
+def native_job_reasons(job: Job) -> list[str]:
+    """Why a job runs on the torch forms although the native backend was chosen: what is known only with the
+    tensors (gradients, the values' width); [] when the kernels take it."""
+    return native_forms.grad_reasons(job.q, job.k, job.v, job.beta, job.log_decay, job.feature_gate,
+                                     job.window_factor) + native_forms.value_reasons(job.v.shape[-1], job.v.dtype)
 
 
 def native_runner(route: Route, causal: bool, forced: bool) -> Runner:
@@ -424,15 +423,11 @@ def native_runner(route: Route, causal: bool, forced: bool) -> Runner:
     forms, or raises when the backend was asked for by name."""
     torch_run = torch_runner(route, causal)
 
-    def refused(job: Job) -> list[str]:
-        found = native_forms.grad_reasons(job.q, job.k, job.v, job.beta, job.log_decay, job.feature_gate,
-                                          job.window_factor) + native_forms.value_reasons(job.v.shape[-1], job.v.dtype)
-        if found and forced:
-            raise LinearAttentionError("backend='native' does not cover this call: " + "; ".join(found))
-        return found
-
     def run(job: Job) -> Result:
-        if refused(job):
+        found = native_job_reasons(job)
+        if found and forced:
+            raise native_refusal(found)
+        if found:
             return torch_run(job)
         if route.kind == "plain":
             return native_forms.additive(job)

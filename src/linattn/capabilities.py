@@ -35,7 +35,7 @@ __all__ = [
     "BACKENDS", "COMPOSED_STEP_OPTIONS", "DELTA_STEP_OPTIONS", "KINDS", "ROUTES", "SPARSE_STEP_OPTIONS",
     "STEP_OPTIONS", "WINDOW_STEP_OPTIONS", "Call", "Route", "auto_form", "backend_reasons", "check_window_combination",
     "choose_backend", "choose_route", "choose_step", "chunk_size", "context_parallel_reasons", "native_reasons",
-    "refuse", "step_kernel_reasons", "step_reasons",
+    "native_refusal", "refuse", "step_kernel_reasons", "step_reasons",
 ]
 
 BACKENDS = ("auto", "torch", "triton", "native")
@@ -139,6 +139,11 @@ def native_reasons(call: Call, route: Route, q: torch.Tensor, *, forced: bool = 
     return found
 
 
+def native_refusal(found: list[str]) -> LinearAttentionError:
+    """The error of ``backend="native"`` asked for a call it does not cover, with every reason."""
+    return LinearAttentionError("backend='native' does not cover this call: " + "; ".join(found))
+
+
 def backend_reasons(backend: str, call: Call, route: Route, q: torch.Tensor, dtype: torch.dtype) -> list[str]:
     """Why ``backend`` does not cover the call (before the feature map runs); [] when it does. ``torch`` runs every
     route; ``triton`` declares its own limits per kind (the kinds' ``triton_reasons``); ``native``:
@@ -163,7 +168,7 @@ def choose_backend(backend: str, call: Call, route: Route, q: torch.Tensor, dtyp
         if not found:
             return "native"
         if backend == "native":
-            raise LinearAttentionError("backend='native' does not cover this call: " + "; ".join(found))
+            raise native_refusal(found)
         return "torch"
     if backend == "auto" and q.device.type != "cuda":
         return "torch"

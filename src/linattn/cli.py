@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from . import __version__, feature_maps
+from .backends import native
 from .data import check_text_file
 from .errors import LinearAttentionError
 from .evaluate.arguments import add_compare_arguments, add_lm_arguments
@@ -40,9 +41,7 @@ def _info(_: argparse.Namespace) -> int:
     print(f"device: {device}" + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""))
     print(f"forms: {', '.join(f for f in FORMS if f != 'auto')}")
     print(f"feature maps: {', '.join(feature_maps.available())}")
-    from .backends import native  # the C++ kernels: built here on first use if `make` has not built them
-
-    print(native.status())
+    print(native.status())  # the C++ kernels: built here on first use if `make` has not built them
     return 0
 
 

@@ -106,8 +106,6 @@ class LearnedProjectionMap(FeatureMap):
         # (..., H, N, d) @ (H, d, m) → (..., H, N, m); bias (H, 1, m) broadcasts over tokens
         if x.dim() == 3:  # the bias added inside the matmul: one pass less over the output
             return torch.baddbmm(bias.unsqueeze(-2), x, weight.transpose(-1, -2))
-        if x.dim() == 4 and x.shape[0] == 1:  # one sequence (a prompt): the same, on its (H, N, d)
-            return torch.baddbmm(bias.unsqueeze(-2), x[0], weight.transpose(-1, -2)).unsqueeze(0)
         return x @ weight.transpose(-1, -2) + bias.unsqueeze(-2)
 
     def activate(self, z: torch.Tensor) -> torch.Tensor:  # pragma: no cover - subclasses override

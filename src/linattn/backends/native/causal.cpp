@@ -356,14 +356,13 @@ void delta_block(const at::Tensor& qf, const at::Tensor& kf, const at::Tensor& v
 }
 
 // The Hedgehog map's activation after its projection (linattn.feature_maps.HedgehogFeatureMap.features): z (R, n,
-// 2m) = [Wx + b, -(Wx + b)], each half's softmax, times e^{clamp(u.k, +-limit)} for keys, plus the floor. One pass
-// over z, the exponentials vectorised; log_weight (R, n) for keys, None for queries.
+// 2m) = [Wx + b, -(Wx + b)], each half's softmax, times the key's weight e^{clamp(u.k)} (weight (R, n), computed by
+// the map; None for queries), plus the floor. One pass over z, the exponentials vectorised.
 template <typename T>
-void hedgehog_rows(const T* z, const T* log_weight, T* out, int64_t rows, int64_t half, double limit, double floor) {
+void hedgehog_rows(const T* z, const T* weight, T* out, int64_t rows, int64_t half, double floor) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T weight = log_weight == nullptr ? T(1)
-          : std::exp(std::min(std::max(log_weight[r], static_cast<T>(-limit)), static_cast<T>(limit)));
+      const T scale_row = weight == nullptr ? T(1) : weight[r];
       for (int side = 0; side < 2; ++side) {
         const T* x = z + (r * 2 + side) * half;
         T* y = out + (r * 2 + side) * half;
@@ -375,7 +374,7 @@ void hedgehog_rows(const T* z, const T* log_weight, T* out, int64_t rows, int64_
           y[i] = exp_nonpositive<T, false>(x[i] - top);
           total += y[i];
         }
-        const T scale = weight / total;
+        const T scale = scale_row / total;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) y[i] = y[i] * scale + static_cast<T>(floor);
       }
@@ -383,13 +382,12 @@ void hedgehog_rows(const T* z, const T* log_weight, T* out, int64_t rows, int64_
   });
 }
 
-at::Tensor hedgehog_activation(const at::Tensor& z, const std::optional<at::Tensor>& log_weight, double limit,
-                               double floor) {
+at::Tensor hedgehog_activation(const at::Tensor& z, const std::optional<at::Tensor>& weight, double floor) {
   at::Tensor out = at::empty_like(z);
   const int64_t half = z.size(-1) / 2, rows = z.numel() / z.size(-1);
   AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "hedgehog_activation", [&] {
-    hedgehog_rows<scalar_t>(z.data_ptr<scalar_t>(), log_weight ? log_weight->data_ptr<scalar_t>() : nullptr,
-                            out.data_ptr<scalar_t>(), rows, half, limit, floor);
+    hedgehog_rows<scalar_t>(z.data_ptr<scalar_t>(), weight ? weight->data_ptr<scalar_t>() : nullptr,
+                            out.data_ptr<scalar_t>(), rows, half, floor);
   });
   return out;
 }

@@ -1,6 +1,6 @@
 """The native causal forward (causal.cpp) from Python: features made in torch one block of tokens at a time, the
 recurrence in C++ with each (batch, head) row's state in cache. No gradients: calls that need them, and sizes the
-kernels do not take, run the torch forms (:func:`reasons` says why, before anything runs).
+kernels do not take, run the torch forms (:func:`grad_reasons` and :func:`value_reasons` say why).
 
 The feature stage is linattn's own (:func:`linattn.features.query_features`, :func:`~linattn.features.key_features`,
 :func:`~linattn.features.delta_inputs`), called on slices of BLOCK tokens: any feature map works, the maps' checks
@@ -22,8 +22,7 @@ from ...state import DeltaRuleState, LinearAttentionState
 from . import module
 
 BLOCK = 1024  # tokens of features made at a time: (8 heads, 1024, 64) fp32 is 2 MiB
-MAX_VECTORS = 16  # Dv in 64-byte vectors the kernels are compiled for: 1, 2, 4, 8 or 16
-WIDTHS = (1, 2, 4, 8, 16)
+WIDTHS = (1, 2, 4, 8, 16)  # Dv in 64-byte vectors the kernels are compiled for
 
 
 def value_reasons(dv: int, dtype: torch.dtype) -> list[str]:
@@ -140,10 +139,5 @@ def hedgehog_features(fmap: HedgehogFeatureMap, x: torch.Tensor, is_query: bool)
     if kernels is None or x.dtype not in (torch.float32, torch.float64) or grad_reasons(x, *fmap.parameters()):
         return None
     z = fmap.project(x, is_query=is_query).contiguous()  # (..., 2m): [Wx + b, −(Wx + b)]
-    log_weight = None
-    if not is_query:
-        gate = fmap.gate[0].to(x.dtype)  # (H, d)
-        log_weight = (x @ gate[0].unsqueeze(-1) if fmap.num_heads is None else x @ gate.unsqueeze(-1)).squeeze(-1)
-        log_weight = log_weight.contiguous()
-    floor = torch.finfo(x.dtype).tiny
-    return kernels.hedgehog_activation(z, log_weight, float(fmap.GATE_LIMIT), floor)
+    weight = None if is_query else fmap.key_weight(x).squeeze(-1).contiguous()  # e^{clamp(u·k)} (..., N)
+    return kernels.hedgehog_activation(z, weight, torch.finfo(x.dtype).tiny)
