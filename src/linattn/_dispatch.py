@@ -318,7 +318,8 @@ def run_composed(job: Job, form: str, native: bool = False) -> Result:
     # the mass or the log-scales): the linear part reads those features
     if form == "chunked":
         assert job.chunk_size is not None
-        parts = causal_window_parts(hybrid, job.q, job.k, job.v, job.keep, state, job.chunk_size, linear_part=False)
+        parts = causal_window_parts(hybrid, job.q, job.k, job.v, job.keep, state, job.chunk_size, linear_part=False,
+                                    average=delta)
     else:  # explicit weights over O(W + S) keys a query
         parts = exact_parallel(hybrid, job.q, job.k, job.v, keep, state)
     rows = (parts.ring_features if state is not None else None, parts.features)
@@ -327,8 +328,23 @@ def run_composed(job: Job, form: str, native: bool = False) -> Result:
         _validate.check_state_features(state.linear if state is not None else None, parts.features.shape[-1],
                                        job.map_name)  # here, where the map is still named
         mapped = replace(job, fmap=nn.Identity(), q=parts.qf, check_finite=False, nonnegative=False)
-    keys, values, kept, betas = delayed_stream(state, rows, job.v, keep, job.beta, job.window, job.sinks)
     linear_state = state.linear if state is not None else None
+    n, skip = job.q.shape[-2], job.window
+    if delta and state is None and skip < n and form == "chunked":
+        # a first call: the delayed stream's first W positions hold no key and the memory starts empty, so those
+        # queries read 0. The delta rule then runs on views, no delayed copies: queries and decays from W on,
+        # keys, values and β up to N − W (sink keys write nothing)
+        kept = keep[..., : n - skip] & (torch.arange(n - skip, device=keep.device) >= job.sinks)
+        assert job.beta is not None
+        linear_job = replace(mapped, q=mapped.q[..., skip:, :], k=rows[1][..., : n - skip, :],
+                             v=job.v[..., : n - skip, :], keep=kept, beta=job.beta[..., : n - skip],
+                             log_decay=_after(job.log_decay, skip, -1), feature_gate=_after(job.feature_gate, skip, -2),
+                             state=None, return_state=True, window=0, sinks=0)
+        linear_out, final = run_delta(linear_job, form, native)
+        assert isinstance(final, DeltaRuleState)
+        out = add_to_average(softmax_average(parts.exact), linear_out, job.window_factor, start=skip)
+        return out, composed_state(parts.state, final, job.k, job.v, keep, job.beta)  # its token count set there
+    keys, values, kept, betas = delayed_stream(state, rows, job.v, keep, job.beta, job.window, job.sinks)
     if delta:
         linear_job = replace(mapped, k=keys, v=values, keep=kept, beta=betas, state=linear_state, return_state=True,
                              window=0, sinks=0)
@@ -370,6 +386,11 @@ def _hybrid(job: Job, factor: torch.Tensor | None, log_space: bool | None = None
 
     return Hybrid(features, log_space=log_space and not row_scale, window=job.window, sinks=job.sinks,
                   factor=factor, scale=job.softmax_scale, eps=job.eps, min_denom=job.min_denom)
+
+
+def _after(x: torch.Tensor | None, t: int, dim: int) -> torch.Tensor | None:
+    """Tokens t … of a per-token tensor (its token dimension ``dim``); None stays."""
+    return x.narrow(dim, t, x.shape[dim] - t) if x is not None else None
 
 
 def _at(x: torch.Tensor | None, t: int, dim: int) -> torch.Tensor | None:

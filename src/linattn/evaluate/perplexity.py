@@ -43,7 +43,8 @@ def _device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-def _keeps_logits(model: Any) -> bool:
+def keeps_logits(model: Any) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (then only the logits asked for are formed)."""
     try:
         return "logits_to_keep" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -62,7 +63,7 @@ def score_tokens(model: Any, input_ids: torch.Tensor, score_from: int) -> torch.
         raise LinearAttentionError(f"score_from: need 1 ≤ score_from < {length} (the length), got {score_from}")
     input_ids = input_ids.to(_device(model))
     needed = length - score_from + 1  # logits at positions score_from − 1 … N − 1; the last one predicts nothing
-    extra = {"logits_to_keep": needed} if _keeps_logits(model) else {}
+    extra = {"logits_to_keep": needed} if keeps_logits(model) else {}
     with torch.no_grad():
         logits = model(input_ids=input_ids, use_cache=False, **extra).logits  # (B, needed or N, V)
     logits = logits[:, -needed:-1].double()  # (B, N − score_from, V): predictions of tokens score_from … N − 1

@@ -76,9 +76,9 @@ class LearnedProjectionMap(FeatureMap):
         self.weight = nn.Parameter(weight * float(init_scale))  # (P, H, m, d)
         self.bias = nn.Parameter(torch.zeros(copies, heads, self.num_features))  # (P, H, m)
 
-    def project(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
-        """z = W x + b: (..., [H,] N, d) → (..., [H,] N, m) (2m: [z, −z] when ``mirrored``), with the query or key
-        projection of each head."""
+    def project(self, x: torch.Tensor, *, is_query: bool, mirror: bool = True) -> torch.Tensor:
+        """z = W x + b: (..., [H,] N, d) → (..., [H,] N, m) (2m: [z, −z] when ``mirrored``, unless ``mirror=False``
+        asks for z alone), with the query or key projection of each head."""
         if x.shape[-1] != self.head_dim:
             raise LinearAttentionError(
                 f"{type(self).__name__}: input last dimension {x.shape[-1]} does not match head_dim={self.head_dim} "
@@ -87,7 +87,7 @@ class LearnedProjectionMap(FeatureMap):
         index = 0 if is_query or self.tied else 1
         weight = self.weight[index].to(x.dtype)  # (H, m, d)
         bias = self.bias[index].to(x.dtype)  # (H, m)
-        if self.mirrored:
+        if self.mirrored and mirror:
             if x.numel() < weight.numel():  # few rows (decoding): negate the output, not a copy of the weights
                 z = self._project(x, weight, bias)
                 return torch.cat((z, z.neg()), dim=-1)

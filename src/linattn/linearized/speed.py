@@ -6,7 +6,8 @@ cache's bytes after it.
 
 The linearized model is the folder shipped for NAME (``--linearized DIR``: a folder of ``linattn linearize``).
 For each context N, in rounds that alternate the two models (a shared machine's load changes during a run): one
-prefill of N tokens of the shipped long held-out text (repeated as needed) with a fresh cache, timed, then
+prefill of N tokens of the shipped long held-out text (repeated as needed) with a fresh cache, timed (forming the
+last position's logits only, as ``generate`` does: ``logits_to_keep=1`` where the model takes it), then
 ``--new-tokens`` greedy decoding steps from that cache, each timed; the rounds' medians are reported, with the
 ratios linearized / original (prefill: original time / linearized time, so > 1 means the linearized model is
 faster; decoding: linearized tokens/s / original tokens/s). Peak memory: the highest point of live allocations
@@ -34,6 +35,7 @@ from .._json import dumps
 from ..data import load_text
 from ..errors import LinearAttentionError
 from ..evaluate.models import check_model_name, load_model
+from ..evaluate.perplexity import keeps_logits
 from ..measure import peak_memory
 from .folder import atomic_write, load_linearized, shipped
 from .generate import cache_bytes, new_cache
@@ -64,12 +66,18 @@ def prompt_ids(tokenizer: Any, length: int) -> torch.Tensor:
     return torch.tensor([(ids * repeats)[:length]])
 
 
+def _last_logits(model: Any) -> dict[str, int]:
+    """The prefill's logits as ``generate`` forms them: the last position's only (a 49k-word vocabulary makes all
+    N positions' logits a large share of a small model's prefill, and a user's generation never forms them)."""
+    return {"logits_to_keep": 1} if keeps_logits(model) else {}
+
+
 def run_once(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[float], int]:
     """Seconds of the prefill, seconds of each decoding step, the cache's bytes after the prefill."""
     cache = new_cache(model)
     with torch.no_grad():
         begin = time.perf_counter()
-        out = model(input_ids=ids, cache=cache, use_cache=True)
+        out = model(input_ids=ids, cache=cache, use_cache=True, **_last_logits(model))
         token = out.logits[:, -1:].argmax(-1)
         prefill = time.perf_counter() - begin
         held = cache_bytes(cache)
@@ -101,7 +109,7 @@ def measure(models: dict[str, Any], tokenizer: Any, contexts: list[int], new_tok
             if memory:
                 def prefill_call(model: Any = model, ids: torch.Tensor = ids) -> None:
                     with torch.no_grad():
-                        model(input_ids=ids, cache=new_cache(model), use_cache=True)
+                        model(input_ids=ids, cache=new_cache(model), use_cache=True, **_last_logits(model))
 
                 peak = peak_memory(prefill_call, torch.device("cpu"))
             step = statistics.median(steps[name])

@@ -355,36 +355,50 @@ void delta_block(const at::Tensor& qf, const at::Tensor& kf, const at::Tensor& v
   });
 }
 
-// The Hedgehog map's activation after its projection (linattn.feature_maps.HedgehogFeatureMap.features): z (R, n,
-// 2m) = [Wx + b, -(Wx + b)], each half's softmax, times the key's weight e^{clamp(u.k)} (weight (R, n), computed by
-// the map; None for queries), plus the floor. One pass over z, the exponentials vectorised.
+// The Hedgehog map's activation after its projection (linattn.feature_maps.HedgehogFeatureMap.features): from
+// z (R, n, m) = Wx + b, phi = [softmax(z), softmax(-z)] (R, n, 2m), times the key's weight e^{clamp(u.k)} (weight
+// (R, n), computed by the map; None for queries), plus the floor. softmax(-z)_i = e^{min z - z_i}, the same
+// rounded arguments as torch's softmax of the negated row. One pass over z, the exponentials vectorised.
 template <typename T>
 void hedgehog_rows(const T* z, const T* weight, T* out, int64_t rows, int64_t half, double floor) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
+      // restrict and the extremes as simd reductions: without them these loops ran 2.2x slower (aliasing checks,
+      // a scalar max)
+      const T* __restrict x = z + r * half;
+      T* __restrict up = out + r * 2 * half;
+      T* __restrict down = up + half;
+      T top = -std::numeric_limits<T>::infinity(), bottom = std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(max : top) reduction(min : bottom)
+      for (int64_t i = 0; i < half; ++i) {
+        top = x[i] > top ? x[i] : top;
+        bottom = x[i] < bottom ? x[i] : bottom;
+      }
+      T total_up = 0, total_down = 0;
+#pragma omp simd reduction(+ : total_up, total_down)
+      for (int64_t i = 0; i < half; ++i) {
+        const T a = exp_nonpositive<T, false>(x[i] - top), b = exp_nonpositive<T, false>(bottom - x[i]);
+        up[i] = a;
+        down[i] = b;
+        total_up += a;
+        total_down += b;
+      }
       const T scale_row = weight == nullptr ? T(1) : weight[r];
-      for (int side = 0; side < 2; ++side) {
-        const T* x = z + (r * 2 + side) * half;
-        T* y = out + (r * 2 + side) * half;
-        T top = -std::numeric_limits<T>::infinity();
-        for (int64_t i = 0; i < half; ++i) top = x[i] > top ? x[i] : top;
-        T total = 0;
-#pragma omp simd reduction(+ : total)
-        for (int64_t i = 0; i < half; ++i) {
-          y[i] = exp_nonpositive<T, false>(x[i] - top);
-          total += y[i];
-        }
-        const T scale = scale_row / total;
+      const T scale_up = scale_row / total_up, scale_down = scale_row / total_down, lift = static_cast<T>(floor);
 #pragma omp simd
-        for (int64_t i = 0; i < half; ++i) y[i] = y[i] * scale + static_cast<T>(floor);
+      for (int64_t i = 0; i < half; ++i) {
+        up[i] = up[i] * scale_up + lift;
+        down[i] = down[i] * scale_down + lift;
       }
     }
   });
 }
 
 at::Tensor hedgehog_activation(const at::Tensor& z, const std::optional<at::Tensor>& weight, double floor) {
-  at::Tensor out = at::empty_like(z);
-  const int64_t half = z.size(-1) / 2, rows = z.numel() / z.size(-1);
+  std::vector<int64_t> shape = z.sizes().vec();
+  shape.back() *= 2;
+  at::Tensor out = at::empty(shape, z.options());
+  const int64_t half = z.size(-1), rows = z.numel() / half;
   AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "hedgehog_activation", [&] {
     hedgehog_rows<scalar_t>(z.data_ptr<scalar_t>(), weight ? weight->data_ptr<scalar_t>() : nullptr,
                             out.data_ptr<scalar_t>(), rows, half, floor);
@@ -404,6 +418,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     });
     return out;
   }, "elu + 1 of contiguous rows, as the additive kernel makes it");
-  m.def("hedgehog_activation", &hedgehog_activation, "the Hedgehog map after its projection (keys: with their weight)");
+  m.def("hedgehog_activation", &hedgehog_activation, "the Hedgehog map from z = Wx + b (keys: with their weight)");
   m.def("delta_block", &delta_block, "the (gated, per-feature gated) delta rule over a block of tokens");
 }

@@ -132,12 +132,13 @@ def delta(job: Any) -> tuple[torch.Tensor, DeltaRuleState]:
 
 
 def hedgehog_features(fmap: HedgehogFeatureMap, x: torch.Tensor, is_query: bool) -> torch.Tensor | None:
-    """The Hedgehog map's features of x (..., H, N, d) as ``fmap.features`` gives them, the projection in torch and
-    the activation (the two softmaxes, the keys' weight, the floor) in one C++ pass; None where the kernels do not
+    """The Hedgehog map's features of x (..., H, N, d) as ``fmap.features`` gives them, the projection z = Wx + b in
+    torch (one half: the kernel reads −z from it) and the activation (the two softmaxes, the keys' weight, the
+    floor) in one C++ pass; None where the kernels do not
     take it (no build, a dtype other than fp32/fp64, gradients needed)."""
     kernels = module("causal")
     if kernels is None or x.dtype not in (torch.float32, torch.float64) or grad_reasons(x, *fmap.parameters()):
         return None
-    z = fmap.project(x, is_query=is_query).contiguous()  # (..., 2m): [Wx + b, −(Wx + b)]
+    z = fmap.project(x, is_query=is_query, mirror=False).contiguous()  # (..., m): Wx + b; the kernel makes −z
     weight = None if is_query else fmap.key_weight(x).squeeze(-1).contiguous()  # e^{clamp(u·k)} (..., N)
     return kernels.hedgehog_activation(z, weight, torch.finfo(x.dtype).tiny)

@@ -123,3 +123,16 @@ class ShiftRows(torch.autograd.Function):
             if blank is not None and bool((blank >= early).any()):
                 grad_x.index_fill_(-2, blank[blank >= early] - early, 0.0)
         return grad_head, grad_x, None, None
+
+
+def rows(prefix: torch.Tensor, main: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows lo … hi−1 of [prefix; main; zeros] (R, ·, D) → (R, hi−lo, D); a copy of hi−lo rows at most."""
+    p, total = prefix.shape[1], prefix.shape[1] + main.shape[1]
+    pieces = []
+    if lo < p:
+        pieces.append(prefix[:, lo : min(hi, p)])
+    if hi > p and lo < total:
+        pieces.append(main[:, max(lo, p) - p : min(hi, total) - p])
+    if hi > max(lo, total):
+        pieces.append(main.new_zeros(main.shape[0], hi - max(lo, total), main.shape[2]))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1)

@@ -133,10 +133,12 @@ def causal_window_chunked(
 
 def causal_window_parts(
     hybrid: Hybrid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
-    state: WindowAttentionState | None, chunk_size: int, linear_part: bool = True,
+    state: WindowAttentionState | None, chunk_size: int, linear_part: bool = True, average: bool = False,
 ) -> Parts:
     """The pieces of :func:`causal_window_chunked`, not yet combined; ``linear_part=False``: the exact part alone
-    (``lin`` and ``linear`` None), for a linear part of another kind (:mod:`.composed`)."""
+    (``lin`` and ``linear`` None), for a linear part of another kind (:mod:`.composed`); ``average``: the caller
+    reads only the exact keys' softmax average (:func:`.composed.softmax_average`), which the fused path may then
+    return already normalised."""
     window, sinks, n = hybrid.window, hybrid.sinks, q.shape[-2]
     padded = masks_any(keep, state)
     if keep is None:  # the state's buffers and the sink mask still take one
@@ -199,7 +201,7 @@ def causal_window_parts(
             sink_parts = (state.sink_keys, state.sink_values, sink_logs, sink_mask, fresh)
         exact = fused.exact_part(
             q, hybrid.scale, hybrid.factor is None, (prefix(k, state.keys), k), (prefix(v, state.values), v),
-            features, fused.tile_size(width - 1), width - 1, front, sink_parts,
+            features, fused.tile_size(width - 1), width - 1, front, sink_parts, average=average,
         )
     else:  # padding, or the mass form with keys at their own log-scales: the band gathered in full
         sink = None

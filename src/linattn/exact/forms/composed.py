@@ -75,17 +75,26 @@ def delayed_stream(
 
 
 def softmax_average(exact: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
-    """A_t = Σ e^{s−m} v / Σ e^{s−m} from the exact part's (num, den, …); 0 for a row with no exact key."""
+    """A_t = Σ e^{s−m} v / Σ e^{s−m} from the exact part's (num, den, …); 0 for a row with no exact key. den None:
+    num is already the average."""
     num, den = exact[0], exact[1]
-    assert num is not None and den is not None
+    assert num is not None
+    if den is None:
+        return num
     return num / torch.where(den == 0, torch.ones_like(den), den).unsqueeze(-1)
 
 
-def add_to_average(average: torch.Tensor, linear_out: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
-    """The unnormalised combiner: γ·A_t + S_tᵀφ̂(q_t), γ per head (..., 1) or 1."""
+def add_to_average(average: torch.Tensor, linear_out: torch.Tensor, factor: torch.Tensor | None,
+                   start: int = 0) -> torch.Tensor:
+    """The unnormalised combiner: γ·A_t + S_tᵀφ̂(q_t), γ per head (..., 1) or 1. ``start``: linear_out holds queries
+    start … only (the ones before read an empty memory: γ·A_t alone)."""
+    if start:
+        out = average * factor.unsqueeze(-1).unsqueeze(-1) if factor is not None else average.clone()
+        out[..., start:, :] += linear_out
+        return out
     if factor is None:
         return average + linear_out
-    return factor.unsqueeze(-1).unsqueeze(-1) * average + linear_out
+    return torch.addcmul(linear_out, factor.unsqueeze(-1).unsqueeze(-1), average)  # one pass
 
 
 def with_sums(state: LinearAttentionState, log_space: bool) -> LinearAttentionState:

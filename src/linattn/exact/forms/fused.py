@@ -34,6 +34,8 @@ import torch
 from ...features import NEG_INF
 from ...kinds.additive.forms import causal_fn
 from ...kinds.additive.forms._common import rowdot
+from . import flash_band
+from .band import rows
 
 # Score elements per tile: 2^18 fp32 = 1 MiB, so a tile's temporaries stay in cache. Measured (one thread, B·H = 8,
 # N = 16384): tiles of 2^16–2^18 ran this Function's forward + backward alike, 2^19–2^20 ~15% slower, and one
@@ -51,19 +53,6 @@ def tile_size(width: int) -> int:
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 Tile = tuple[int | None, int, int]  # (batch×head row, or None for all rows at once; first block; number of blocks)
-
-
-def rows(prefix: torch.Tensor, main: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Rows lo … hi−1 of [prefix; main; zeros] (R, ·, D) → (R, hi−lo, D); a copy of hi−lo rows at most."""
-    p, total = prefix.shape[1], prefix.shape[1] + main.shape[1]
-    pieces = []
-    if lo < p:
-        pieces.append(prefix[:, lo : min(hi, p)])
-    if hi > p and lo < total:
-        pieces.append(main[:, max(lo, p) - p : min(hi, total) - p])
-    if hi > max(lo, total):
-        pieces.append(main.new_zeros(main.shape[0], hi - max(lo, total), main.shape[2]))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1)
 
 
 def _add_rows(prefix: torch.Tensor, main: torch.Tensor, lo: int, x: torch.Tensor) -> None:
@@ -372,7 +361,7 @@ class BandSoftmax(torch.autograd.Function):
 def exact_part(
     q: torch.Tensor, scale: float, shape_only: bool, keys: Pair, values: Pair,
     features: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, size: int, width: int, front: int,
-    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, int] | None,
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, int] | None, average: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """What :meth:`.window.Hybrid.exact_part` returns, from the banded Function. keys, values: (prefix (..., P, ·),
     this call's (..., N, ·)); features: (φ(q), φ(k) prefix, φ(k)) for the mass, or None; sinks: the carried sink
@@ -380,12 +369,26 @@ def exact_part(
 
     Mass form (``shape_only``): (A, None, M, lse) — the softmax over the exact keys already normalised, and
     lse = log Σ_exact e^s. Factor form: (Σ e^{s−m} v, Σ e^{s−m}, None, m) with m the exact row max
-    (differentiable: the form's definition).
+    (differentiable: the form's definition). ``average`` (the caller reads the softmax average alone; no
+    features): (A, None, None, lse), on CPU without gradients through torch's flash kernel (:mod:`.flash_band`).
     """
     batch, n = q.shape[:-2], q.shape[-2]
 
     def flat(x: torch.Tensor) -> torch.Tensor:  # to (..., L, D) with the batch dims; the Function flattens
         return x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:])
+
+    if average and features is None and flash_band.takes(q, keys[1], values[1], keys[0], values[0]):
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return flat(x).reshape(-1, *x.shape[-2:])
+
+        joined = None
+        if sinks is not None:
+            count = sinks[4]
+            joined = (rows(torch.cat([sinks[0], keys[1][..., :count, :]], -2)),
+                      rows(torch.cat([sinks[1], values[1][..., :count, :]], -2)), rows(sinks[3]))
+        a, lse = flash_band.band_average(rows(q), (rows(keys[0]), rows(keys[1])), (rows(values[0]), rows(values[1])),
+                                         scale, width, front, joined)
+        return a.reshape(*batch, n, a.shape[-1]), None, None, lse.reshape(*batch, n)
 
     fq = fk_pre = fk = fsk_pre = mask = None
     fresh = 0
@@ -402,7 +405,7 @@ def exact_part(
         fk_pre, fk, fsk_pre, mask, scale, size, width, front, fresh,
     )
     a = a.reshape(*batch, n, a.shape[-1])
-    if shape_only:
+    if shape_only or average:
         return a, None, mass.reshape(*batch, n) if mass is not None else None, lse.reshape(*batch, n)
     weight = torch.exp(lse - top).reshape(*batch, n)  # Σ_exact e^{s−m}
     return weight.unsqueeze(-1) * a, weight, None, top.reshape(*batch, n)
