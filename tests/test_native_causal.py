@@ -107,6 +107,56 @@ def test_plain_float64_equals_the_torch_forms_with_state(kernels, feature_map, p
     assert state.num_tokens == 1500
 
 
+def _global(q, k, v, **options):
+    return linattn.linear_attention(q, k, v, causal=False, backend="torch", form="global", **options)
+
+
+@pytest.mark.parametrize("n", [1, 5, 63, 65, 1030])
+@pytest.mark.parametrize("dv", [8, 16, 64, 128])
+def test_noncausal_elu_float64_equals_the_global_form(kernels, n, dv):
+    """Non-causal: the keys' sums (elu made in the kernel; strips of feature rows over blocks of 64 keys) and the
+    queries' reads (tiles of tokens, the odd ones one at a time) against the torch global form."""
+    q, k, v = _inputs(n, dv, torch.float64, d=16)
+    got = linattn.linear_attention(q, k, v, causal=False, backend="native")
+    torch.testing.assert_close(got, _global(q, k, v), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "hedgehog"])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_noncausal_float64_every_map_masks_cross_attention_and_state(kernels, feature_map, padded):
+    """Maps made in torch a block at a time (features of 13 and 24: strips and tiles with remainders), masked
+    keys (their keys NaN: never read), fewer queries than keys, a state passed in and the one returned,
+    unnormalised and min_denom."""
+    q, k, v = _inputs(1100, 32, torch.float64, heads_kv=1, d=12)
+    q = q[..., :700, :]  # cross attention: 700 queries over 1,100 keys
+    options: dict[str, object] = {"feature_map": feature_map, "return_state": True}
+    if feature_map == "relu":
+        options["min_denom"] = 1e-3
+    if padded:
+        keep = torch.ones(2, 1100, dtype=torch.bool)
+        keep[0, :40] = False
+        keep[1, 1000:] = False
+        k[1, :, 1000:] = float("nan")
+        options["key_padding_mask"] = keep
+    fmap = linattn.features.resolve_feature_map(feature_map, 12)
+    options["feature_map"] = fmap.double()
+    reference, ref_state = _global(q, k, v, **options)
+    got, state = linattn.linear_attention(q, k, v, causal=False, backend="native", **options)
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
+    torch.testing.assert_close(state.kv, ref_state.kv, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(state.k_sum, ref_state.k_sum, rtol=1e-12, atol=1e-10)
+    assert state.num_tokens == ref_state.num_tokens == 1100
+    options.pop("key_padding_mask", None)
+    again, _ = linattn.linear_attention(q, k[..., :50, :], v[..., :50, :], causal=False, backend="native",
+                                        initial_state=state, **options)
+    reference, _ = _global(q, k[..., :50, :], v[..., :50, :], initial_state=ref_state, **options)
+    torch.testing.assert_close(again, reference, rtol=0, atol=1e-12)
+    unnormalised = linattn.linear_attention(q, k[..., :50, :], v[..., :50, :], causal=False, backend="native",
+                                            normalize=False, feature_map=fmap.double())
+    torch.testing.assert_close(unnormalised, _global(q, k[..., :50, :], v[..., :50, :], normalize=False,
+                                                      feature_map=fmap.double()), rtol=1e-12, atol=1e-10)
+
+
 def test_plain_unnormalised_and_two_dimensional_inputs(kernels):
     q, k, v = _inputs(300, 32, torch.float64)
     for options in ({"normalize": False, "feature_map": "elu"}, {"min_denom": 3.0}):
@@ -173,13 +223,13 @@ def test_delta_family_float64_equals_the_torch_forms_with_state(kernels, kind, w
     torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("call", ["elu", "hedgehog", "gated-delta", "kda-window"])
+@pytest.mark.parametrize("call", ["elu", "hedgehog", "gated-delta", "kda-window", "noncausal-elu"])
 def test_float32_error_at_most_twice_torchs(kernels, call):
     """fp32 against the float64 result: at most 2× the torch backend's own fp32 error, plus 1e-6 of the scale."""
     n = 3000
     gen = torch.Generator().manual_seed(9)
     q, k, v = _inputs(n, 64, torch.float64, d=16)
-    options: dict[str, object] = {"causal": True}
+    options: dict[str, object] = {"causal": call != "noncausal-elu"}
     if call == "hedgehog":
         options["feature_map"] = "hedgehog"
     if call == "gated-delta":
@@ -219,7 +269,7 @@ def test_the_kernels_elu_map_within_an_ulp_or_two(kernels):
 
 def _spy(monkeypatch):
     calls = []
-    for name in ("additive", "delta"):
+    for name in ("additive", "delta", "noncausal"):
         original = getattr(native_forms, name)
 
         def counted(*args, original=original, name=name):
@@ -237,26 +287,29 @@ def test_auto_takes_the_kernels_only_without_gradients_and_for_form_auto(kernels
     assert calls == ["additive"]
     linattn.linear_attention(q, k, v, causal=True, update="delta", beta=0.5)
     assert calls == ["additive", "delta"]
-    linattn.linear_attention(q, k, v, causal=True, form="chunked")  # a form asked for by name runs as that form
     linattn.linear_attention(q, k, v, causal=False)
+    assert calls == ["additive", "delta", "noncausal"]
+    linattn.linear_attention(q, k, v, causal=True, form="chunked")  # a form asked for by name runs as that form
+    linattn.linear_attention(q, k, v, causal=False, form="global")
     linattn.linear_attention(q, k, v, causal=True, decay=0.9)  # the additive kernel has no decay
+    linattn.linear_attention(q, k, v, causal=False, window=4)  # the non-causal hybrid: torch
     q.requires_grad_(True)
     out = linattn.linear_attention(q, k, v, causal=True)
     out.sum().backward()  # gradients: the torch forms ran
     assert q.grad is not None and torch.isfinite(q.grad).all()
     with torch.no_grad():
         linattn.linear_attention(q, k, v, causal=True)
-    assert calls == ["additive", "delta", "additive"]
+    assert calls == ["additive", "delta", "noncausal", "additive"]
     _, _, v6 = _inputs(50, 6, torch.float32)
     with torch.no_grad():
         linattn.linear_attention(q, k, v6, causal=True)  # a value width the kernels lack: torch, no error
-    assert calls == ["additive", "delta", "additive"]
+    assert calls == ["additive", "delta", "noncausal", "additive"]
 
 
 def test_native_by_name_refuses_what_it_does_not_cover(kernels):
     q, k, v = _inputs(20, 16, torch.float32)
-    with pytest.raises(LinearAttentionError, match="causal=False"):
-        linattn.linear_attention(q, k, v, causal=False, backend="native")
+    with pytest.raises(LinearAttentionError, match="causal=False with window attention"):
+        linattn.linear_attention(q, k, v, causal=False, backend="native", window=4)
     with pytest.raises(LinearAttentionError, match="decay"):
         linattn.linear_attention(q, k, v, causal=True, backend="native", decay=0.9)
     with pytest.raises(LinearAttentionError, match="value dim 6"):

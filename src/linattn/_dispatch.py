@@ -438,10 +438,10 @@ def native_job_reasons(job: Job) -> list[str]:
 
 
 def native_runner(route: Route, causal: bool, forced: bool) -> Runner:
-    """The runner of ``route`` on the native CPU kernels (:mod:`linattn.backends.native`): plain attention and the
-    delta rule whole, the window's composition with the delta rule with its linear part native (the exact part on
-    the torch forms). A job the kernels do not take (gradients needed, a value width they lack) runs on the torch
-    forms, or raises when the backend was asked for by name."""
+    """The runner of ``route`` on the native CPU kernels (:mod:`linattn.backends.native`): plain attention (causal
+    or not) and the delta rule whole, the window's composition with the delta rule with its linear part native (the
+    exact part on the torch forms). A job the kernels do not take (gradients needed, a value width they lack) runs
+    on the torch forms, or raises when the backend was asked for by name."""
     torch_run = torch_runner(route, causal)
 
     def run(job: Job) -> Result:
@@ -451,7 +451,7 @@ def native_runner(route: Route, causal: bool, forced: bool) -> Runner:
         if found:
             return torch_run(job)
         if route.kind == "plain":
-            return native_forms.additive(job)
+            return native_forms.additive(job) if causal else native_forms.noncausal(job)
         if route.kind == "delta":
             return run_delta(job, route.form, native=True)
         return run_composed(job, route.form, native=True)

@@ -132,7 +132,7 @@ def _impls(config: BenchConfig, causal: bool) -> list[_Impl]:
         fmap = feature_maps.create(map_name, head_dim=config.dim).to(config.device)
         features = int(fmap.output_dim(config.dim))
         for form in config.forms:
-            if (causal and form == "global") or (not causal and form in ("recurrent", "auto")):
+            if (causal and form == "global") or (not causal and form == "recurrent"):
                 continue
 
             def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form: str = form, fmap: Any = fmap) -> Any:

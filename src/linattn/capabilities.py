@@ -112,21 +112,24 @@ def check_window_combination(window: object, **others: object) -> None:
 def native_reasons(call: Call, route: Route, q: torch.Tensor, *, forced: bool = False) -> list[str]:
     """Why the native CPU kernels (linattn/backends/native/causal.cpp) do not cover the call (before the feature map
     runs); [] when they do. They run the causal recurrence of plain linear attention (an ordinary map, no decay, no
-    packing) and of the delta rule (gated, per-feature gated), also as the linear part beside the window. With
-    ``backend="auto"`` they take only ``form="auto"`` calls: a form asked for by name runs as that form. What is
-    known only with the tensors (gradients, the value width) is checked when the call runs."""
+    packing) and of the delta rule (gated, per-feature gated), also as the linear part beside the window, and plain
+    non-causal linear attention in two passes. With ``backend="auto"`` they take only ``form="auto"`` calls: a form
+    asked for by name runs as that form. What is known only with the tensors (gradients, the value width) is checked
+    when the call runs."""
     found = []
     if q.device.type != "cpu":
         found.append(f"device {q.device}: the native kernels run on CPU tensors")
-    if not call.causal:
-        found.append("causal=False: the native kernels compute causal attention")
     delta = call.update == "delta"
-    if route.kind not in ("plain", "delta") and not (route.kind == "composed" and delta):
+    if not call.causal and route.kind != "plain":
+        found.append(f"causal=False with {route.kind} attention: the native kernels compute non-causal attention "
+                     "for plain linear attention only")
+    elif route.kind not in ("plain", "delta") and not (route.kind == "composed" and delta):
         found.append(f"{route.kind} attention: the native kernels compute plain causal linear attention and the delta "
                      "rule (alone or beside the window)")
-    if route.form not in ("chunked", "recurrent") or (call.form != "auto" and not forced):
-        found.append(f"form {call.form!r}: the native kernels run the recurrence; with backend='auto' they take "
-                     "form='auto' calls (backend='native' takes 'chunked' and 'recurrent' too)")
+    forms = ("chunked", "recurrent") if call.causal else ("chunked", "global")
+    if route.form not in forms or (call.form != "auto" and not forced):
+        found.append(f"form {call.form!r}: with backend='auto' the native kernels take form='auto' calls "
+                     f"(backend='native' takes {' and '.join(repr(f) for f in forms)} too)")
     if route.kind == "plain":
         if call.log_space:
             found.append("a log-space feature map: the native additive kernel keeps sums at scale 1")

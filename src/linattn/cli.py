@@ -96,8 +96,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--heads", type=int, default=8, help="heads H")
     bench.add_argument("--dim", type=int, default=64, help="head dimension D")
     bench.add_argument("--forms", nargs="+", default=["auto", "chunked", "global"],
-                       help="linattn forms to time (auto: the default call, causal only; on CPU without gradients "
-                       "the native kernels)")
+                       help="linattn forms to time (auto: the default call; on CPU without gradients the native "
+                       "kernels)")
     bench.add_argument("--maps", nargs="+", default=["elu"], help="registered feature maps")
     bench.add_argument("--causal", choices=["both", "causal", "noncausal"], default="both",
                        help="which attention to time")

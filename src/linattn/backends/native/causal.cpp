@@ -1,4 +1,5 @@
-// Causal linear attention token by token with the state in cache: linattn's native forward (no gradients).
+// Linear attention's native forward (no gradients): causal token by token with the state in cache, and
+// non-causal in two register-blocked passes (at the end of the kernels below).
 //
 // On a CPU with a few cores the chunked forms spend most of their time in passes over whole (N, F) tensors and in
 // small batched products; the recurrence itself is small (an F x Dv state, 16 KiB at 64 x 64 fp32) and stays in
@@ -90,6 +91,11 @@ struct ExpConstants<double> {
   static constexpr double tiny = 2.2250738585072014e-308;
 };
 
+// 1/i! for i = 0 ... 12, each a quotient of two exact doubles (rounded once)
+constexpr double inverse_factorials[13] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720,
+                                           1.0 / 5040, 1.0 / 40320, 1.0 / 362880, 1.0 / 3628800,
+                                           1.0 / 39916800, 1.0 / 479001600};
+
 template <typename T, bool floored = true>
 inline T exp_nonpositive(T x) {
   using C = ExpConstants<T>;
@@ -99,8 +105,11 @@ inline T exp_nonpositive(T x) {
   const T shifter = T(1.5) * static_cast<T>(Bits(1) << C::mantissa);
   const T n = (clipped * T(1.4426950408889634) + shifter) - shifter;
   const T r = (clipped - n * T(0.693145751953125)) - n * T(1.4286068203094173e-06);
-  T p = T(1);
-  for (int i = C::degree; i >= 1; --i) p = T(1) + p * r * (T(1) / T(i));  // Horner form of sum r^i / i!
+  // Horner's rule on the coefficients 1/i! (one fused multiply-add a degree; the nested form 1 + r/i (1 + ...)
+  // took two operations a degree)
+  T p = static_cast<T>(inverse_factorials[C::degree]);
+#pragma GCC unroll 16
+  for (int i = C::degree - 1; i >= 0; --i) p = p * r + static_cast<T>(inverse_factorials[i]);
   const Bits bits = (static_cast<Bits>(n) + C::bias) << C::mantissa;
   const T e = p * __builtin_bit_cast(T, bits);  // 2^n (GCC and Clang; a memcpy here would stop vectorisation)
   if (!floored) return x <= C::low ? T(0) : e;  // below the smallest normal number: 0, as softmax's exp gives
@@ -109,7 +118,7 @@ inline T exp_nonpositive(T x) {
 
 // phi(x) = elu(x) + 1 = e^{min(x, 0)} (floored) + max(x, 0) of one row, into `out`
 template <typename T>
-void elu_row(T* out, const T* x, int64_t width) {
+void elu_row(T* __restrict out, const T* __restrict x, int64_t width) {
 #pragma omp simd
   for (int64_t i = 0; i < width; ++i) {
     // NaN goes to the negative side (and stays NaN), as torch's clamp passes it on
@@ -311,6 +320,185 @@ void delta(View<T> q, View<T> k, View<T> v, View<T> beta, const double* gate, in
   });
 }
 
+// Non-causal linear attention in two passes over the tokens (kinds/additive/forms/global.py is the reference):
+//
+//   accumulate:  S <- S + sum_t phi(k_t) v_t^T,  z <- z + sum_t phi(k_t)
+//   read:        out_t = S^T phi(q_t) / max(phi(q_t).z + eps, m)   (unnormalised when asked)
+//
+// Both are register-blocked products with 24 vector accumulators (16 for the widest values): the accumulation takes
+// a strip of 24/NV feature rows of S and adds one block of tokens' rank-1 terms to it (v_t loaded once per strip,
+// phi(k_t) broadcast); the read takes 24/NV query tokens and sums the F rows of S (in the first-level cache) into
+// them. A block of 64 keys'
+// features (elu made here, or given) is read by every strip while it is in cache.
+template <typename T, int NV, int FR>
+inline void rank_strip(T* S, const T* k, int64_t k_token, const T* v, int64_t v_token, int64_t tokens) {
+  using V = typename Lanes<T>::vec;
+  constexpr int dv = NV * Lanes<T>::count;
+  V acc[FR][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < FR; ++i) load_row<T, NV>(acc[i], S + i * dv);
+  for (int64_t t = 0; t < tokens; ++t) {
+    V x[NV];
+    load_row<T, NV>(x, v + t * v_token);
+    const T* kt = k + t * k_token;
+#pragma GCC unroll 16
+    for (int i = 0; i < FR; ++i) {
+      const T a = kt[i];
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) acc[i][j] += a * x[j];
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < FR; ++i) store_row<T, NV>(S + i * dv, acc[i], T(1));
+}
+
+// rank_strip over the last `rest` (< FR) feature rows, compiled for each count
+template <typename T, int NV, int FR>
+inline void rank_rest(int rest, T* S, const T* k, int64_t k_token, const T* v, int64_t v_token, int64_t tokens) {
+  if constexpr (FR > 1) {
+    if (rest == FR - 1) {
+      rank_strip<T, NV, FR - 1>(S, k, k_token, v, v_token, tokens);
+    } else {
+      rank_rest<T, NV, FR - 1>(rest, S, k, k_token, v, v_token, tokens);
+    }
+  }
+}
+
+// accumulators a strip or tile keeps: 24 vectors (of 32 registers), 16 for the widest rows
+template <int NV>
+constexpr int tile_rows() {
+  return NV >= 16 ? 1 : 24 / NV;
+}
+
+// z += the sum of `tokens` rows of `features` entries (rows `token` apart): a vector of z at a time over the rows
+template <typename T>
+inline void add_rows(T* z, const T* rows, int64_t token, int64_t tokens, int64_t features) {
+  using V = typename Lanes<T>::vec;
+  constexpr int lanes = Lanes<T>::count;
+  int64_t f = 0;
+  for (; f + lanes <= features; f += lanes) {
+    V sum;
+    std::memcpy(&sum, z + f, sizeof(sum));
+    for (int64_t t = 0; t < tokens; ++t) {
+      V x;
+      std::memcpy(&x, rows + t * token + f, sizeof(x));
+      sum += x;
+    }
+    std::memcpy(z + f, &sum, sizeof(sum));
+  }
+  for (; f < features; ++f)
+    for (int64_t t = 0; t < tokens; ++t) z[f] += rows[t * token + f];
+}
+
+template <typename T, int NV>
+void accumulate(View<T> k_in, View<T> v, T* kv, T* k_sum, int64_t rows, int64_t n, int64_t features, bool elu) {
+  constexpr int dv = NV * Lanes<T>::count;
+  constexpr int FR = tile_rows<NV>();
+  constexpr int64_t TB = 64;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> mapped(elu ? TB * features : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      T* S = kv + r * features * dv;
+      T* z = k_sum + r * features;
+      for (int64_t t0 = 0; t0 < n; t0 += TB) {
+        const int64_t tokens = std::min(TB, n - t0);
+        const T* keys = k_in.at(r, t0);
+        int64_t k_token = k_in.token;
+        if (elu) {
+          for (int64_t t = 0; t < tokens; ++t) elu_row(mapped.data() + t * features, k_in.at(r, t0 + t), features);
+          keys = mapped.data();
+          k_token = features;
+        }
+        add_rows(z, keys, k_token, tokens, features);
+        int64_t f0 = 0;
+        for (; f0 + FR <= features; f0 += FR)
+          rank_strip<T, NV, FR>(S + f0 * dv, keys + f0, k_token, v.at(r, t0), v.token, tokens);
+        if (f0 < features)
+          rank_rest<T, NV, FR>(static_cast<int>(features - f0), S + f0 * dv, keys + f0, k_token, v.at(r, t0),
+                               v.token, tokens);
+      }
+    }
+  });
+}
+
+// a . b over n entries: whole vectors, then the rest (an omp simd reduction here cost as much as the tile's product)
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t n) {
+  using V = typename Lanes<T>::vec;
+  constexpr int lanes = Lanes<T>::count;
+  V sum{};
+  int64_t f = 0;
+  for (; f + lanes <= n; f += lanes) {
+    V x, y;
+    std::memcpy(&x, a + f, sizeof(x));
+    std::memcpy(&y, b + f, sizeof(y));
+    sum += x * y;
+  }
+  T total = 0;
+  for (int j = 0; j < lanes; ++j) total += sum[j];
+  for (; f < n; ++f) total += a[f] * b[f];
+  return total;
+}
+
+template <typename T, int NV, int TQ>
+inline void read_tile(const T* const* q, const T* S, const T* z, T* const* out, int64_t features, bool normalize,
+                      double eps, double min_denom, bool clamp) {
+  using V = typename Lanes<T>::vec;
+  constexpr int dv = NV * Lanes<T>::count;
+  V acc[TQ][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < TQ; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) acc[i][j] = V{};
+  for (int64_t f = 0; f < features; ++f) {
+    V s[NV];
+    load_row<T, NV>(s, S + f * dv);
+#pragma GCC unroll 16
+    for (int i = 0; i < TQ; ++i) {
+      const T a = q[i][f];
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) acc[i][j] += a * s[j];
+    }
+  }
+  for (int i = 0; i < TQ; ++i) {
+    store_row<T, NV>(out[i], acc[i], inverse_denominator(dot(q[i], z, features), normalize, eps, min_denom, clamp));
+  }
+}
+
+template <typename T, int NV>
+void read(View<T> q_in, const T* kv, const T* k_sum, View<T> out, int64_t rows, int64_t n, int64_t features,
+          bool normalize, double eps, double min_denom, bool clamp, bool elu) {
+  constexpr int dv = NV * Lanes<T>::count;
+  constexpr int TQ = tile_rows<NV>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> mapped(elu ? TQ * features : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* S = kv + r * features * dv;
+      const T* z = k_sum + r * features;
+      int64_t t0 = 0;
+      const T* q[TQ];
+      T* o[TQ];
+      auto row = [&](int64_t t, int slot) -> const T* {
+        if (!elu) return q_in.at(r, t);
+        elu_row(mapped.data() + slot * features, q_in.at(r, t), features);
+        return mapped.data() + slot * features;
+      };
+      for (; t0 + TQ <= n; t0 += TQ) {
+        for (int i = 0; i < TQ; ++i) {
+          q[i] = row(t0 + i, i);
+          o[i] = out.at(r, t0 + i);
+        }
+        read_tile<T, NV, TQ>(q, S, z, o, features, normalize, eps, min_denom, clamp);
+      }
+      for (; t0 < n; ++t0) {
+        q[0] = row(t0, 0);
+        o[0] = out.at(r, t0);
+        read_tile<T, NV, 1>(q, S, z, o, features, normalize, eps, min_denom, clamp);
+      }
+    }
+  });
+}
+
 // Dv in vectors of 64 bytes, dispatched to a compiled width (the Python side admits only these)
 #define LINATTN_VECTORS(vectors, ...)                       \
   switch (vectors) {                                        \
@@ -352,6 +540,29 @@ void delta_block(const at::Tensor& qf, const at::Tensor& kf, const at::Tensor& v
                                                  strengths, gate, gate_row, gate_token, gates,
                                                  kv.data_ptr<scalar_t>(), view<scalar_t>(out), rows, n, features,
                                                  elu, unit || elu));
+  });
+}
+
+// kf (R, n, F) features (elu: the raw keys, mapped here); v (R, n, Dv); kv (R, F, Dv) and k_sum (R, F) contiguous,
+// the sums over these keys added in place
+void noncausal_accumulate(const at::Tensor& kf, const at::Tensor& v, at::Tensor kv, at::Tensor k_sum, bool elu) {
+  const int64_t rows = kf.size(0), n = kf.size(1), features = kf.size(2);
+  AT_DISPATCH_FLOATING_TYPES(kf.scalar_type(), "noncausal_accumulate", [&] {
+    const int vectors = static_cast<int>(v.size(2) / Lanes<scalar_t>::count);
+    LINATTN_VECTORS(vectors, accumulate<scalar_t, NV>(view<scalar_t>(kf), view<scalar_t>(v), kv.data_ptr<scalar_t>(),
+                                                      k_sum.data_ptr<scalar_t>(), rows, n, features, elu));
+  });
+}
+
+// qf (R, n, F) (elu: the raw queries); kv (R, F, Dv), k_sum (R, F) contiguous; out (R, n, Dv) written
+void noncausal_read(const at::Tensor& qf, const at::Tensor& kv, const at::Tensor& k_sum, at::Tensor out,
+                    bool normalize, double eps, double min_denom, bool elu) {
+  const int64_t rows = qf.size(0), n = qf.size(1), features = qf.size(2);
+  AT_DISPATCH_FLOATING_TYPES(qf.scalar_type(), "noncausal_read", [&] {
+    const int vectors = static_cast<int>(out.size(2) / Lanes<scalar_t>::count);
+    LINATTN_VECTORS(vectors, read<scalar_t, NV>(view<scalar_t>(qf), kv.data_ptr<scalar_t>(), k_sum.data_ptr<scalar_t>(),
+                                                view<scalar_t>(out), rows, n, features, normalize, eps, min_denom,
+                                                !std::isnan(min_denom), elu));
   });
 }
 
@@ -420,4 +631,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "elu + 1 of contiguous rows, as the additive kernel makes it");
   m.def("hedgehog_activation", &hedgehog_activation, "the Hedgehog map from z = Wx + b (keys: with their weight)");
   m.def("delta_block", &delta_block, "the (gated, per-feature gated) delta rule over a block of tokens");
+  m.def("noncausal_accumulate", &noncausal_accumulate, "non-causal: S += sum phi(k) v^T, z += sum phi(k) over a block");
+  m.def("noncausal_read", &noncausal_read, "non-causal: out = S^T phi(q) / phi(q).z over a block of queries");
 }

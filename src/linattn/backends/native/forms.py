@@ -1,6 +1,7 @@
-"""The native causal forward (causal.cpp) from Python: features made in torch one block of tokens at a time, the
-recurrence in C++ with each (batch, head) row's state in cache. No gradients: calls that need them, and sizes the
-kernels do not take, run the torch forms (:func:`grad_reasons` and :func:`value_reasons` say why).
+"""The native forward (causal.cpp) from Python: features made in torch one block of tokens at a time, the causal
+recurrence in C++ with each (batch, head) row's state in cache, and non-causal attention in two passes. No
+gradients: calls that need them, and sizes the kernels do not take, run the torch forms (:func:`grad_reasons` and
+:func:`value_reasons` say why).
 
 The feature stage is linattn's own (:func:`linattn.features.query_features`, :func:`~linattn.features.key_features`,
 :func:`~linattn.features.delta_inputs`), called on slices of BLOCK tokens: any feature map works, the maps' checks
@@ -17,7 +18,7 @@ import torch
 from ... import _validate
 from ...feature_maps.elementwise import EluFeatureMap
 from ...feature_maps.learned import HedgehogFeatureMap
-from ...features import check_feature_dims, delta_inputs, key_features, query_features
+from ...features import check_feature_dims, delta_inputs, key_features, map_features, query_features
 from ...state import DeltaRuleState, LinearAttentionState
 from . import module
 
@@ -86,6 +87,51 @@ def additive(job: Any) -> tuple[torch.Tensor, LinearAttentionState]:
     assert kv is not None and k_sum is not None
     seen = state.num_tokens if state is not None else 0
     return out, LinearAttentionState(kv, k_sum, q.new_zeros(batch), seen + n)
+
+
+def noncausal(job: Any) -> tuple[torch.Tensor, LinearAttentionState]:
+    """Non-causal linear attention of a job of an ordinary map (no decay, no packing), as
+    kinds/additive/forms/global.py: the keys' sums S = Σ φ(k) vᵀ and z = Σ φ(k) first (continuing a state passed
+    in), then every query reads them; one block of tokens' features at a time. Nq may differ from Nk. The elu map
+    without padding is made in the kernel."""
+    kernels = _kernels()
+    q, k, v, keep, state = job.q, job.k, job.v, job.keep, job.state
+    batch, nq, nk, dv = q.shape[:-2], q.shape[-2], k.shape[-2], v.shape[-1]
+    elu = type(job.fmap) is EluFeatureMap and keep is None
+    kv = k_sum = None
+
+    def start_sums(features: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _validate.check_state_features(state, features, job.map_name)
+        return ((state.kv.clone() if state is not None else v.new_zeros(*batch, features, dv)).contiguous(),
+                (state.k_sum.clone() if state is not None else v.new_zeros(*batch, features)).contiguous())
+
+    block = max(nk, nq, 1) if elu else BLOCK  # the kernel's elu: no feature tensor, one call for all tokens
+    for start in range(0, nk, block):
+        end = min(nk, start + block)
+        if elu:
+            kf = k[..., start:end, :]
+        else:  # masked keys' features are 0 (and their values, by the caller)
+            block_keep = keep[..., start:end] if keep is not None else None
+            kf, _ = key_features(job.fmap, k[..., start:end, :], block_keep, False, True, None, **job.checks())
+        if kv is None or k_sum is None:
+            kv, k_sum = start_sums(kf.shape[-1])
+        kernels.noncausal_accumulate(_rows(kf), _rows(v[..., start:end, :]), kv.view(-1, *kv.shape[-2:]),
+                                     k_sum.view(-1, k_sum.shape[-1]), elu)
+    out = v.new_empty(*batch, nq, dv)
+    for start in range(0, nq, block):
+        end = min(nq, start + block)
+        qf = q[..., start:end, :] if elu else query_features(job.fmap, q[..., start:end, :], False, **job.checks())
+        if kv is None or k_sum is None:  # no key in this call: the state's sums (or none) alone
+            kv, k_sum = start_sums(qf.shape[-1])
+        if start == 0:
+            check_feature_dims(qf.shape[-1], kv.shape[-2], job.fmap)
+        kernels.noncausal_read(_rows(qf), kv.view(-1, *kv.shape[-2:]), k_sum.view(-1, k_sum.shape[-1]),
+                               out.view(-1, nq, dv)[:, start:end], job.normalize, job.eps,
+                               float("nan") if job.min_denom is None else job.min_denom, elu)
+    if kv is None or k_sum is None:  # no query either
+        kv, k_sum = start_sums(q.shape[-1] if elu else map_features(job.fmap, q[..., :1, :], is_query=True).shape[-1])
+    seen = state.num_tokens if state is not None else 0
+    return out, LinearAttentionState(kv, k_sum, q.new_zeros(batch), seen + nk)
 
 
 def delta(job: Any) -> tuple[torch.Tensor, DeltaRuleState]:
