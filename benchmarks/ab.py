@@ -74,6 +74,31 @@ def _training(**options: Any) -> Callable[..., tuple[Callable[[], None], Callabl
     return build
 
 
+def _student(n: int) -> Callable[..., tuple[Callable[[], None], Callable[[], None]]]:
+    """The shipped SmolLM2 student's attention call in an n-token prefill, on its own seeded inputs: B=1, 9 query and
+    3 key heads, D=64, a Hedgehog map per head, the gated delta rule beside the window W=192 with 4 sinks, a
+    read-out factor per head; no_grad."""
+    def build(linattn: Any, torch: Any, x: dict[str, Any]) -> tuple[Callable[[], None], Callable[[], None]]:
+        from linattn.feature_maps import HedgehogFeatureMap
+
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 9, n, 64, generator=g)
+        k, v = torch.randn(1, 3, n, 64, generator=g), torch.randn(1, 3, n, 64, generator=g)
+        fmap = HedgehogFeatureMap(head_dim=64, num_features=64, num_heads=9)
+        beta = torch.rand(1, 9, n, generator=g)
+        gate = torch.nn.functional.logsigmoid(torch.randn(1, 9, n, generator=g) + 3)
+        factor = torch.full((9,), 30.0)
+
+        def step() -> None:
+            with torch.no_grad():
+                linattn.linear_attention(q, k, v, causal=True, feature_map=fmap, update="delta", beta=beta,
+                                         log_gate=gate, window=192, sinks=4, window_factor=factor)
+
+        return lambda: None, step
+
+    return build
+
+
 def _resolved(options: dict[str, Any], x: dict[str, Any]) -> dict[str, Any]:
     """Options whose value names an input ("@beta") take that input."""
     return {key: x[value[1:]] if isinstance(value, str) and value.startswith("@") else value
@@ -103,6 +128,11 @@ CALLS: dict[str, Spec] = {
                              _training(update="delta", beta="@beta", decay=0.01, window=64, sinks=4,
                                        normalize=False),
                              ("update", "beta", "decay", "window", "sinks")),
+    "student_1536": Spec("the shipped student's attention call, a 1,536-token prefill (own shapes: 9:3 heads, "
+                         "Hedgehog, gated delta beside W=192 + 4 sinks), no_grad", _student(1536),
+                         ("update", "beta", "log_gate", "window", "sinks", "window_factor")),
+    "student_8192": Spec("the same call, an 8,192-token prefill", _student(8192),
+                         ("update", "beta", "log_gate", "window", "sinks", "window_factor")),
 }
 
 # ---------------------------------------------------------------------------------------------- worker side
