@@ -567,42 +567,101 @@ void noncausal_read(const at::Tensor& qf, const at::Tensor& kv, const at::Tensor
 }
 
 // The Hedgehog map's activation after its projection (linattn.feature_maps.HedgehogFeatureMap.features): from
-// z (R, n, m) = Wx + b, phi = [softmax(z), softmax(-z)] (R, n, 2m), times the key's weight e^{clamp(u.k)} (weight
-// (R, n), computed by the map; None for queries), plus the floor. softmax(-z)_i = e^{min z - z_i}, the same
-// rounded arguments as torch's softmax of the negated row. One pass over z, the exponentials vectorised.
+// z = Wx + b (m entries), phi = [softmax(z), softmax(-z)] (2m), times the key's weight e^{clamp(u.k)} (1 for
+// queries), plus the floor. softmax(-z)_i = e^{min z - z_i}, the same rounded arguments as torch's softmax of the
+// negated row. restrict and the extremes as simd reductions: without them these loops ran 2.2x slower (aliasing
+// checks, a scalar max).
+template <typename T>
+inline void activate_row(const T* __restrict x, T* __restrict up, int64_t half, T scale_row, T lift) {
+  T* __restrict down = up + half;
+  T top = -std::numeric_limits<T>::infinity(), bottom = std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(max : top) reduction(min : bottom)
+  for (int64_t i = 0; i < half; ++i) {
+    top = x[i] > top ? x[i] : top;
+    bottom = x[i] < bottom ? x[i] : bottom;
+  }
+  T total_up = 0, total_down = 0;
+#pragma omp simd reduction(+ : total_up, total_down)
+  for (int64_t i = 0; i < half; ++i) {
+    const T a = exp_nonpositive<T, false>(x[i] - top), b = exp_nonpositive<T, false>(bottom - x[i]);
+    up[i] = a;
+    down[i] = b;
+    total_up += a;
+    total_down += b;
+  }
+  const T scale_up = scale_row / total_up, scale_down = scale_row / total_down;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    up[i] = up[i] * scale_up + lift;
+    down[i] = down[i] * scale_down + lift;
+  }
+}
+
 template <typename T>
 void hedgehog_rows(const T* z, const T* weight, T* out, int64_t rows, int64_t half, double floor) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      // restrict and the extremes as simd reductions: without them these loops ran 2.2x slower (aliasing checks,
-      // a scalar max)
-      const T* __restrict x = z + r * half;
-      T* __restrict up = out + r * 2 * half;
-      T* __restrict down = up + half;
-      T top = -std::numeric_limits<T>::infinity(), bottom = std::numeric_limits<T>::infinity();
-#pragma omp simd reduction(max : top) reduction(min : bottom)
-      for (int64_t i = 0; i < half; ++i) {
-        top = x[i] > top ? x[i] : top;
-        bottom = x[i] < bottom ? x[i] : bottom;
-      }
-      T total_up = 0, total_down = 0;
-#pragma omp simd reduction(+ : total_up, total_down)
-      for (int64_t i = 0; i < half; ++i) {
-        const T a = exp_nonpositive<T, false>(x[i] - top), b = exp_nonpositive<T, false>(bottom - x[i]);
-        up[i] = a;
-        down[i] = b;
-        total_up += a;
-        total_down += b;
-      }
-      const T scale_row = weight == nullptr ? T(1) : weight[r];
-      const T scale_up = scale_row / total_up, scale_down = scale_row / total_down, lift = static_cast<T>(floor);
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        up[i] = up[i] * scale_up + lift;
-        down[i] = down[i] * scale_down + lift;
+    for (int64_t r = begin; r < end; ++r)
+      activate_row(z + r * half, out + r * 2 * half, half, weight == nullptr ? T(1) : weight[r], static_cast<T>(floor));
+  });
+}
+
+// The whole map of x (R, n, d): the projection z = Wx + b as a register-blocked product (tiles of 24/NV tokens,
+// W^T's d rows of m = 16 NV entries in the first-level cache), then the activation of each tile's rows from the
+// stack. Row r uses head r % H: weight_t (H, d, m) = W^T per head, bias (H, m); key_weight (R, n) or none.
+template <typename T, int NV>
+void hedgehog_map_rows(View<T> x, const T* weight_t, const T* bias, int64_t heads, const T* key_weight, T* out,
+                       int64_t rows, int64_t n, int64_t d, double floor) {
+  using V = typename Lanes<T>::vec;
+  constexpr int m = NV * Lanes<T>::count;
+  constexpr int TQ = tile_rows<NV>();
+  constexpr int64_t span = 256;  // tokens a task takes: rows x blocks of tokens share the threads
+  const int64_t blocks = (n + span - 1) / span;
+  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) T z[TQ * m];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / blocks, first = (item % blocks) * span, last = std::min(n, first + span);
+      const T* S = weight_t + (r % heads) * d * m;
+      const T* b = bias + (r % heads) * m;
+      for (int64_t t0 = first; t0 < last; t0 += TQ) {
+        const int tokens = static_cast<int>(std::min<int64_t>(TQ, last - t0));
+        V acc[TQ][NV];
+#pragma GCC unroll 16
+        for (int i = 0; i < TQ; ++i) load_row<T, NV>(acc[i], b);
+        const T* rows_in[TQ];
+        for (int i = 0; i < TQ; ++i) rows_in[i] = x.at(r, t0 + (i < tokens ? i : 0));
+        for (int64_t f = 0; f < d; ++f) {
+          V s[NV];
+          load_row<T, NV>(s, S + f * m);
+#pragma GCC unroll 16
+          for (int i = 0; i < TQ; ++i) {
+            const T a = rows_in[i][f];
+#pragma GCC unroll 16
+            for (int j = 0; j < NV; ++j) acc[i][j] += a * s[j];
+          }
+        }
+        for (int i = 0; i < tokens; ++i) {
+          store_row<T, NV>(z + i * m, acc[i], T(1));
+          const T scale_row = key_weight == nullptr ? T(1) : key_weight[r * n + t0 + i];
+          activate_row(z + i * m, out + (r * n + t0 + i) * 2 * m, m, scale_row, static_cast<T>(floor));
+        }
       }
     }
   });
+}
+
+// x (R, n, d) last dimension contiguous; weight_t (H, d, m), bias (H, m) contiguous; key_weight (R, n) contiguous or
+// none. Returns phi (R, n, 2m).
+at::Tensor hedgehog_map(const at::Tensor& x, const at::Tensor& weight_t, const at::Tensor& bias,
+                        const std::optional<at::Tensor>& key_weight, double floor) {
+  const int64_t rows = x.size(0), n = x.size(1), d = x.size(2), heads = weight_t.size(0), m = weight_t.size(2);
+  at::Tensor out = at::empty({rows, n, 2 * m}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hedgehog_map", [&] {
+    const int vectors = static_cast<int>(m / Lanes<scalar_t>::count);
+    LINATTN_VECTORS(vectors, hedgehog_map_rows<scalar_t, NV>(
+        view<scalar_t>(x), weight_t.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(), heads,
+        key_weight ? key_weight->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), rows, n, d, floor));
+  });
+  return out;
 }
 
 at::Tensor hedgehog_activation(const at::Tensor& z, const std::optional<at::Tensor>& weight, double floor) {
@@ -630,6 +689,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return out;
   }, "elu + 1 of contiguous rows, as the additive kernel makes it");
   m.def("hedgehog_activation", &hedgehog_activation, "the Hedgehog map from z = Wx + b (keys: with their weight)");
+  m.def("hedgehog_map", &hedgehog_map, "the Hedgehog map of x: projection and activation (keys: with their weight)");
   m.def("delta_block", &delta_block, "the (gated, per-feature gated) delta rule over a block of tokens");
   m.def("noncausal_accumulate", &noncausal_accumulate, "non-causal: S += sum phi(k) v^T, z += sum phi(k) over a block");
   m.def("noncausal_read", &noncausal_read, "non-causal: out = S^T phi(q) / phi(q).z over a block of queries");

@@ -178,13 +178,24 @@ def delta(job: Any) -> tuple[torch.Tensor, DeltaRuleState]:
 
 
 def hedgehog_features(fmap: HedgehogFeatureMap, x: torch.Tensor, is_query: bool) -> torch.Tensor | None:
-    """The Hedgehog map's features of x (..., H, N, d) as ``fmap.features`` gives them, the projection z = Wx + b in
-    torch (one half: the kernel reads −z from it) and the activation (the two softmaxes, the keys' weight, the
-    floor) in one C++ pass; None where the kernels do not
-    take it (no build, a dtype other than fp32/fp64, gradients needed)."""
+    """The Hedgehog map's features of x (..., H, N, d) as ``fmap.features`` gives them: the projection z = Wx + b
+    and the activation (the two softmaxes of z and −z, the keys' weight, the floor) in one C++ pass where m is a
+    width the kernels take (16·2^i fp32, 8·2^i fp64), else the projection in torch and the activation in C++; None
+    where the kernels do not take it (no build, a dtype other than fp32/fp64, gradients needed)."""
     kernels = module("causal")
     if kernels is None or x.dtype not in (torch.float32, torch.float64) or grad_reasons(x, *fmap.parameters()):
         return None
-    z = fmap.project(x, is_query=is_query, mirror=False).contiguous()  # (..., m): Wx + b; the kernel makes −z
     weight = None if is_query else fmap.key_weight(x).squeeze(-1).contiguous()  # e^{clamp(u·k)} (..., N)
-    return kernels.hedgehog_activation(z, weight, torch.finfo(x.dtype).tiny)
+    floor = torch.finfo(x.dtype).tiny
+    heads = fmap.num_heads or 1
+    if not value_reasons(fmap.num_features, x.dtype) and x.dim() >= 3 and x.shape[-1] == fmap.head_dim \
+            and (fmap.num_heads is None or x.shape[-3] == heads):
+        # projection and activation in one pass: z = Wx + b of a tile of tokens never leaves the registers
+        index = 0 if is_query or fmap.tied else 1
+        weight_t = fmap.weight[index].to(x.dtype).transpose(-1, -2).contiguous()  # (H, d, m)
+        bias = fmap.bias[index].to(x.dtype).contiguous()  # (H, m)
+        rows = _rows(x)
+        keys = weight.reshape(rows.shape[0], rows.shape[1]) if weight is not None else None
+        return kernels.hedgehog_map(rows, weight_t, bias, keys, floor).view(*x.shape[:-1], 2 * fmap.num_features)
+    z = fmap.project(x, is_query=is_query, mirror=False).contiguous()  # (..., m): Wx + b; the kernel makes −z
+    return kernels.hedgehog_activation(z, weight, floor)
