@@ -440,26 +440,34 @@ inline T dot(const T* a, const T* b, int64_t n) {
   return total;
 }
 
+// acc[i] += sum_f rows[i][f] S[f] over `depth` rows of S (16 NV entries each, in the first-level cache): the
+// register-blocked product of a tile of TQ rows (the non-causal read, the Hedgehog map's projection)
+template <typename T, int NV, int TQ>
+inline void tile_product(typename Lanes<T>::vec (&acc)[TQ][NV], const T* const* rows, const T* S, int64_t depth) {
+  using V = typename Lanes<T>::vec;
+  constexpr int width = NV * Lanes<T>::count;
+  for (int64_t f = 0; f < depth; ++f) {
+    V s[NV];
+    load_row<T, NV>(s, S + f * width);
+#pragma GCC unroll 16
+    for (int i = 0; i < TQ; ++i) {
+      const T a = rows[i][f];
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) acc[i][j] += a * s[j];
+    }
+  }
+}
+
 template <typename T, int NV, int TQ>
 inline void read_tile(const T* const* q, const T* S, const T* z, T* const* out, int64_t features, bool normalize,
                       double eps, double min_denom, bool clamp) {
   using V = typename Lanes<T>::vec;
-  constexpr int dv = NV * Lanes<T>::count;
   V acc[TQ][NV];
 #pragma GCC unroll 16
   for (int i = 0; i < TQ; ++i)
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) acc[i][j] = V{};
-  for (int64_t f = 0; f < features; ++f) {
-    V s[NV];
-    load_row<T, NV>(s, S + f * dv);
-#pragma GCC unroll 16
-    for (int i = 0; i < TQ; ++i) {
-      const T a = q[i][f];
-#pragma GCC unroll 16
-      for (int j = 0; j < NV; ++j) acc[i][j] += a * s[j];
-    }
-  }
+  tile_product<T, NV, TQ>(acc, q, S, features);
   for (int i = 0; i < TQ; ++i) {
     store_row<T, NV>(out[i], acc[i], inverse_denominator(dot(q[i], z, features), normalize, eps, min_denom, clamp));
   }
@@ -629,16 +637,7 @@ void hedgehog_map_rows(View<T> x, const T* weight_t, const T* bias, int64_t head
         for (int i = 0; i < TQ; ++i) load_row<T, NV>(acc[i], b);
         const T* rows_in[TQ];
         for (int i = 0; i < TQ; ++i) rows_in[i] = x.at(r, t0 + (i < tokens ? i : 0));
-        for (int64_t f = 0; f < d; ++f) {
-          V s[NV];
-          load_row<T, NV>(s, S + f * m);
-#pragma GCC unroll 16
-          for (int i = 0; i < TQ; ++i) {
-            const T a = rows_in[i][f];
-#pragma GCC unroll 16
-            for (int j = 0; j < NV; ++j) acc[i][j] += a * s[j];
-          }
-        }
+        tile_product<T, NV, TQ>(acc, rows_in, S, d);
         for (int i = 0; i < tokens; ++i) {
           store_row<T, NV>(z + i * m, acc[i], T(1));
           const T scale_row = key_weight == nullptr ? T(1) : key_weight[r * n + t0 + i];

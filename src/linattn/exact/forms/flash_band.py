@@ -63,7 +63,7 @@ def band_average(
     """(A (R, N, Dv), lse (R, N)) over the band and the sinks. q (R, N, D); keys, values: (prefix (R, P, ·), this
     call's (R, N, ·)); sinks: (keys (R, S, D), values (R, S, Dv), mask (R, N, S) bool) or None. Every query must see
     at least one key of its band (its own, in the causal layout)."""
-    rows_, n, dim = q.shape
+    n = q.shape[1]
     size, prefix = BLOCK, keys[0].shape[1]
     blocks = -(-n // size)
     span = size + width  # key rows a block scores

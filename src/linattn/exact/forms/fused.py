@@ -378,16 +378,16 @@ def exact_part(
         return x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:])
 
     if average and features is None and flash_band.takes(q, keys[1], values[1], keys[0], values[0]):
-        def rows(x: torch.Tensor) -> torch.Tensor:
+        def by_row(x: torch.Tensor) -> torch.Tensor:  # (R, L, ·), R = the batch dims' product
             return flat(x).reshape(-1, *x.shape[-2:])
 
         joined = None
         if sinks is not None:
             count = sinks[4]
-            joined = (rows(torch.cat([sinks[0], keys[1][..., :count, :]], -2)),
-                      rows(torch.cat([sinks[1], values[1][..., :count, :]], -2)), rows(sinks[3]))
-        a, lse = flash_band.band_average(rows(q), (rows(keys[0]), rows(keys[1])), (rows(values[0]), rows(values[1])),
-                                         scale, width, front, joined)
+            joined = (by_row(torch.cat([sinks[0], keys[1][..., :count, :]], -2)),
+                      by_row(torch.cat([sinks[1], values[1][..., :count, :]], -2)), by_row(sinks[3]))
+        a, lse = flash_band.band_average(by_row(q), (by_row(keys[0]), by_row(keys[1])),
+                                         (by_row(values[0]), by_row(values[1])), scale, width, front, joined)
         return a.reshape(*batch, n, a.shape[-1]), None, None, lse.reshape(*batch, n)
 
     fq = fk_pre = fk = fsk_pre = mask = None
