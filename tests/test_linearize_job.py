@@ -444,3 +444,24 @@ def test_a_split_cache_without_end_to_end_steps_is_fitted_measured_and_saved(tin
     assert main(command(tiny, out, *options)) == 0
     assert len(fitting) == 1  # the fit was not run again
     assert json.loads((out / "linattn.json").read_text())["options"] == {"sparse_cache": split["sizes"]}
+
+
+@pytest.mark.slow  # ~10 s: the fit and the measure stage, the cache given to the top heads
+def test_a_cache_given_to_the_top_heads_alone_is_saved_with_the_folder(tiny, tmp_path):
+    """--sparse-cache-top K: the K heads of highest retrieval score share what the floor leaves, equally; the
+    others keep the floor; the folder and its card say so."""
+    from linattn.cli import main
+
+    out = tmp_path / "top"
+    options = ("--sparse-cache", "4", "--sparse-cache-heads", "retrieval", "--sparse-cache-floor", "1",
+               "--sparse-cache-top", "2", "--end-to-end-tokens", "120", "--end-to-end-steps", "0")
+    assert main(command(tiny, out, *options)) == 0
+    split = json.loads((out / "stages" / "cache_sizes.json").read_text())
+    sizes, scores = torch.tensor(split["sizes"]).flatten(), torch.tensor(split["scores"]).flatten()
+    spare = (4 - 1) * sizes.numel()
+    assert split["top"] == 2 and int(sizes.sum()) == 4 * sizes.numel()
+    ordered = sorted(sizes.tolist())
+    assert ordered[-2:] == [1 + spare // 2] * 2 and ordered[:-2] == [1] * (sizes.numel() - 2)
+    assert set(scores.argsort(descending=True)[:2].tolist()) == set((sizes > 1).nonzero().flatten().tolist())
+    assert json.loads((out / "linattn.json").read_text())["options"] == {"sparse_cache": split["sizes"]}
+    assert "shared by the 2 highest-scoring heads" in (out / "README.md").read_text()

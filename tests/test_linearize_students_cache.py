@@ -242,6 +242,9 @@ def test_bad_cache_options_with_a_delta_student_are_refused(tiny, tmp_path, caps
     out = tmp_path / "refused"
     for extra, message in ((("--sparse-cache", "4", "--sparse-cache-floor", "1"), "--sparse-cache-floor"),
                            (("--sparse-cache-heads", "retrieval"), "--sparse-cache-heads retrieval"),
+                           (("--sparse-cache", "4", "--sparse-cache-top", "2"), "--sparse-cache-top: only with"),
+                           (("--sparse-cache", "4", "--sparse-cache-heads", "retrieval", "--sparse-cache-top", "0"),
+                            "--sparse-cache-top: need K ≥ 1"),
                            (("--sparse-cache-linear-weight", "0.5"), "--sparse-cache-linear-weight"),
                            (("--sparse-cache", "-1"), "--sparse-cache: need pairs per head")):
         assert main(command(tiny, out, "--student", "gated-delta", *extra)) == 2

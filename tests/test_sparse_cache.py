@@ -82,6 +82,26 @@ def test_size_zero_is_the_window_op() -> None:
     assert (ref - plain).abs().max().item() <= TOL
 
 
+def test_a_cache_that_holds_nothing_is_no_cache_beside_the_gated_delta_rule() -> None:
+    """What lets a layer whose split left it no pair run without a cache (hf.linearize does): its heads' outputs
+    equal the composed route's, alone and beside a head that keeps pairs (heads are independent)."""
+    q, k, v = _inputs(n=120)
+    g = torch.Generator().manual_seed(3)
+    beta = torch.rand(*q.shape[:-1], generator=g, dtype=q.dtype)
+    gate = torch.nn.functional.logsigmoid(torch.randn(*q.shape[:-1], generator=g, dtype=q.dtype) + 3)
+    options = {"update": "delta", "beta": beta, "log_gate": gate}
+    plain = linear_attention(q, k, v, causal=True, window=8, sinks=2, **options)
+    heads = q.shape[-3]
+    empty = SparseCache(size=(0,) * heads, block=8)
+    assert empty.holds_nothing and not SparseCache(size=0, linear_weight=0.5).holds_nothing
+    assert not SparseCache(size=(0,) * (heads - 1) + (4,)).holds_nothing
+    out, _ = _run(q, k, v, empty, "chunked", **options)
+    assert (out - plain).abs().max().item() <= TOL
+    mixed, _ = _run(q, k, v, SparseCache(size=(0,) * (heads - 1) + (16,), block=8), "chunked", **options)
+    assert (mixed[:, :-1] - plain[:, :-1]).abs().max().item() <= TOL
+    assert (mixed[:, -1] - plain[:, -1]).abs().max().item() > 1e-3  # the head that keeps pairs reads them
+
+
 @pytest.mark.parametrize("form", ["parallel", "chunked", "recurrent"])
 def test_no_linear_part_is_softmax_over_the_window_and_sinks(form: str) -> None:
     """linear_weight 0 and no cache: every query's softmax over its window and the sinks, nothing else (the
@@ -317,6 +337,36 @@ def test_generating_with_a_split_holds_its_total() -> None:
     assert held == decoded([SparseCache(size=3, block=4)] * 2)[2] < decoded([SparseCache(size=6, block=4)] * 2)[2]
 
 
+def test_a_layer_the_split_left_without_pairs_runs_without_a_cache() -> None:
+    """hf.linearize gives a layer whose cache holds nothing no cache at all (the window op's faster route): its
+    options have none, and the model's logits equal those of the same model where that layer's empty cache runs
+    through the cache's own route (called directly), decoded token by token as well."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from linattn import hf
+    from linattn.hf_cache import LinearAttentionCache
+
+    config = LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
+    ids = torch.randint(1, 50, (1, 40), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval().double()
+    split = [SparseCache(size=(0, 0, 0, 0), block=4), SparseCache(size=(3, 3, 0, 6), block=4)]
+    hf.linearize(model, "elu", window=8, sinks=2, sparse_cache=split)
+    first, second = (getattr(module, hf.OPTIONS_ATTRIBUTE) for module in hf.attention_modules(model))
+    assert "sparse_cache" not in first and second["sparse_cache"] == split[1]
+    with torch.no_grad():
+        whole = model(ids).logits
+        cache = LinearAttentionCache()
+        steps = [model(ids[:, :13], past_key_values=cache, use_cache=True).logits]
+        steps += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(13, 40)]
+        first["sparse_cache"] = split[0]  # the empty cache through its own route
+        through_cache = model(ids).logits
+    assert (torch.cat(steps, 1) - whole).abs().max().item() <= 1e-9
+    assert (through_cache - whole).abs().max().item() <= 1e-9
+
+
 def test_split_keeps_the_total_and_follows_the_scores() -> None:
     scores = torch.tensor([[0.0, 1.0, 3.0], [0.5, 0.0, 0.0]])
     caches = SparseCache.split(scores, 10, floor=2)
@@ -325,6 +375,18 @@ def test_split_keeps_the_total_and_follows_the_scores() -> None:
     assert int(sizes.min()) == 2
     assert sizes[0, 2] > sizes[0, 1] > sizes[1, 0] > sizes[0, 0]
     assert [list(c.size) for c in SparseCache.split(torch.zeros(2, 3), 7)] == [[7, 7, 7]] * 2
+
+
+def test_split_to_the_top_heads_gives_them_what_the_floor_leaves() -> None:
+    scores = torch.tensor([[0.0, 1.0, 3.0], [0.5, 0.2, 0.0]])
+    sizes = [list(cache.size) for cache in SparseCache.split(scores, 10, floor=2, top=2)]
+    # (10 − 2)·6 = 48 spare pairs, 24 each to the heads scoring 3.0 and 1.0; the other four keep the floor
+    assert sizes == [[2, 26, 26], [2, 2, 2]]
+    assert sum(map(sum, sizes)) == 10 * 6
+    three = [list(cache.size) for cache in SparseCache.split(scores, 5, top=3)]  # 30 pairs: 10 each
+    assert three == [[0, 10, 10], [10, 0, 0]]
+    with pytest.raises(LinearAttentionError, match="top: need 1 ≤ top ≤ the 6 heads, got 7"):
+        SparseCache.split(scores, 5, top=7)
 
 
 @pytest.mark.parametrize("cache", SCORES, ids=IDS)

@@ -351,6 +351,8 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
                 layer_options["window_factor"] = factor  # (H,): broadcasts over the (B, H) batch dims
         if per_layer_caches is not None:
             layer_options["sparse_cache"] = per_layer_caches[layer]
+            if per_layer_caches[layer].holds_nothing:  # a layer the split left no pair: the same result without a
+                del layer_options["sparse_cache"]  # cache, on the window op's own (faster) route
         setattr(module, OPTIONS_ATTRIBUTE, layer_options)
     if hasattr(model, "generate"):
         from .hf_cache import install

@@ -66,6 +66,9 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
         "at least)")
     add("--sparse-cache-floor", type=int, default=None, help="with --sparse-cache-heads retrieval: the fewest pairs "
         "a head keeps (default N/2)")
+    add("--sparse-cache-top", type=int, default=None, help="with --sparse-cache-heads retrieval: what the floor "
+        "leaves goes in equal parts to the K highest-scoring heads alone, so that they keep every pair as far back as "
+        "their share reaches (default: every head, in proportion to its score)")
     add("--sparse-cache-linear-weight", type=float, default=1.0, help="with --sparse-cache: the linear part's sums "
         "times this weight β ≥ 0 beside the cache, while fitting, training end to end and measuring, and saved "
         "with the folder: the map's mass for far keys grows with the context and drowns the cached pairs "

@@ -37,11 +37,11 @@ def folder_setting(folder: Path) -> tuple[Any, dict[str, Any], int, int]:
 
 
 def retrieval_split(folder: Path, model: Any, tokenizer: Any, window: int, sinks: int, size: int,
-                    floor: int) -> tuple[list[Any], str]:
-    """One cache per layer, ``size`` pairs per head on average split by the heads' retrieval scores
-    (:func:`linattn.train.end_to_end.cache_split`; under softmax, never on held-out text): on the folder's sampled
-    training texts (``stages/samples.json``, the first 8) when it has them, else on the shipped training text in 8
-    paragraph orders. Also says which."""
+                    floor: int, top: int | None = None) -> tuple[list[Any], str]:
+    """One cache per layer, ``size`` pairs per head on average split by the heads' retrieval scores (``top``: among
+    the top heads alone; :func:`linattn.train.end_to_end.cache_split`; under softmax, never on held-out text): on
+    the folder's sampled training texts (``stages/samples.json``, the first 8) when it has them, else on the
+    shipped training text in 8 paragraph orders. Also says which."""
     samples = folder / "stages" / "samples.json"
     if samples.is_file():
         texts = json.loads(samples.read_text(encoding="utf-8"))["texts"][:8]
@@ -50,5 +50,5 @@ def retrieval_split(folder: Path, model: Any, tokenizer: Any, window: int, sinks
     else:  # the shipped training text is ~1.2k tokens: its paragraphs in 8 orders
         sequences = [torch.tensor(tokenizer(text)["input_ids"]) for text in reordered(read_text(None, "train"), 8)]
         source = "the shipped training text, its paragraphs in 8 orders"
-    caches, _ = cache_split(model, sequences, window=window, sinks=sinks, mean=size, floor=floor)
+    caches, _ = cache_split(model, sequences, window=window, sinks=sinks, mean=size, floor=floor, top=top)
     return caches, source

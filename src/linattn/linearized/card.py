@@ -79,12 +79,16 @@ def card_lines(result: dict[str, Any], plotted: bool) -> list[str]:
     lengths = list(result["rows"][0]["passkey"]) if result["rows"] else []
     stages = result.get("stages", {})
     cache = int(result.get("sparse_cache") or 0)
-    per_head = (" on average, split across heads by their retrieval score,"
+    top = result.get("sparse_cache_top")
+    shared = f" (what the floor leaves shared by the {top} highest-scoring heads)" if top else ""
+    per_head = (f" on average, split across heads by their retrieval score{shared},"
                 if result.get("sparse_cache_heads") == "retrieval" else ",")
     weight = float(result.get("sparse_cache_linear_weight", 1.0))
     weighed = f" (the linear part weighed {weight:g} beside it)" if cache and weight != 1 else ""
-    kept = (f" and a sparse exact cache of {cache} older key/value pairs per head{per_head} trained and measured in "
-            f"place{weighed}" if cache else "")
+    how = ("trained and measured in place" if result.get("sparse_cache_trained", True) else
+           "measured in place, added after training (the student was trained without it)")
+    kept = (f" and a sparse exact cache of {cache} older key/value pairs per head{per_head} {how}{weighed}"
+            if cache else "")
     part = result.get("student_summary") or "Hedgehog maps, the additive state beside the softmax window"
     gaps = list(result["rows"][0].get("repeat_by_gap") or {}) if result["rows"] else []
     lines = [

@@ -68,9 +68,10 @@ PROBE_TEXT, PROBE_SOURCE = "heldout_long", "the shipped long held-out text"  # t
 # options that change what a stage makes (a rerun must pass the same); --quiet and --budget's own value do not
 _PLANNED = ("model", "text", "heldout", "student", "window", "sinks", "fit_steps", "num_features", "fit_max_tokens",
             "fit_orders", "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "lora", "sparse_cache",
-            "sparse_cache_heads", "sparse_cache_floor", "sparse_cache_linear_weight", "budget")
+            "sparse_cache_heads", "sparse_cache_floor", "sparse_cache_top", "sparse_cache_linear_weight", "budget")
 # what a plan saved before an option existed meant
 _EARLIER_DEFAULTS = {"sparse_cache": 0, "sparse_cache_heads": "uniform", "sparse_cache_floor": None,
+                     "sparse_cache_top": None,
                      "sparse_cache_linear_weight": 1.0, "student": "hedgehog"}
 
 
@@ -320,12 +321,13 @@ class Job:
             scored = plain[: max(1, min(RETRIEVAL_SEQUENCES, len(plain) - HELD_OUT_SAMPLES))]
             try:
                 caches, scores = cache_split(self.model, scored, window=args.window, sinks=args.sinks,
-                                             mean=args.sparse_cache, floor=floor)
+                                             mean=args.sparse_cache, floor=floor, top=args.sparse_cache_top)
             except LinearAttentionError as error:
                 raise LinearAttentionError(f"--sparse-cache-heads retrieval: {error} (--end-to-end-tokens ≥ "
                                            f"{15 * args.window} lets every sample serve)") from error
             sizes = [list(cache.size) for cache in caches]  # type: ignore[arg-type]  # split gives tuples
-            atomic_write(path, json.dumps({"mean": args.sparse_cache, "floor": floor, "sizes": sizes,
+            atomic_write(path, json.dumps({"mean": args.sparse_cache, "floor": floor, "top": args.sparse_cache_top,
+                                           "sizes": sizes,
                                            "scores": scores.tolist()}))
             self.stages.log("end_to_end", "cache split by retrieval score",
                             largest=max(max(row) for row in sizes), floor=floor)
@@ -374,6 +376,7 @@ class Job:
                   "probe_source": f"`{args.probe_text}`" if getattr(args, "probe_text", None) else PROBE_SOURCE,
                   "sinks": args.sinks,
                   "sparse_cache": args.sparse_cache, "sparse_cache_heads": args.sparse_cache_heads,
+                  "sparse_cache_top": getattr(args, "sparse_cache_top", None),
                   "sparse_cache_linear_weight": args.sparse_cache_linear_weight,
                   "heldout_source": f"`{args.heldout}`" if args.heldout else "the shipped corpus's held-out text",
                   "passage_tokens": probes.passage_tokens, "gap_tokens": probes.gap_tokens,
@@ -393,14 +396,18 @@ def _cache_floor(args: argparse.Namespace) -> int:
 
 def _check_cache_heads(args: argparse.Namespace) -> None:
     if args.sparse_cache_heads == "uniform":
-        if args.sparse_cache_floor is not None:
-            raise LinearAttentionError("--sparse-cache-floor: only with --sparse-cache-heads retrieval")
+        for option in ("floor", "top"):
+            if getattr(args, f"sparse_cache_{option}", None) is not None:
+                raise LinearAttentionError(f"--sparse-cache-{option}: only with --sparse-cache-heads retrieval")
         return
     if args.sparse_cache < 1:
         raise LinearAttentionError("--sparse-cache-heads retrieval: needs --sparse-cache N ≥ 1 (the mean per head)")
     if not 0 <= _cache_floor(args) <= args.sparse_cache:
         raise LinearAttentionError(f"--sparse-cache-floor: need 0 ≤ floor ≤ --sparse-cache ({args.sparse_cache}), "
                                    f"got {args.sparse_cache_floor}")
+    top = getattr(args, "sparse_cache_top", None)
+    if top is not None and top < 1:
+        raise LinearAttentionError(f"--sparse-cache-top: need K ≥ 1 heads, got {top}")
 
 
 def _update(bar: Any) -> None:

@@ -87,6 +87,13 @@ class SparseCache:
                 )
 
     @property
+    def holds_nothing(self) -> bool:
+        """Whether the cache keeps no pair in any head and leaves the linear part's weight at 1: the window op
+        without a cache computes the same (tests/test_sparse_cache.py), on its own, faster route."""
+        weights = self.linear_weight if isinstance(self.linear_weight, tuple) else (self.linear_weight,)
+        return self.largest == 0 and self.keep is None and all(w == 1 for w in weights)
+
+    @property
     def largest(self) -> int:
         """The largest per-head size: the cache's slots."""
         if isinstance(self.size, int):
@@ -95,21 +102,30 @@ class SparseCache:
 
     @staticmethod
     def split(scores: torch.Tensor, mean: int, *, floor: int = 0, score: str = "recall",
-              block: int | None = None) -> list[SparseCache]:
+              block: int | None = None, top: int | None = None) -> list[SparseCache]:
         """Caches for every layer from one total, ``mean`` pairs per head on average, split across heads in
         proportion to ``scores`` (layers, heads) ≥ 0 (e.g. :func:`linattn.train.end_to_end.retrieval_scores`), each
-        head at least ``floor``; the largest remainders take the pairs left by rounding. One cache per layer."""
+        head at least ``floor``; the largest remainders take the pairs left by rounding. One cache per layer.
+
+        ``top=K``: what the floor leaves goes in equal parts to the K highest-scoring heads alone (the rest keep the
+        floor), so that a few retrieval heads hold every pair as far back as their share reaches, where a
+        proportional split gives many heads a part of the distance."""
         if scores.dim() != 2 or mean < 0 or floor < 0 or floor > mean:
             raise LinearAttentionError(
                 f"scores, mean, floor: need (layers, heads) scores and 0 ≤ floor ≤ mean, got shape "
                 f"{tuple(scores.shape)}, mean={mean}, floor={floor}"
             )
+        if top is not None and not 1 <= top <= scores.numel():
+            raise LinearAttentionError(f"top: need 1 ≤ top ≤ the {scores.numel()} heads, got {top}")
         if not bool(torch.isfinite(scores).all()):
             raise LinearAttentionError(
                 f"scores: {int((~torch.isfinite(scores)).sum())} NaN or inf among the (layers, heads) scores; pass "
                 "finite scores ≥ 0 (for an even split, equal ones, e.g. torch.ones(layers, heads))"
             )
         weights = scores.double().clamp(min=0).flatten()
+        if top is not None:  # equal shares for the top heads (ties: the earlier head), nothing for the rest
+            chosen = torch.argsort(weights, descending=True, stable=True)[:top]
+            weights = torch.zeros_like(weights).index_fill_(0, chosen, 1.0)
         spare = (mean - floor) * weights.numel()
         share = weights / weights.sum() * spare if float(weights.sum()) > 0 else torch.full_like(weights, mean - floor)
         sizes = share.floor().long()

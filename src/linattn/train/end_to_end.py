@@ -170,14 +170,15 @@ def retrieval_scores(
 
 
 def cache_split(model: Any, sequences: Sequence[torch.Tensor], *, window: int, sinks: int, mean: int,
-                floor: int) -> tuple[list[SparseCache], torch.Tensor]:
+                floor: int, top: int | None = None) -> tuple[list[SparseCache], torch.Tensor]:
     """A sparse cache per layer with ``mean`` pairs per head on average, split across heads in proportion to their
-    :func:`retrieval_scores` on ``sequences`` (each head at least ``floor``; :meth:`~linattn.SparseCache.split`),
-    and the scores. The copying draws scale with the window: passages of W/2 … 3W tokens repeated after 2W … 12W
-    others (for W = 64, retrieval_scores' defaults); sequences of 15·W tokens always serve."""
+    :func:`retrieval_scores` on ``sequences`` (each head at least ``floor``; with ``top``, equally among the top
+    heads alone: :meth:`~linattn.SparseCache.split`), and the scores. The copying draws scale with the window:
+    passages of W/2 … 3W tokens repeated after 2W … 12W others (for W = 64, retrieval_scores' defaults); sequences
+    of 15·W tokens always serve."""
     scores = retrieval_scores(model, sequences, window=window, sinks=sinks,
                               passage=(max(1, window // 2), 3 * window), gap=(2 * window, 12 * window))
-    return SparseCache.split(scores, mean, floor=floor), scores
+    return SparseCache.split(scores, mean, floor=floor, top=top), scores
 
 
 def top_heads(scores: torch.Tensor, count: int) -> torch.Tensor:
