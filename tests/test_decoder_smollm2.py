@@ -61,9 +61,10 @@ def test_smollm2_linearized_generation_with_the_state_cache_equals_recompute(smo
 
 
 def test_the_shipped_linearized_smollm2_loads_and_predicts_the_held_out_text():
-    """The maps and gates shipped in the package (written by `linattn linearize smollm2 --student gated-delta`) load on
-    the base model (its fingerprint checked) and predict held-out text better than the untrained hybrid (elu + 1
-    beside the same window), about as well as their card says."""
+    """The maps and gates shipped in the package (written by `linattn linearize smollm2 --student gated-delta`, their
+    cache added by scripts/add_cache.py) load on the base model (its fingerprint checked) with the per-layer cache the
+    folder records, and predict held-out text better than the untrained hybrid (elu + 1 beside the same window),
+    about as well as their card says."""
     import json
 
     from linattn import hf
@@ -75,6 +76,10 @@ def test_the_shipped_linearized_smollm2_loads_and_predicts_the_held_out_text():
     folder = shipped("smollm2")
     assert folder is not None
     model, tokenizer = load_linearized(folder, base="smollm2")
+    sizes = json.loads((folder / "linattn.json").read_text(encoding="utf-8"))["options"]["sparse_cache"]
+    kept = [getattr(module, hf.OPTIONS_ATTRIBUTE).get("sparse_cache") for module in hf.attention_modules(model)]
+    assert [list(cache.size) if cache is not None else [0] * len(row) for cache, row in zip(kept, sizes, strict=True)] \
+        == sizes  # a layer the split left no pair runs without a cache
     ids = tokenizer(read_text(None, "heldout"), return_tensors="pt")["input_ids"][:, :512]
 
     def perplexity() -> float:
