@@ -4,7 +4,7 @@ Reads a delta-rule student's folder (default: the folder shipped for SmolLM2, it
 replaced by each split) and, for each split of the same total (``--cache`` pairs per head
 on average beside a window of ``--window``), scores the repeated passage ``--gaps`` tokens back on the shipped long
 held-out text (4 passages each, as the card does). The heads' retrieval scores are computed once (under softmax, on
-the shipped training text in 8 paragraph orders; :func:`linattn.train.end_to_end.retrieval_scores`).
+the shipped training text in 8 paragraph orders, with :func:`linattn.train.end_to_end.cache_split`'s copying draws).
 
 A split is ``none`` (no cache: with ``@192``, the equal memory spent on window), ``proportional:FLOOR``
 (every head, in proportion to its score, at least FLOOR), ``top:K:FLOOR`` (the K highest-scoring heads share what
@@ -36,7 +36,7 @@ from linattn.evaluate.lm_stages import read_text
 from linattn.evaluate.probes import repeats_by_gap
 from linattn.linearized.caches import folder_setting
 from linattn.linearized.folder import atomic_write, load_linearized, shipped
-from linattn.train.end_to_end import retrieval_scores
+from linattn.train.end_to_end import cache_split
 
 
 def caches(split: str, scores: torch.Tensor, mean: int) -> list[SparseCache] | SparseCache | None:
@@ -72,8 +72,7 @@ def main() -> None:
     model, tokenizer = load_linearized(folder)
     maps, options, _, sinks = folder_setting(folder)
     sequences = [torch.tensor(tokenizer(text)["input_ids"]) for text in reordered(read_text(None, "train"), 8)]
-    scores = retrieval_scores(model, sequences, window=args.window, sinks=sinks,
-                              passage=(args.window // 2, 3 * args.window), gap=(2 * args.window, 12 * args.window))
+    _, scores = cache_split(model, sequences, window=args.window, sinks=sinks, mean=args.cache, floor=0)
     done.setdefault("setting", {"folder": str(folder), "window": args.window, "cache": args.cache, "sinks": sinks,
                                 "gaps": args.gaps, "threads": args.threads, "scores": scores.tolist()})
     rows = done.setdefault("rows", {})
