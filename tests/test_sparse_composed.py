@@ -458,3 +458,207 @@ def test_a_linearized_model_generates_with_the_step(gate):
     assert torch.equal(cached.sequences, recomputed.sequences)
     for ours, full in zip(cached.logits, recomputed.logits, strict=True):
         torch.testing.assert_close(ours, full, rtol=1e-4, atol=1e-4)
+
+
+def _kept_route_calls(monkeypatch):
+    """Counts the calls that took the route of exact/forms/sparse_kept.py."""
+    import linattn._dispatch as dispatch
+
+    calls = []
+    taken = dispatch.with_kept_pairs
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return taken(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "with_kept_pairs", counted)
+    return calls
+
+
+def _states_equal(got, want, atol):
+    """Every tensor of two window states with caches: positions and counts exactly, numbers to ``atol``."""
+    assert got.num_tokens == want.num_tokens
+    assert torch.equal(got.cache.sizes, want.cache.sizes)
+    assert torch.equal(got.cache.packed_positions, want.cache.packed_positions)
+    pairs = [(got.linear.kv, want.linear.kv), (got.keys, want.keys), (got.values, want.values),
+             (got.sink_keys, want.sink_keys), (got.cache.packed_keys, want.cache.packed_keys),
+             (got.cache.packed_values, want.cache.packed_values), (got.cache.queries, want.cache.queries),
+             (got.cache.packed_betas, want.cache.packed_betas), (got.betas, want.betas)]
+    for x, y in pairs:
+        torch.testing.assert_close(x, y, rtol=0, atol=atol)
+    assert torch.equal(got.keep, want.keep) and torch.equal(got.sink_keep, want.sink_keep)
+
+
+@pytest.mark.parametrize("score", ["recall", "attention"])
+@pytest.mark.parametrize("factor", [None, "per-head"])
+@pytest.mark.parametrize("kind", DELTA_KINDS)
+def test_heads_that_keep_every_pair_or_none(kind, factor, score, monkeypatch):
+    """A first call in which each head's budget is 0 or holds every pair (29 tokens, window 5, 2 sinks, block 4:
+    the last boundary, 28, has the candidates 2 … 26) runs the composed route and causal softmax: the
+    definition's outputs, the general form's state (every field), and a continuation past the budget (head 1 then
+    evicts) equal to the definition over the whole sequence."""
+    q, k, v, gen = inputs(h=4, n=45, heads_kv=2, seed=2)
+    options = linear_options(kind, q, gen)
+    sizes = (0, 25, 0, 40)  # 25: exactly the pairs of 29 tokens
+    gamma = torch.tensor([0.5, 2.0, 1.0, 0.7], dtype=torch.float64) if factor else None
+    cache = SparseCache(size=sizes, score=score, block=4)
+    common = {"causal": True, "window": 5, "sinks": 2, "sparse_cache": cache, "window_factor": gamma,
+              "return_state": True}
+    calls = _kept_route_calls(monkeypatch)
+    n = 29
+    first = {name: (x[..., :n, :] if name == "log_gate" and x.dim() == 4 else x[..., :n]) if torch.is_tensor(x)
+             else x for name, x in options.items()}
+    out, state = linattn.linear_attention(q[..., :n, :], k[..., :n, :], v[..., :n, :], form="chunked",
+                                          chunk_size=8, **common, **first)
+    assert calls == [1]
+    k4, v4 = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    want = definition(q, k4, v4, window=5, sinks=2, size=sizes, block=4, score=score, factor=gamma,
+                      **reference_options(options, q))
+    torch.testing.assert_close(out, want[..., :n, :], rtol=0, atol=1e-10)
+    _, general = linattn.linear_attention(q[..., :n, :], k[..., :n, :], v[..., :n, :], form="parallel", **common,
+                                          **first)
+    assert calls == [1]  # the definition's form never takes it
+    _states_equal(state, general, atol=1e-12)
+    rest = {name: (x[..., n:, :] if name == "log_gate" and x.dim() == 4 else x[..., n:]) if torch.is_tensor(x)
+            else x for name, x in options.items()}
+    more, _ = linattn.linear_attention(q[..., n:, :], k[..., n:, :], v[..., n:, :], form="chunked", chunk_size=8,
+                                       initial_state=state, **common, **rest)
+    torch.testing.assert_close(more, want[..., n:, :], rtol=0, atol=1e-10)
+    assert calls == [1]  # a continuation is the general form's
+
+
+def test_a_head_one_pair_short_runs_the_general_form(monkeypatch):
+    """Where a head's budget is one pair short of the call's (it would evict once), the general form runs, and
+    the result is still the definition's."""
+    q, k, v, gen = inputs(h=2, n=29, seed=3)
+    options = linear_options("gated-delta", q, gen)
+    calls = _kept_route_calls(monkeypatch)
+    got = linattn.linear_attention(q, k, v, causal=True, window=5, sinks=2, form="chunked", chunk_size=8,
+                                   sparse_cache=SparseCache(size=(0, 24), block=4), **options)
+    assert calls == []
+    want = definition(q, k, v, window=5, sinks=2, size=(0, 24), block=4, score="recall",
+                      **reference_options(options, q))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_the_native_route_of_heads_that_keep_every_pair_or_none(monkeypatch):
+    """float32, backend 'auto' (the native kernels where built) and 'torch': both within float32 rounding of the
+    float64 definition; with the kernels built, 'native' takes the call, and refuses one in which every head keeps
+    pairs and one would evict, saying why."""
+    from linattn.backends import native as native_backend
+
+    q, k, v, gen = inputs(h=4, n=70, d=8, dv=16, seed=4)
+    options = linear_options("gated-delta", q, gen)
+    sizes = (0, 0, 70, 0)
+    want = definition(q, k, v, window=9, sinks=2, size=sizes, block=8, score="recall",
+                      **reference_options(options, q))
+    calls = _kept_route_calls(monkeypatch)
+    as_float = {name: x.float() for name, x in options.items() if torch.is_tensor(x)}
+    backends = ["auto", "torch"] + (["native"] if native_backend.module("causal") is not None else [])
+    for backend in backends:
+        got = linattn.linear_attention(q.float(), k.float(), v.float(), causal=True, window=9, sinks=2,
+                                       sparse_cache=SparseCache(size=sizes, block=8), backend=backend,
+                                       update="delta", **as_float)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+    assert len(calls) == len(backends)
+    if "native" in backends:
+        with pytest.raises(linattn.LinearAttentionError, match="some head's budget is not every pair of 70 tokens"):
+            linattn.linear_attention(q.float(), k.float(), v.float(), causal=True, window=9, sinks=2,
+                                     sparse_cache=SparseCache(size=(3, 70, 70, 70), block=8), backend="native",
+                                     update="delta", **as_float)
+
+
+def _split_calls(monkeypatch):
+    """Counts the calls that ran the heads without pairs apart (exact/forms/sparse_heads.py)."""
+    import linattn._dispatch as dispatch
+
+    calls = []
+    apart = dispatch._heads_apart
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return apart(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "_heads_apart", counted)
+    return calls
+
+
+@pytest.mark.parametrize("score", ["recall", "attention"])
+@pytest.mark.parametrize("kind", DELTA_KINDS)
+def test_heads_without_pairs_run_apart(kind, score, monkeypatch):
+    """Budgets (0, 3, 0, 6): the heads without pairs on the composed route, the others on the sparse form alone;
+    in three calls (the state carried, padding, grouped heads, a factor per head) the definition's outputs over the
+    whole sequence, and the state of one call of the definition's form, field by field."""
+    q, k, v, gen = inputs(h=4, n=40, heads_kv=2, seed=5)
+    options = linear_options(kind, q, gen)
+    keep = torch.rand(2, 40, generator=gen) > 0.2
+    gamma = torch.tensor([0.5, 2.0, 1.0, 0.7], dtype=torch.float64)
+    sizes = (0, 3, 0, 6)
+    common = {"causal": True, "window": 5, "sinks": 2, "window_factor": gamma, "return_state": True,
+              "sparse_cache": SparseCache(size=sizes, score=score, block=4)}
+    calls = _split_calls(monkeypatch)
+    state, pieces = None, []
+    for start, end in ((0, 13), (13, 14), (14, 40)):
+        out, state = linattn.linear_attention(
+            q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], form="chunked", chunk_size=8,
+            key_padding_mask=keep[:, start:end], initial_state=state, **common, **sliced(options, start, end))
+        pieces.append(out)
+    assert calls == [1, 1, 1]
+    k4, v4 = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    keep4 = keep[:, None, :].expand(2, 4, 40)
+    want = definition(q, k4, v4.masked_fill(~keep4.unsqueeze(-1), 0), window=5, sinks=2, size=sizes, block=4,
+                      score=score, keep=keep4, factor=gamma, **reference_options(options, q))
+    torch.testing.assert_close(torch.cat(pieces, dim=-2), want, rtol=0, atol=1e-10)
+    _, whole = linattn.linear_attention(q, k, v, form="parallel", key_padding_mask=keep, **common, **options)
+    _states_equal(state, whole, atol=1e-10)
+
+
+def test_heads_apart_with_a_map_per_head(monkeypatch):
+    """A Hedgehog map with its own weights per head: each head that keeps pairs is mapped at its own index, so the
+    split route equals the definition's form (which maps every head at once), outputs and state."""
+    q, k, v, gen = inputs(h=4, n=37, d=6, seed=6)
+    options = linear_options("gated-delta", q, gen)
+    fmap = linattn.feature_maps.create("hedgehog", head_dim=6, num_heads=4).double()
+    with torch.no_grad():
+        for param in fmap.parameters():
+            param.add_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * 0.5)
+    common = {"causal": True, "window": 5, "sinks": 2, "return_state": True, "feature_map": fmap,
+              "sparse_cache": SparseCache(size=(4, 0, 0, 7), block=4)}
+    calls = _split_calls(monkeypatch)
+    got, state = linattn.linear_attention(q, k, v, form="chunked", chunk_size=8, **common, **options)
+    assert calls == [1]
+    want, reference = linattn.linear_attention(q, k, v, form="parallel", **common, **options)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    _states_equal(state, reference, atol=1e-10)
+
+
+@pytest.mark.parametrize("score", ["recall", "attention"])
+def test_the_decoding_step_holds_slots_for_the_heads_with_a_budget(score):
+    """Budgets (0, 3, 0, 5) and a Hedgehog map per head: the step keeps cache slots for heads 1 and 3 alone (the
+    bytes of two rows, not four), decodes across boundaries what one chunked call computes, and hands back the
+    state of that call, field by field."""
+    from linattn.decode import SparseComposedDecodeStep, lean_step
+
+    q, k, v, gen = inputs(h=4, n=30, heads_kv=2, seed=7)
+    options = linear_options("gated-delta", q, gen)
+    fmap = linattn.feature_maps.create("hedgehog", head_dim=6, num_heads=4).double()
+    with torch.no_grad():
+        for param in fmap.parameters():
+            param.add_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * 0.5)
+    cache = SparseCache(size=(0, 3, 0, 5), score=score, block=3)
+    common = {"window": 4, "sinks": 1, "sparse_cache": cache, "feature_map": fmap}
+    whole, final = linattn.linear_attention(q, k, v, causal=True, return_state=True, **common, **options)
+    prompt = 8
+    _, state = linattn.linear_attention(q[..., :prompt, :], k[..., :prompt, :], v[..., :prompt, :], causal=True,
+                                        return_state=True, **common, **sliced(options, 0, prompt))
+    step_options = {n: x for n, x in common.items() if n != "feature_map"}
+    step = lean_step(fmap, state, {**step_options, "update": "delta", "log_gate": "with each token"}, kv_heads=2)
+    assert isinstance(step, SparseComposedDecodeStep)
+    assert step.cached_keys.shape[0] == 2 * 2  # B · (heads with a budget)
+    outs = []
+    for t in range(prompt, 30):
+        token = sliced(options, t, t + 1)
+        outs.append(step(q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :],
+                         beta=token["beta"][..., 0], log_decay=token["log_gate"][..., 0]))
+    torch.testing.assert_close(torch.cat(outs, dim=-2), whole[..., prompt:, :], rtol=0, atol=1e-10)
+    _states_equal(step.state(), final, atol=1e-10)

@@ -36,6 +36,8 @@ from .exact.forms.composed import (
 from .exact.forms.naive import exact_parallel, maps_features
 from .exact.forms.sparse import sparse_chunked, sparse_parallel, sparse_recurrent
 from .exact.forms.sparse_composed import sparse_composed
+from .exact.forms.sparse_heads import HeadRows, joined_state, split_heads
+from .exact.forms.sparse_kept import keeps_all_or_none, with_kept_pairs
 from .exact.forms.sparse_stream import LinearPart
 from .feature_maps.learned import HedgehogFeatureMap
 from .features import (
@@ -235,13 +237,16 @@ def run_window(job: Job, form: str) -> Result:
     return causal_window_chunked(hybrid, job.q, job.k, job.v, job.keep, state, job.chunk_size)
 
 
-def run_sparse(job: Job, form: str) -> Result:
+def run_sparse(job: Job, form: str, native: bool = False) -> Result:
     """The window op with a sparse exact cache (exact/forms/sparse.py; beside a decayed, gated or delta-rule
-    linear part exact/forms/sparse_composed.py); causal. Log-space maps: the scales of exact/forms/sparse_scales.py."""
+    linear part exact/forms/sparse_composed.py); causal. Log-space maps: the scales of exact/forms/sparse_scales.py.
+    ``native``: the composed route's linear part on the native kernels, for the heads that run on it (beside the
+    delta family, the heads that keep no pair, and in a first call those that keep every pair:
+    exact/forms/sparse_heads.py, exact/forms/sparse_kept.py)."""
     state, cache = job.state, job.sparse_cache
     assert (state is None or isinstance(state, WindowAttentionState)) and cache is not None
     if job.beta is not None or job.log_decay is not None or job.feature_gate is not None:
-        return _run_sparse_composed(job, form)
+        return _run_sparse_composed(job, form, native)
     hybrid = _hybrid(job, job.window_factor)
     if form == "chunked":
         assert job.chunk_size is not None
@@ -254,11 +259,22 @@ def run_sparse(job: Job, form: str) -> Result:
     return sparse_recurrent(hybrid, cache, job.q, job.k, job.v, keep, state)
 
 
-def _run_sparse_composed(job: Job, form: str) -> Result:
+def _run_sparse_composed(job: Job, form: str, native: bool = False) -> Result:
     """The sparse cache beside a decayed, gated or delta-rule linear part: the delta family's exact part as its
-    softmax sums (a factor turns off the mass), as :func:`run_composed` takes it."""
+    softmax sums (a factor turns off the mass), as :func:`run_composed` takes it. Chunked, beside the delta family,
+    the heads that keep no pair run on the composed route (:func:`_sparse_route`)."""
     state, cache = job.state, job.sparse_cache
     assert (state is None or isinstance(state, WindowAttentionState)) and cache is not None
+    route = _sparse_route(job, form)
+    if route == "kept":
+        full = keeps_all_or_none(cache, job.q.shape[:-2], job.q.shape[-2], job.window, job.sinks)
+        assert full is not None and job.beta is not None
+        out, composed = run_composed(replace(job, sparse_cache=None, return_state=True), form, native)
+        assert isinstance(composed, WindowAttentionState)
+        return with_kept_pairs(cache, full, out, composed, job.q, job.k, job.v, job.beta, job.window_factor,
+                               job.softmax_scale)
+    if route == "split":
+        return _heads_apart(job, form, native)
     delta = job.beta is not None
     factor = job.window_factor if not delta or job.window_factor is not None else torch.ones((), dtype=job.q.dtype)
     # the delta family's unit rows cancel a log-space map's per-row scale: its features at each row's maximum
@@ -270,6 +286,53 @@ def _run_sparse_composed(job: Job, form: str) -> Result:
     beta = job.beta if job.beta is None or job.keep is None else job.beta * job.keep.to(job.beta.dtype)
     part = LinearPart(job.log_decay, job.feature_gate, beta, job.eps, job.min_denom)
     return sparse_composed(hybrid, cache, part, job.q, job.k, job.v, job.keep, state, form, job.chunk_size or 64)
+
+
+def _sparse_route(job: Job, form: str) -> str | None:
+    """How a chunked call of the delta family with a sparse cache runs faster than the sparse form over every head:
+    "kept" (a first call without padding in which every head keeps every pair or none: exact/forms/sparse_kept.py),
+    "split" (some heads keep no pair: exact/forms/sparse_heads.py), or None (the sparse form)."""
+    cache = job.sparse_cache
+    if form != "chunked" or job.beta is None or cache is None or job.q.dim() < 3:
+        return None
+    if job.state is None and job.keep is None and \
+            keeps_all_or_none(cache, job.q.shape[:-2], job.q.shape[-2], job.window, job.sinks) is not None:
+        return "kept"
+    return "split" if split_heads(cache, job.q.shape[-3]) is not None else None
+
+
+def _heads_apart(job: Job, form: str, native: bool) -> Result:
+    """Every head on the composed route, then the heads that keep pairs on the sparse form, their rows taken from
+    it (exact/forms/sparse_heads.py)."""
+    cache, state = job.sparse_cache, job.state
+    assert cache is not None and (state is None or isinstance(state, WindowAttentionState))
+    heads = job.q.shape[-3]
+    split = split_heads(cache, heads)
+    assert split is not None
+    keeping, own = split
+    plain = replace(state, cache=None) if state is not None else None
+    out, composed = run_composed(replace(job, sparse_cache=None, state=plain, return_state=True), form, native)
+    assert isinstance(composed, WindowAttentionState)
+    batch = job.q.shape[:-2]
+    head = len(batch) - 1  # the heads' dim among the batch dims
+
+    def rows(x: torch.Tensor, from_end: int) -> torch.Tensor:  # the heads that keep pairs
+        return x.index_select(x.dim() - from_end, keeping)
+
+    def some(x: torch.Tensor | None, from_end: int) -> torch.Tensor | None:
+        return rows(x, from_end) if x is not None else None
+
+    factor = job.window_factor.expand(batch).index_select(head, keeping) if job.window_factor is not None else None
+    keep = job.keep.expand(job.k.shape[:-1]).index_select(head, keeping) if job.keep is not None else None
+    part = replace(job, fmap=HeadRows(job.fmap, keeping, heads), q=rows(job.q, 3), k=rows(job.k, 3),
+                   v=rows(job.v, 3), keep=keep, state=state.index_select(head, keeping) if state is not None else None,
+                   beta=some(job.beta, 2), log_decay=some(job.log_decay, 2), feature_gate=some(job.feature_gate, 3),
+                   window_factor=factor, sparse_cache=own, return_state=True)
+    part_out, part_state = _run_sparse_composed(part, form)
+    assert isinstance(part_state, WindowAttentionState)
+    carried = state.cache.queries if state is not None and state.cache is not None else job.q[..., :0, :]
+    queries = torch.cat([carried, job.q], dim=-2)
+    return out.index_copy(head, keeping, part_out), joined_state(cache, keeping, composed, part_state, queries)
 
 
 def run_delta(job: Job, form: str, native: bool = False) -> Result:
@@ -433,8 +496,19 @@ def torch_runner(route: Route, causal: bool) -> Runner:
 def native_job_reasons(job: Job) -> list[str]:
     """Why a job runs on the torch forms although the native backend was chosen: what is known only with the
     tensors (gradients, the values' width); [] when the kernels take it."""
-    return native_forms.grad_reasons(job.q, job.k, job.v, job.beta, job.log_decay, job.feature_gate,
-                                     job.window_factor) + native_forms.value_reasons(job.v.shape[-1], job.v.dtype)
+    found = native_forms.grad_reasons(job.q, job.k, job.v, job.beta, job.log_decay, job.feature_gate,
+                                      job.window_factor) + native_forms.value_reasons(job.v.shape[-1], job.v.dtype)
+    return found + _sparse_native_reasons(job) if job.sparse_cache is not None else found
+
+
+def _sparse_native_reasons(job: Job) -> list[str]:
+    """Why a call with a sparse cache has no composed route for the native kernels' linear part: it has one where
+    some head keeps no pair, or (a first call without padding) every head keeps every pair or none."""
+    if _sparse_route(job, "chunked") is not None:
+        return []
+    return [f"sparse_cache: every head keeps pairs and some head's budget is not every pair of {job.q.shape[-2]} "
+            "tokens in a first call without padding (or the score is the oracle, or a linear weight is not 1): the "
+            "sparse form runs on the torch forms"]
 
 
 def native_runner(route: Route, causal: bool, forced: bool) -> Runner:
@@ -454,6 +528,8 @@ def native_runner(route: Route, causal: bool, forced: bool) -> Runner:
             return native_forms.additive(job) if causal else native_forms.noncausal(job)
         if route.kind == "delta":
             return run_delta(job, route.form, native=True)
+        if route.kind == "sparse":
+            return run_sparse(job, route.form, native=True)
         return run_composed(job, route.form, native=True)
 
     return run

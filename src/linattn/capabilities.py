@@ -123,9 +123,10 @@ def native_reasons(call: Call, route: Route, q: torch.Tensor, *, forced: bool = 
     if not call.causal and route.kind != "plain":
         found.append(f"causal=False with {route.kind} attention: the native kernels compute non-causal attention "
                      "for plain linear attention only")
-    elif route.kind not in ("plain", "delta") and not (route.kind == "composed" and delta):
+    elif route.kind not in ("plain", "delta") and not (route.kind in ("composed", "sparse") and delta):
         found.append(f"{route.kind} attention: the native kernels compute plain causal linear attention and the delta "
-                     "rule (alone or beside the window)")
+                     "rule (alone, beside the window, or beside a sparse cache in which every head keeps every pair "
+                     "or none)")
     forms = ("chunked", "recurrent") if call.causal else ("chunked", "global")
     if route.form not in forms or (call.form != "auto" and not forced):
         found.append(f"form {call.form!r}: with backend='auto' the native kernels take form='auto' calls "
@@ -181,9 +182,6 @@ def choose_backend(backend: str, call: Call, route: Route, q: torch.Tensor, dtyp
     if backend == "triton":
         raise triton_backend.refusal(found)
     return "torch"
-
-
-# ---- decoding steps --------------------------------------------------------------------------------------------
 
 
 # ---- decoding steps --------------------------------------------------------------------------------------------

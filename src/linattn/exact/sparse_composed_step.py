@@ -15,7 +15,8 @@ exact part. Per token t, on buffers of B·H rows preallocated once:
 - the new key takes its ring slot and the output is the composed op's combiner over the exact keys (ring, sinks,
   the cached pairs that have left the window) and the linear read-out.
 
-The cache is held per query-head row at its largest size (rows of a smaller budget leave their last slots empty).
+The cache is held per query-head row with a budget, at the largest size (rows of a smaller budget leave their last
+slots empty; rows without one hold no slot, and their output skips the cache).
 Log-space maps (FAVOR+ and kin): the delta family reads unit rows; beside the additive state (with or without a
 decay or gate; this is also the additive sparse cache's step for such maps) the sums are kept at R, the running
 maximum of the keys' log φ — each token's key raises it before the step's writes, which are stored at it — and the
@@ -30,7 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..backends import native
 from ..errors import LinearAttentionError
+from ..feature_maps import HedgehogFeatureMap
 from ..features import NEG_INF, finite, is_log_space, map_features, scale_between, stabilise_queries, unit_rows
 from ..kinds._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
 from ..state import DeltaRuleState, LinearAttentionState, SparseCache, SparseCacheState, WindowAttentionState
@@ -45,6 +48,8 @@ class SparseComposedDecodeStep:
     ``window_factor``, ``softmax_scale``, a fixed ``beta`` and ``decay``). Per-token write strengths and log-decays
     (per token (B, H), or per feature (B, H, F)) come with each call, as :class:`~linattn.decode.ComposedDecodeStep`
     takes them."""
+
+    native = True  # one token's Hedgehog unit features in C++ where it builds (False: the torch code)
 
     def __init__(self, fmap: nn.Module, state: WindowAttentionState, cache: SparseCache,
                  options: dict[str, Any]) -> None:
@@ -73,6 +78,17 @@ class SparseComposedDecodeStep:
             return torch.broadcast_to(torch.as_tensor(value, dtype=dtype, device=device), (batch, heads)).reshape(
                 rows).clone()
 
+        # the delta rule's unit features of one token in C++ for this exact Hedgehog map (per head or shared) in the
+        # step's dtype, as ComposedDecodeStep computes them; the arguments for queries and keys, kept
+        self._kernels: Any = None
+        self._hedgehog: dict[bool, tuple[Any, ...]] | None = None
+        if self.delta and self.native and device.type == "cpu" and type(fmap) is HedgehogFeatureMap \
+                and fmap.num_heads in (None, heads) and fmap.weight.dtype == dtype and fmap.head_dim == dim:
+            self._kernels = native.module()
+            weight, bias, key = fmap.weight.detach(), fmap.bias.detach(), 0 if fmap.tied else 1
+            common = (fmap.GATE_LIMIT, torch.finfo(dtype).tiny)
+            self._hedgehog = {True: (weight[0], bias[0], None, *common),
+                              False: (weight[key], bias[key], fmap.gate.detach()[0], *common)}
         self.gamma = per_row(options.get("window_factor"))
         self.linear_weight = None if cache.linear_weight == 1 else per_row(cache.linear_weight)
         self.beta = 1.0 if options.get("beta") is None else float(options["beta"])
@@ -101,18 +117,22 @@ class SparseComposedDecodeStep:
         self.betas = torch.zeros(rows, slots, dtype=dtype, device=device)
         self.live = torch.zeros(slots, dtype=torch.bool, device=device)
         fill_slots(self, state, self.num_tokens - state.keys.shape[-2])
-        # the cache: (B·H, λ) slots, positions ascending, −1 where empty
-        self.positions = held.positions.to(device).reshape(rows, self.slots).clone()
-        self.cached_keys = held.keys.to(device, dtype).reshape(rows, self.slots, dim).clone()
-        self.cached_values = held.values.to(device, dtype).reshape(rows, self.slots, values).clone()
+        # the cache: (R_c, λ) slots of the R_c rows with a budget (a split that leaves most heads no pair holds the
+        # others' slots alone), positions ascending, −1 where empty
+        budget = self.sizes > 0
+        self.holding = None if bool(budget.all()) else budget.nonzero().squeeze(-1)  # None: every row
+        self.positions = self._held(held.positions.to(device).reshape(rows, self.slots))
+        self.cached_keys = self._held(held.keys.to(device, dtype).reshape(rows, self.slots, dim))
+        self.cached_values = self._held(held.values.to(device, dtype).reshape(rows, self.slots, values))
         betas = held.betas
-        self.cached_betas = (betas.to(device, dtype).reshape(rows, self.slots).clone() if betas is not None
-                             else torch.zeros(rows, self.slots, dtype=dtype, device=device))
+        self.cached_betas = self._held(betas.to(device, dtype).reshape(rows, self.slots) if betas is not None
+                                       else torch.zeros(rows, self.slots, dtype=dtype, device=device))
         # per ring slot of a position p: whether the last boundary kept the pair (it stays exact when it leaves)
         self.stays = torch.zeros(rows, self.window, dtype=torch.bool, device=device)
         ring = torch.arange(max(0, self.num_tokens - self.window), self.num_tokens, device=device)
         if ring.numel() and self.slots:
-            self.stays[:, ring % self.window] = (ring.view(1, -1, 1) == self.positions.unsqueeze(1)).any(-1)
+            every = self._every(self.positions, -1)
+            self.stays[:, ring % self.window] = (ring.view(1, -1, 1) == every.unsqueeze(1)).any(-1)
         self.queries = None
         if cache.score == "attention":
             self.queries = torch.zeros(rows, self.block, dim, dtype=dtype, device=device)
@@ -120,6 +140,16 @@ class SparseComposedDecodeStep:
             if since:
                 at = torch.arange(self.num_tokens - since, self.num_tokens, device=device) % self.block
                 self.queries[:, at] = held.queries.detach().to(device, dtype).reshape(rows, since, dim)
+
+    def _held(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows with a budget of x (B·H, ·) (a new tensor)."""
+        return x.clone() if self.holding is None else x.index_select(0, self.holding)
+
+    def _every(self, x: torch.Tensor, fill: float) -> torch.Tensor:
+        """Cache rows x (R_c, ·) as (B·H, ·), ``fill`` in the rows without a budget."""
+        if self.holding is None:
+            return x
+        return x.new_full((self.kv.shape[0], *x.shape[1:]), fill).index_copy_(0, self.holding, x)
 
     def _put(self, slot: int, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | bool,
              beta: torch.Tensor | float | None, live: bool = True) -> None:
@@ -140,6 +170,10 @@ class SparseComposedDecodeStep:
     def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         """The linear part's features of rows x (B·H, [N,] d): the delta rule's unit φ̂, the additive update's φ (a
         log-space map's at each row's own maximum)."""
+        if self._kernels is not None and self._hedgehog is not None and x.dim() == 2:  # one token per row
+            batch, heads = self.shape[:2]
+            one = x.reshape(batch, heads, x.shape[-1]).contiguous()
+            return self._kernels.hedgehog_unit_features(one, *self._hedgehog[is_query]).reshape(x.shape[0], -1)
         phi = self._map(x, is_query)
         if self.log_space:
             phi = stabilise_queries(phi)[0]
@@ -243,12 +277,16 @@ class SparseComposedDecodeStep:
         leaving = torch.arange(t0 - window, t0 - window + block, device=device)
         at = self.sinks + leaving % window
         ring_valid = (leaving >= max(self.sinks, 0)) & self.live[at] & self.kept[:, at]  # (R, B)
-        positions = torch.cat([self.positions, leaving.expand(self.kv.shape[0], -1)], 1)  # (R, C)
-        valid = torch.cat([self.positions >= 0, ring_valid], 1)
+        # every row's slots for this decision (the map sees (B, H, ·, d)); kept again for the rows with a budget
+        cached_positions = self._every(self.positions, -1)
+        cached_keys, cached_values = self._every(self.cached_keys, 0.0), self._every(self.cached_values, 0.0)
+        cached_betas = self._every(self.cached_betas, 0.0)
+        positions = torch.cat([cached_positions, leaving.expand(self.kv.shape[0], -1)], 1)  # (R, C)
+        valid = torch.cat([cached_positions >= 0, ring_valid], 1)
         positions = positions.masked_fill(~valid, -1)
-        keys = torch.cat([self.cached_keys, self.keys[:, at]], 1)
-        vals = torch.cat([self.cached_values, self.values[:, at]], 1)
-        betas = torch.cat([self.cached_betas, self.betas[:, at]], 1)
+        keys = torch.cat([cached_keys, self.keys[:, at]], 1)
+        vals = torch.cat([cached_values, self.values[:, at]], 1)
+        betas = torch.cat([cached_betas, self.betas[:, at]], 1)
         if self.cache.score == "recall":
             kf = self._features(keys, False) * valid.unsqueeze(-1)
             if self.delta:
@@ -271,30 +309,49 @@ class SparseComposedDecodeStep:
         writes = []
         for column in range(count):
             pick = order[:, column]
-            strength = mask[:, column].to(self.kv.dtype) * (self.cached_betas.gather(1, pick[:, None]).squeeze(1)
+            strength = mask[:, column].to(self.kv.dtype) * (cached_betas.gather(1, pick[:, None]).squeeze(1)
                                                            if self.delta else 1.0)
-            writes.append((self.cached_keys[torch.arange(pick.shape[0]), pick],
-                           self.cached_values[torch.arange(pick.shape[0]), pick], strength))
+            writes.append((cached_keys[torch.arange(pick.shape[0]), pick],
+                           cached_values[torch.arange(pick.shape[0]), pick], strength))
         filled = (index >= 0).unsqueeze(-1)
         pick = index.clamp(min=0)
-        self.cached_keys = keys.gather(1, pick.unsqueeze(-1).expand(-1, -1, keys.shape[-1])) * filled
-        self.cached_values = vals.gather(1, pick.unsqueeze(-1).expand(-1, -1, vals.shape[-1])) * filled
-        self.cached_betas = betas.gather(1, pick) * filled.squeeze(-1)
-        self.positions = chosen
+        self.cached_keys = self._held(keys.gather(1, pick.unsqueeze(-1).expand(-1, -1, keys.shape[-1])) * filled)
+        self.cached_values = self._held(vals.gather(1, pick.unsqueeze(-1).expand(-1, -1, vals.shape[-1])) * filled)
+        self.cached_betas = self._held(betas.gather(1, pick) * filled.squeeze(-1))
+        self.positions = self._held(chosen)
         self.stays[:, leaving % window] = kept[:, slots:]
         return writes
 
+    def _scores(self, keys: torch.Tensor, q: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+        """Softmax logits of q (R, d) against keys (R, L, d), −inf where not ``exact`` (R, L)."""
+        return torch.bmm(keys, q.unsqueeze(-1)).squeeze(-1).mul_(self.scale).masked_fill_(~exact, float("-inf"))
+
     def _output(self, q: torch.Tensor) -> torch.Tensor:
-        """The combiner over the exact keys (ring, sinks, cached pairs j ≤ t − W) and the linear read-out (R, Dv)."""
+        """The combiner over the exact keys (ring, sinks, cached pairs j ≤ t − W) and the linear read-out (R, Dv):
+        the ring's and the cache's sums apart on one shift per row, the cache's over the rows with a budget."""
         t = self.num_tokens - 1
-        keys = torch.cat([self.keys, self.cached_keys], 1)
-        values = torch.cat([self.values, self.cached_values], 1)
-        exact = torch.cat([self.kept & self.live, (self.positions >= 0) & (self.positions <= t - self.window)], 1)
-        scores = torch.bmm(keys, q.unsqueeze(-1)).squeeze(-1).mul_(self.scale).masked_fill_(~exact, float("-inf"))
+        ring = self.kept & self.live
+        scores = self._scores(self.keys, q, ring)  # (R, S + W)
         top = scores.amax(-1, keepdim=True)
-        weights = torch.exp(scores - torch.where(torch.isinf(top), torch.zeros_like(top), top))
-        soft_num = torch.bmm(weights.unsqueeze(1), values).squeeze(1)  # (R, Dv)
+        rows = self.holding
+        cached = None
+        if self.slots:
+            keys, values, positions = self.cached_keys, self.cached_values, self.positions  # (R_c, λ, ·)
+            at = q if rows is None else q.index_select(0, rows)
+            cached = self._scores(keys, at, (positions >= 0) & (positions <= t - self.window))
+            cached_top = cached.amax(-1, keepdim=True)
+            top = torch.maximum(top, cached_top) if rows is None else top.index_copy(
+                0, rows, torch.maximum(top.index_select(0, rows), cached_top))
+        shift = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+        weights = torch.exp(scores - shift)
+        soft_num = torch.bmm(weights.unsqueeze(1), self.values).squeeze(1)  # (R, Dv)
         soft_den = weights.sum(-1, keepdim=True)
+        if cached is not None:
+            weights = torch.exp(cached - (shift if rows is None else shift.index_select(0, rows)))
+            num = torch.bmm(weights.unsqueeze(1), values).squeeze(1)  # (R_c, Dv)
+            den = weights.sum(-1, keepdim=True)
+            soft_num = soft_num + num if rows is None else soft_num.index_add(0, rows, num)
+            soft_den = soft_den + den if rows is None else soft_den.index_add(0, rows, den)
         average = soft_num / torch.where(soft_den == 0, torch.ones_like(soft_den), soft_den)
         qf = self._features(q, True)  # (R, F)
         lam = self.linear_weight.unsqueeze(-1) if self.linear_weight is not None else None
@@ -308,6 +365,9 @@ class SparseComposedDecodeStep:
         if lam is not None:
             den = den * lam
         if self.gamma is None:  # log-space maps: every sum at query t's stored scale c_t + R_t
+            every = self._every(self.positions, -1)
+            keys = torch.cat([self.keys, self._every(self.cached_keys, 0.0)], 1)  # the map sees (B, H, ·, d)
+            exact = torch.cat([ring, (every >= 0) & (every <= t - self.window)], 1)
             phi_keys = self._stored(keys)  # (R, slots, F)
             mass = torch.bmm(phi_keys, qf.unsqueeze(-1)).squeeze(-1).masked_fill(~exact, 0.0).sum(-1, keepdim=True)
             total = den + mass + self.eps
@@ -342,8 +402,11 @@ class SparseComposedDecodeStep:
         queries = (rows(self.queries[:, :held]) if self.queries is not None
                    else self.keys.new_zeros(batch, heads, 0, dim))
         sizes = self.sizes.view(batch, heads)
-        cache = SparseCacheState.from_slots(rows(self.positions), rows(self.cached_keys), rows(self.cached_values),
-                                            queries, self.block, sizes, rows(self.cached_betas) if self.delta else None)
+        every = {name: self._every(getattr(self, name), -1 if name == "positions" else 0.0)
+                 for name in ("positions", "cached_keys", "cached_values", "cached_betas")}
+        cache = SparseCacheState.from_slots(rows(every["positions"]), rows(every["cached_keys"]),
+                                            rows(every["cached_values"]), queries, self.block, sizes,
+                                            rows(every["cached_betas"]) if self.delta else None)
         return WindowAttentionState(
             linear, rows(self.keys.index_select(1, ring)), rows(self.values.index_select(1, ring)),
             rows(self.kept.index_select(1, ring)), rows(self.keys[:, :sunk]), rows(self.values[:, :sunk]),

@@ -43,6 +43,7 @@ class Geometry:
     slots: int
     scale: float
     shape_only: bool
+    linear: bool = True  # whether the linear part's additions and the mass are wanted (else zeros, not computed)
 
 
 def _tile_blocks(rows: int, block: int, width: int) -> int:
@@ -68,16 +69,18 @@ class _Tile:
         self.slot_flat = self.flat.view(index.shape)[..., :slots]  # the block's cache (the keys scored exactly)
         self.keys = keys.flatten(0, 1).index_select(0, self.slot_flat.flatten()).view(*index.shape[:-1], slots, -1)
         self.values = values.flatten(0, 1).index_select(0, self.flat).view(shape)
-        self.features = features.flatten(0, 1).index_select(0, self.flat).view(shape)
+        self.features = features.flatten(0, 1).index_select(0, self.flat).view(shape) if geo.linear else None
         pos = positions[:, g0:g1, :slots].unsqueeze(-2)  # (R, G, 1, L)
         query_pos = (geo.n0 - geo.front + torch.arange(b0, b1, device=q.device)).view(1, count, geo.block, 1)
         self.exact = (pos >= 0) & (pos + geo.window <= query_pos)  # (R, G, B, L)
-        counted = self.exact & (pos + geo.window >= geo.n0)  # the shifted linear part counted it
-        coef = -counted.to(q.dtype)
-        if outside is not None:  # the held pairs: +1 where dropped from the block's cache
-            held = outside[:, g0:g1].unsqueeze(-2).to(q.dtype).expand(r, count, geo.block, slots)
-            coef = torch.cat([coef, held], -1)
-        self.coef = coef
+        self.coef = self.exact.new_zeros(()).to(q.dtype)  # unread without the linear additions
+        if geo.linear:
+            counted = self.exact & (pos + geo.window >= geo.n0)  # the shifted linear part counted it
+            coef = -counted.to(q.dtype)
+            if outside is not None:  # the held pairs: +1 where dropped from the block's cache
+                held = outside[:, g0:g1].unsqueeze(-2).to(q.dtype).expand(r, count, geo.block, slots)
+                coef = torch.cat([coef, held], -1)
+            self.coef = coef
         self.gain: torch.Tensor | None = None  # log-space maps: e^{m_j − R_t} (R, G, B, U), ≤ 1
         if scales is not None:
             row_scale = scales[0].flatten().index_select(0, self.flat).view(index.shape).masked_fill(~self.valid,
@@ -87,6 +90,7 @@ class _Tile:
             self.gain = torch.exp(apart.clamp(max=0.0))
 
     def weights(self) -> torch.Tensor:
+        assert self.features is not None
         weights = self.qf @ self.features.transpose(-1, -2)  # (R, G, B, U)
         return weights if self.gain is None else weights.mul_(self.gain)
 
@@ -111,8 +115,10 @@ class CacheTerm(torch.autograd.Function):
                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         r, p, dv = q.shape[0], q.shape[1], values.shape[-1]
         blocks, width = rows.shape[1], rows.shape[-1]
-        lin_num, ex_num = q.new_empty(r, p, dv), q.new_empty(r, p, dv)
-        lin_den, ex_den, mass, top = (q.new_empty(r, p) for _ in range(4))
+        make = q.new_empty if geo.linear else q.new_zeros
+        lin_num, ex_num = make(r, p, dv), q.new_empty(r, p, dv)
+        lin_den, mass = make(r, p), make(r, p)
+        ex_den, top = q.new_empty(r, p), q.new_empty(r, p)
         best = torch.full((r, p), -1, dtype=torch.long, device=q.device)  # γ form: the maximum's row, or −1
         window_won = torch.zeros(r, p, dtype=torch.bool, device=q.device)  # γ form: the window's max is top
         step = _tile_blocks(r, geo.block, width)
@@ -120,7 +126,6 @@ class CacheTerm(torch.autograd.Function):
             g1 = min(blocks, g0 + step)
             tile = _Tile(geo, q, qf, keys, values, features, rows, positions, outside, scales, g0, g1)
             at = slice(g0 * geo.block, g1 * geo.block)
-            w = tile.weights()
             s = tile.scores(geo)
             local, arg = s.amax(-1), None
             if not geo.shape_only:
@@ -128,13 +133,18 @@ class CacheTerm(torch.autograd.Function):
             window_max = ls[:, at].view(local.shape)
             shift = finite(torch.maximum(window_max, local))
             probs = s.sub_(shift.unsqueeze(-1)).exp_()  # 0 where not exact
-            moved = w * tile.coef
-            sums = torch.cat([moved, torch.nn.functional.pad(probs, (0, width - geo.slots))], -2) @ tile.values
-            lin_num[:, at] = sums[:, :, : geo.block].reshape(r, -1, dv)
-            ex_num[:, at] = sums[:, :, geo.block :].reshape(r, -1, dv)
-            lin_den[:, at] = moved.sum(-1).view(r, -1)
+            padded = torch.nn.functional.pad(probs, (0, width - geo.slots))
+            if geo.linear:
+                w = tile.weights()
+                moved = w * tile.coef
+                sums = torch.cat([moved, padded], -2) @ tile.values
+                lin_num[:, at] = sums[:, :, : geo.block].reshape(r, -1, dv)
+                ex_num[:, at] = sums[:, :, geo.block :].reshape(r, -1, dv)
+                lin_den[:, at] = moved.sum(-1).view(r, -1)
+                mass[:, at] = (w[..., : geo.slots] * tile.exact).sum(-1).view(r, -1)
+            else:
+                ex_num[:, at] = (padded @ tile.values).reshape(r, -1, dv)
             ex_den[:, at] = probs.sum(-1).view(r, -1)
-            mass[:, at] = (w[..., : geo.slots] * tile.exact).sum(-1).view(r, -1)
             top[:, at] = shift.view(r, -1)
             if arg is not None:  # γ form: which score, if any, is the row's maximum
                 slot_rows = tile.slot_flat.unsqueeze(-2).expand(*arg.shape, geo.slots)
@@ -177,28 +187,35 @@ class CacheTerm(torch.autograd.Function):
             tile = _Tile(geo, q, qf, keys, values, features, rows, positions, outside, scales, g0, g1)
             at = slice(g0 * geo.block, g1 * geo.block)
             shape = (r, count, geo.block)
-            w = tile.weights()
             probs = tile.scores(geo).sub_(top[:, at].view(*shape, 1)).exp_()
-            moved = w * tile.coef
-            upstream = torch.stack([g_ln[:, at].view(*shape, dv), g_en[:, at].view(*shape, dv)], 2)  # (R, G, 2, B, Dv)
-            d_pair = upstream.flatten(2, 3) @ tile.values.transpose(-1, -2)  # (R, G, 2B, U)
-            d_moved = d_pair[:, :, : geo.block].add_(g_ld[:, at].view(*shape, 1))
-            d_probs = d_pair[:, :, geo.block :, : geo.slots].add_(g_ed[:, at].view(*shape, 1))
-            d_w = d_moved.mul_(tile.coef)
-            d_w[..., : geo.slots] += g_m[:, at].view(*shape, 1) * tile.exact
-            if tile.gain is not None:
-                d_w.mul_(tile.gain)
+            target = torch.where(tile.valid.flatten(), tile.flat, d_keys.shape[0] - 1)
+            if geo.linear:  # the linear additions and the mass: through the weights w = φ(q)·φ(k)
+                w = tile.weights()
+                moved = w * tile.coef
+                upstream = torch.stack([g_ln[:, at].view(*shape, dv), g_en[:, at].view(*shape, dv)], 2)
+                d_pair = upstream.flatten(2, 3) @ tile.values.transpose(-1, -2)  # (R, G, 2B, U)
+                d_moved = d_pair[:, :, : geo.block].add_(g_ld[:, at].view(*shape, 1))
+                d_probs = d_pair[:, :, geo.block :, : geo.slots].add_(g_ed[:, at].view(*shape, 1))
+                d_w = d_moved.mul_(tile.coef)
+                d_w[..., : geo.slots] += g_m[:, at].view(*shape, 1) * tile.exact
+                if tile.gain is not None:
+                    d_w.mul_(tile.gain)
+                d_v = moved.transpose(-1, -2) @ upstream[:, :, 0]
+                assert tile.features is not None
+                d_qf[:, at] = (d_w @ tile.features).view(r, -1, qf.shape[-1])
+                d_features.index_add_(0, target, (d_w.transpose(-1, -2) @ tile.qf).flatten(0, 2))
+                exact_upstream = upstream[:, :, 1]
+            else:  # the exact sums alone
+                exact_upstream = g_en[:, at].view(*shape, dv)
+                d_probs = (exact_upstream @ tile.values.transpose(-1, -2))[..., : geo.slots]
+                d_probs.add_(g_ed[:, at].view(*shape, 1))
+                d_v = q.new_zeros(r, count, width, dv)
             d_s = d_probs.mul_(probs)  # 0 where not exact
             d_top[:, at] = -d_s.sum(-1).view(r, -1)
-            d_v = moved.transpose(-1, -2) @ upstream[:, :, 0]
-            d_v[..., : geo.slots, :] += probs.transpose(-1, -2) @ upstream[:, :, 1]
-            d_qf[:, at] = (d_w @ tile.features).view(r, -1, qf.shape[-1])
+            d_v[..., : geo.slots, :] += probs.transpose(-1, -2) @ exact_upstream
             d_q[:, at] = (d_s @ tile.keys).mul_(geo.scale).view(r, -1, q.shape[-1])
-            d_f = d_w.transpose(-1, -2) @ tile.qf
             d_k = (d_s.transpose(-1, -2) @ tile.q).mul_(geo.scale)
-            target = torch.where(tile.valid.flatten(), tile.flat, d_keys.shape[0] - 1)
             d_values.index_add_(0, target, d_v.flatten(0, 2))
-            d_features.index_add_(0, target, d_f.flatten(0, 2))
             d_keys.index_add_(0, target.view(r, count, width)[..., : geo.slots].flatten(), d_k.flatten(0, 2))
         d_ls = None
         if not geo.shape_only:  # top = max(window max, cache max): its gradient goes to whichever is larger

@@ -264,7 +264,8 @@ def _exact_chunked(hybrid: Hybrid, cache: SparseCache, pairs: Pairs, q: torch.Te
 
     win_num, win_den, win_mass, ls = parts.exact
     shape_only = hybrid.factor is None
-    geo = Geometry(n0, front, block, window, chosen.shape[-1], hybrid.scale, shape_only)
+    # the linear part is the linear op's own (run on the write stream): the term's additions are not read
+    geo = Geometry(n0, front, block, window, chosen.shape[-1], hybrid.scale, shape_only, linear=shape_only)
     terms = CacheTerm.apply(padded(q), padded(parts.qf), rows_of(pairs.keys), rows_of(pairs.values),
                             rows_of(pairs.phi), padded(ls.detach() if shape_only else ls, NEG_INF),
                             rows_of(pairs.row_of(chosen)), rows_of(chosen), None, geo,

@@ -27,7 +27,7 @@ from ...kinds.delta.forms import delta_chunked, delta_recurrent
 from ...kinds.gated.forms import gated_chunked_attention, gated_recurrent_attention
 from ...kinds.kda.forms import kda_chunked, kda_recurrent
 from ...state import DeltaRuleState, LinearAttentionState
-from .boundary import NEVER, gather_rows, slot_of, sorted_table
+from .boundary import NEVER, gather_rows, in_cache, slot_of, sorted_table
 from .composed import with_sums, without_sums
 
 Linear = LinearAttentionState | DeltaRuleState
@@ -103,8 +103,7 @@ class Pairs:
 def first_entries(pairs: Pairs, window: int, sinks: int) -> torch.Tensor:
     """Each row's entry time before any decision of the call: j + W for a pair not cached (not a sink, not
     padding), NEVER for the cached ones and the rest."""
-    member = (pairs.pos.unsqueeze(-1) == pairs.carried.unsqueeze(-2)) & (pairs.carried >= 0).unsqueeze(-2)
-    enters = pairs.valid & (pairs.pos >= sinks) & ~member.any(-1)
+    enters = pairs.valid & (pairs.pos >= sinks) & ~in_cache(pairs.pos, pairs.carried)
     return torch.where(enters, pairs.pos + window, NEVER)
 
 

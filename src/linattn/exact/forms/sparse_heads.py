@@ -1,0 +1,84 @@
+"""A split budget's heads apart: the heads that keep no pair on the composed route, the others on the sparse form.
+
+Heads never mix, and a head whose budget is 0 computes the composed op (the window and the memory, no cache;
+:mod:`.sparse_composed`). So a call whose budget leaves some heads nothing (``SparseCache.split(..., top=K)``
+leaves most heads nothing) runs every head on the composed route (native kernels, the flash band), and the
+sparse form on the heads that keep pairs alone, whose slots are then as wide as their own budgets need; the
+output and the state take those heads' rows from the sparse form (:func:`joined_state`).
+
+The sparse form maps the keys of the heads it runs with the call's map through :class:`HeadRows`, which puts them
+among zero rows of the other heads, so a map with parameters per head sees each head at its own index. Only beside
+the delta family, whose unit features cancel any scale a map might take from the whole tensor."""
+
+from __future__ import annotations
+
+import torch
+
+from ...feature_maps.base import FeatureMap
+from ...features import map_features
+from ...state import DeltaRuleState, SparseCache, SparseCacheState, WindowAttentionState
+from .sparse import _queries_since
+
+
+class HeadRows(FeatureMap):
+    """The map ``inner`` of H heads applied to the heads ``index`` (h,) only: inputs (..., h, N, D)."""
+
+    def __init__(self, inner: torch.nn.Module, index: torch.Tensor, heads: int) -> None:
+        super().__init__()
+        self.inner, self.heads = inner, heads
+        self.rows: torch.Tensor = index  # made for one call: a plain attribute, not a buffer
+        self.positive = getattr(inner, "positive", True)  # type: ignore[misc]
+        self.log_space = getattr(inner, "log_space", False)  # type: ignore[misc]
+
+    def features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        # the checks (finite, nonnegative) run on the rows returned, by the caller's map_features
+        full = x.new_zeros(*x.shape[:-3], self.heads, *x.shape[-2:]).index_copy(-3, self.rows, x)
+        return map_features(self.inner, full, is_query=is_query).index_select(-3, self.rows)
+
+
+def split_heads(cache: SparseCache, heads: int) -> tuple[torch.Tensor, SparseCache] | None:
+    """(the heads that keep pairs (h,), a cache of their budgets alone) where some head keeps none and some keep
+    pairs; None otherwise (one budget, no head without pairs, the oracle, or a linear weight other than 1 on a head
+    without pairs, which the composed route does not read)."""
+    if isinstance(cache.size, int) or cache.keep is not None:
+        return None
+    sizes = cache.sizes_for((heads,))
+    keeping = (sizes > 0).nonzero().squeeze(-1)
+    if keeping.numel() in (0, heads):
+        return None
+    weights = cache.linear_weight
+    if isinstance(weights, tuple):
+        if any(weights[h] != 1 for h in range(heads) if sizes[h] == 0):
+            return None
+        weights = tuple(weights[h] for h in keeping.tolist())
+    elif weights != 1:
+        return None
+    return keeping, SparseCache(size=tuple(int(sizes[h]) for h in keeping.tolist()), score=cache.score,
+                                block=cache.block, linear_weight=weights)
+
+
+def joined_state(cache: SparseCache, keeping: torch.Tensor, composed: WindowAttentionState,
+                 sparse: WindowAttentionState, queries: torch.Tensor) -> WindowAttentionState:
+    """The state of every head: the composed route's, with the memory of the heads ``keeping`` and the cache from
+    the sparse form's state of those heads. ``queries``: the carried queries and the call's (..., H, ·, Dk), the last
+    at the state's last position (the attention score keeps those since the last boundary, every head's)."""
+    linear, kept = composed.linear, sparse.linear
+    assert isinstance(linear, DeltaRuleState) and isinstance(kept, DeltaRuleState) and sparse.cache is not None
+    batch = composed.keep.shape[:-1]
+    head = len(batch) - 1
+    memory = DeltaRuleState(linear.kv.index_copy(head, keeping, kept.kv), linear.num_tokens)
+    held = sparse.cache
+    block = held.block
+    if cache.score == "attention":
+        end = composed.num_tokens
+        queries = _queries_since(queries, end - queries.shape[-2], end, block)
+    else:
+        queries = queries[..., :0, :]
+    # heads without pairs hold none: the packed rows of the heads that keep pairs, in order, are every head's
+    joined = SparseCacheState(cache.sizes_for(batch, held.sizes.device), held.packed_positions, held.packed_keys,
+                              held.packed_values, queries, block, held.packed_betas)
+    # the buffered write strengths as the sparse form keeps them: 0 at padding (which writes nothing either way)
+    betas = composed.betas * composed.keep.to(composed.betas.dtype) if composed.betas is not None else None
+    return WindowAttentionState(memory, composed.keys, composed.values, composed.keep, composed.sink_keys,
+                                composed.sink_values, composed.sink_keep, composed.window, composed.sinks,
+                                composed.num_tokens, joined, betas)
