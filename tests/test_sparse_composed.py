@@ -460,18 +460,19 @@ def test_a_linearized_model_generates_with_the_step(gate):
         torch.testing.assert_close(ours, full, rtol=1e-4, atol=1e-4)
 
 
-def _kept_route_calls(monkeypatch):
-    """Counts the calls that took the route of exact/forms/sparse_kept.py."""
+def _route_calls(monkeypatch, name):
+    """Counts the calls of ``linattn._dispatch.<name>``: "with_kept_pairs" (the route of exact/forms/sparse_kept.py)
+    or "_heads_apart" (exact/forms/sparse_heads.py)."""
     import linattn._dispatch as dispatch
 
     calls = []
-    taken = dispatch.with_kept_pairs
+    taken = getattr(dispatch, name)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return taken(*args, **kwargs)
 
-    monkeypatch.setattr(dispatch, "with_kept_pairs", counted)
+    monkeypatch.setattr(dispatch, name, counted)
     return calls
 
 
@@ -504,7 +505,7 @@ def test_heads_that_keep_every_pair_or_none(kind, factor, score, monkeypatch):
     cache = SparseCache(size=sizes, score=score, block=4)
     common = {"causal": True, "window": 5, "sinks": 2, "sparse_cache": cache, "window_factor": gamma,
               "return_state": True}
-    calls = _kept_route_calls(monkeypatch)
+    calls = _route_calls(monkeypatch, "with_kept_pairs")
     n = 29
     first = {name: (x[..., :n, :] if name == "log_gate" and x.dim() == 4 else x[..., :n]) if torch.is_tensor(x)
              else x for name, x in options.items()}
@@ -532,7 +533,7 @@ def test_a_head_one_pair_short_runs_the_general_form(monkeypatch):
     the result is still the definition's."""
     q, k, v, gen = inputs(h=2, n=29, seed=3)
     options = linear_options("gated-delta", q, gen)
-    calls = _kept_route_calls(monkeypatch)
+    calls = _route_calls(monkeypatch, "with_kept_pairs")
     got = linattn.linear_attention(q, k, v, causal=True, window=5, sinks=2, form="chunked", chunk_size=8,
                                    sparse_cache=SparseCache(size=(0, 24), block=4), **options)
     assert calls == []
@@ -552,7 +553,7 @@ def test_the_native_route_of_heads_that_keep_every_pair_or_none(monkeypatch):
     sizes = (0, 0, 70, 0)
     want = definition(q, k, v, window=9, sinks=2, size=sizes, block=8, score="recall",
                       **reference_options(options, q))
-    calls = _kept_route_calls(monkeypatch)
+    calls = _route_calls(monkeypatch, "with_kept_pairs")
     as_float = {name: x.float() for name, x in options.items() if torch.is_tensor(x)}
     backends = ["auto", "torch"] + (["native"] if native_backend.module("causal") is not None else [])
     for backend in backends:
@@ -568,21 +569,6 @@ def test_the_native_route_of_heads_that_keep_every_pair_or_none(monkeypatch):
                                      update="delta", **as_float)
 
 
-def _split_calls(monkeypatch):
-    """Counts the calls that ran the heads without pairs apart (exact/forms/sparse_heads.py)."""
-    import linattn._dispatch as dispatch
-
-    calls = []
-    apart = dispatch._heads_apart
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return apart(*args, **kwargs)
-
-    monkeypatch.setattr(dispatch, "_heads_apart", counted)
-    return calls
-
-
 @pytest.mark.parametrize("score", ["recall", "attention"])
 @pytest.mark.parametrize("kind", DELTA_KINDS)
 def test_heads_without_pairs_run_apart(kind, score, monkeypatch):
@@ -596,7 +582,7 @@ def test_heads_without_pairs_run_apart(kind, score, monkeypatch):
     sizes = (0, 3, 0, 6)
     common = {"causal": True, "window": 5, "sinks": 2, "window_factor": gamma, "return_state": True,
               "sparse_cache": SparseCache(size=sizes, score=score, block=4)}
-    calls = _split_calls(monkeypatch)
+    calls = _route_calls(monkeypatch, "_heads_apart")
     state, pieces = None, []
     for start, end in ((0, 13), (13, 14), (14, 40)):
         out, state = linattn.linear_attention(
@@ -624,7 +610,7 @@ def test_heads_apart_with_a_map_per_head(monkeypatch):
             param.add_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * 0.5)
     common = {"causal": True, "window": 5, "sinks": 2, "return_state": True, "feature_map": fmap,
               "sparse_cache": SparseCache(size=(4, 0, 0, 7), block=4)}
-    calls = _split_calls(monkeypatch)
+    calls = _route_calls(monkeypatch, "_heads_apart")
     got, state = linattn.linear_attention(q, k, v, form="chunked", chunk_size=8, **common, **options)
     assert calls == [1]
     want, reference = linattn.linear_attention(q, k, v, form="parallel", **common, **options)
