@@ -648,3 +648,60 @@ def test_the_decoding_step_holds_slots_for_the_heads_with_a_budget(score):
                          beta=token["beta"][..., 0], log_decay=token["log_gate"][..., 0]))
     torch.testing.assert_close(torch.cat(outs, dim=-2), whole[..., prompt:, :], rtol=0, atol=1e-10)
     _states_equal(step.state(), final, atol=1e-10)
+
+
+class _Counted:
+    """The native module with its ``sparse_delta_token`` calls counted."""
+
+    def __init__(self, kernels):
+        self.kernels, self.calls = kernels, 0
+
+    def __getattr__(self, name):
+        if name == "sparse_delta_token":
+            self.calls += 1
+        return getattr(self.kernels, name)
+
+
+@pytest.mark.parametrize("score", ["recall", "attention"])
+@pytest.mark.parametrize("factor", [None, 0.7], ids=["no-factor", "factor"])
+@pytest.mark.parametrize("kind", DELTA_KINDS)
+def test_the_native_decoding_token_beside_the_cache(kind, factor, score):
+    """Between two boundaries, with no padding, the delta family's step runs in one C++ call (the leaving key's
+    write unless the boundary kept it, λ per head, the softmax over the ring and the cached pairs that left the
+    window); across boundaries, sinks leaving and GQA it decodes what one chunked call computes (float64, 1e-10),
+    as the torch step does, and hands back the same state."""
+    from linattn.backends import native
+    from linattn.decode import SparseComposedDecodeStep, lean_step
+
+    if native.module() is None:
+        pytest.skip(f"the native kernels are not built here: {native.status()}")
+    q, k, v, gen = inputs(h=4, n=40, heads_kv=2, seed=11)
+    options = linear_options(kind, q, gen)
+    cache = cache_for(score, size=(0, 3, 2, 6), block=3, linear_weight=(1.0, 0.5, 1.0, 0.0))
+    common = {"window": 5, "sinks": 2, "window_factor": factor, "sparse_cache": cache}
+    whole, final = linattn.linear_attention(q, k, v, causal=True, chunk_size=8, return_state=True, **common,
+                                            **options)
+    prompt = 1  # the first steps are sinks (the torch code), the later ones the C++ token
+    _, state = linattn.linear_attention(q[..., :prompt, :], k[..., :prompt, :], v[..., :prompt, :], causal=True,
+                                        return_state=True, **common, **sliced(options, 0, prompt))
+    fixed = {n: x for n, x in options.items() if not torch.is_tensor(x)}
+    if "log_gate" in options:
+        fixed["log_gate"] = "with each token"
+    results = {}
+    for on in (True, False):
+        step = lean_step(linattn.feature_maps.create("elu", head_dim=6), state, {**common, **fixed}, kv_heads=2)
+        assert isinstance(step, SparseComposedDecodeStep)
+        step._kernels, step.native = _Counted(step._kernels), on
+        outs = []
+        for t in range(prompt, 40):
+            token = sliced(options, t, t + 1)
+            gate = token.get("log_gate")
+            outs.append(step(q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :],
+                             beta=token["beta"][..., 0] if "beta" in token else None,
+                             log_decay=None if gate is None else gate[..., 0] if gate.dim() == 3 else gate[..., 0, :]))
+        torch.testing.assert_close(torch.cat(outs, dim=-2), whole[..., prompt:, :], rtol=0, atol=1e-10)
+        _states_equal(step.state(), final, atol=1e-10)
+        results[on] = step
+    boundaries = len([t for t in range(prompt, 40) if t % 3 == 0])
+    assert results[True]._kernels.calls == 40 - max(prompt, 2) - boundaries  # every token but sinks and boundaries
+    assert results[False]._kernels.calls == 0

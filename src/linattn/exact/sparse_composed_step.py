@@ -49,7 +49,9 @@ class SparseComposedDecodeStep:
     (per token (B, H), or per feature (B, H, F)) come with each call, as :class:`~linattn.decode.ComposedDecodeStep`
     takes them."""
 
-    native = True  # one token's Hedgehog unit features in C++ where it builds (False: the torch code)
+    # C++ where it builds (False: the torch code): one token's Hedgehog unit features (read when the step is made)
+    # and, between boundaries, the delta family's whole token (read at each call)
+    native = True
 
     def __init__(self, fmap: nn.Module, state: WindowAttentionState, cache: SparseCache,
                  options: dict[str, Any]) -> None:
@@ -80,11 +82,10 @@ class SparseComposedDecodeStep:
 
         # the delta rule's unit features of one token in C++ for this exact Hedgehog map (per head or shared) in the
         # step's dtype, as ComposedDecodeStep computes them; the arguments for queries and keys, kept
-        self._kernels: Any = None
+        self._kernels: Any = native.module() if self.delta and self.native and device.type == "cpu" else None
         self._hedgehog: dict[bool, tuple[Any, ...]] | None = None
-        if self.delta and self.native and device.type == "cpu" and type(fmap) is HedgehogFeatureMap \
+        if self._kernels is not None and type(fmap) is HedgehogFeatureMap \
                 and fmap.num_heads in (None, heads) and fmap.weight.dtype == dtype and fmap.head_dim == dim:
-            self._kernels = native.module()
             weight, bias, key = fmap.weight.detach(), fmap.bias.detach(), 0 if fmap.tied else 1
             common = (fmap.GATE_LIMIT, torch.finfo(dtype).tiny)
             self._hedgehog = {True: (weight[0], bias[0], None, *common),
@@ -121,6 +122,10 @@ class SparseComposedDecodeStep:
         # others' slots alone), positions ascending, −1 where empty
         budget = self.sizes > 0
         self.holding = None if bool(budget.all()) else budget.nonzero().squeeze(-1)  # None: every row
+        # each row's index among the rows with a budget, −1 for the others (the C++ token reads it)
+        self._cache_rows = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self._cache_rows[budget] = torch.arange(int(budget.sum()), device=device)
+        self._fixed_beta = torch.full((rows,), self.beta, dtype=dtype, device=device)
         self.positions = self._held(held.positions.to(device).reshape(rows, self.slots))
         self.cached_keys = self._held(held.keys.to(device, dtype).reshape(rows, self.slots, dim))
         self.cached_values = self._held(held.values.to(device, dtype).reshape(rows, self.slots, values))
@@ -170,7 +175,7 @@ class SparseComposedDecodeStep:
     def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         """The linear part's features of rows x (B·H, [N,] d): the delta rule's unit φ̂, the additive update's φ (a
         log-space map's at each row's own maximum)."""
-        if self._kernels is not None and self._hedgehog is not None and x.dim() == 2:  # one token per row
+        if self._hedgehog is not None and x.dim() == 2:  # one token per row
             batch, heads = self.shape[:2]
             one = x.reshape(batch, heads, x.shape[-1]).contiguous()
             return self._kernels.hedgehog_unit_features(one, *self._hedgehog[is_query]).reshape(x.shape[0], -1)
@@ -204,13 +209,18 @@ class SparseComposedDecodeStep:
         if validate:
             check_token_options(beta, log_decay)
         out_dtype, dtype = q.dtype, self.kv.dtype
+        t = self.num_tokens
+        boundary = t and t % self.block == 0 and self.slots
+        if self.native and self._kernels is not None and t >= self.sinks and not boundary \
+                and (keep is None or bool(keep.all())):  # between two boundaries, no padding, not a sink
+            return self._native_token(q.to(dtype), k.to(dtype), v.to(dtype), beta, log_decay).to(out_dtype)
         q = q.to(dtype).reshape(rows, -1)
         k = _repeat_heads(k.to(dtype), heads).reshape(rows, -1)
         v = _repeat_heads(v.to(dtype), heads).reshape(rows, -1)
         token_keep = torch.ones(rows, dtype=torch.bool, device=q.device) if keep is None else (
             keep.reshape(batch, 1).expand(batch, heads).reshape(rows))
         v = v.masked_fill(~token_keep.unsqueeze(-1), 0.0)
-        t, window = self.num_tokens, self.window
+        window = self.window
         writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         if t and t % self.block == 0 and self.slots:
             writes += self._decide(t)
@@ -235,6 +245,38 @@ class SparseComposedDecodeStep:
             self.queries[:, t % self.block] = q
         self.num_tokens = t + 1
         return self._output(q).view(batch, heads, 1, values).to(out_dtype)
+
+    def _native_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor | None,
+                      log_decay: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`__call__` for a delta-rule part between two boundaries, every token kept: after the feature
+        stage, one C++ call (:func:`linattn.backends.native` ``sparse_delta_token``: the decay, the leaving key's
+        write unless the last boundary kept it, the read-out times λ, the new token into the ring and the softmax
+        over the ring and the cached pairs that have left the window), the same values up to rounding. In the
+        step's dtype: q (B, H, 1, d), k and v (B, Hkv, 1, ·) → (B, H, 1, Dv)."""
+        batch, heads, features, values = self.shape
+        rows, t = batch * heads, self.num_tokens
+        slot, leaving = self.sinks + t % self.window, t - self.window
+        q = q.reshape(rows, -1).contiguous()
+        kf = None
+        if leaving >= self.sinks:  # a masked key (kept False) writes nothing: the C++ never reads its features
+            kf = self._features(self.keys[:, slot], False).contiguous()
+        elif leaving >= 0:  # a sink leaves the window: from now on a separate exact key
+            self.live[leaving] = True
+        qf = self._features(q, True).contiguous()
+        factors = self.log_rate
+        if log_decay is not None:
+            gate = log_decay.reshape(rows, -1).to(torch.float64)
+            factors = gate if factors is None else factors + gate
+        strength = self._fixed_beta if beta is None else beta.reshape(rows).to(q.dtype).contiguous()
+        out = self._kernels.sparse_delta_token(
+            self.kv.view(batch, heads, features, values), qf, kf, None if factors is None else factors.contiguous(),
+            q, k.contiguous(), v.contiguous(), strength, self.keys, self.values, self.kept, self.live, self.betas,
+            slot, self.gamma, self.scale, self.stays[:, t % self.window].contiguous(), self._cache_rows,
+            self.positions, self.cached_keys, self.cached_values, leaving, self.linear_weight)
+        if self.queries is not None:
+            self.queries[:, t % self.block] = q
+        self.num_tokens = t + 1
+        return out
 
     def _rescale(self, shift: torch.Tensor) -> None:
         """The additive sums moved to the log-scale ``shift`` (R,) ≥ the current one."""

@@ -6,10 +6,11 @@ Two extensions, one per source file: ``decode`` and ``causal``.
 
 What ``decode`` is for: a decoding token of a small model does a few hundred thousand multiply-adds per layer, and in
 torch each of its ~115 small operations (for the shipped SmolLM2 student) costs more in dispatch than in
-arithmetic. Three calls replace most of them (decode.cpp): ``delta_window_token`` (the memory's decay, write and
+arithmetic. Four calls replace most of them (decode.cpp): ``delta_window_token`` (the memory's decay, write and
 read-out, the ring and the window's softmax; :class:`~linattn.exact.composed_step.ComposedDecodeStep` for the
-delta family beside the window), ``hedgehog_unit_features`` (the Hedgehog map of one token, normalised) and
-``key_gates`` (:meth:`linattn.nn.KeyGates.step_arguments`).
+delta family beside the window), ``sparse_delta_token`` (the same beside the sparse exact cache, between two of its
+boundaries: :class:`~linattn.exact.sparse_composed_step.SparseComposedDecodeStep`), ``hedgehog_unit_features`` (the
+Hedgehog map of one token, normalised) and ``key_gates`` (:meth:`linattn.nn.KeyGates.step_arguments`).
 
 What ``causal`` is for: a causal forward without gradients (inference, a prompt's prefill) spends most of its time
 in the chunked forms' passes over whole tensors; causal.cpp runs the recurrence token by token with each (batch,

@@ -32,13 +32,31 @@ T dot(const T* a, const T* b, int64_t n) {
   return acc;
 }
 
+// The sparse exact cache beside the window (SparseComposedDecodeStep, between two boundaries): the leaving key stays
+// exact (writes nothing) where `stays` says the last boundary kept it, and the softmax also runs over the cached
+// pairs of the row's cache row (`rows`: its index among the rows with a budget, or -1) whose positions p satisfy
+// 0 <= p <= limit (those that have left the window); `weight` scales the memory's read-out per row.
+struct Cache {
+  const bool* stays = nullptr;         // (B*H,)
+  const int64_t* rows = nullptr;       // (B*H,)
+  const int64_t* positions = nullptr;  // (R_c, lambda)
+  const void* keys = nullptr;          // (R_c, lambda, d)
+  const void* values = nullptr;        // (R_c, lambda, Dv)
+  const void* weight = nullptr;        // (B*H,) or null
+  int64_t slots = 0, limit = -1;
+};
+
 template <typename T>
 void token(at::Tensor& memory, const at::Tensor& qf, const std::optional<at::Tensor>& kf,
            const std::optional<at::Tensor>& log_decay, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
            const at::Tensor& beta_new, at::Tensor& keys, at::Tensor& values, at::Tensor& kept, at::Tensor& live,
-           at::Tensor& betas, int64_t slot, const std::optional<at::Tensor>& gamma, double scale, at::Tensor& out) {
+           at::Tensor& betas, int64_t slot, const std::optional<at::Tensor>& gamma, double scale, at::Tensor& out,
+           const Cache& cache = Cache()) {
   const int64_t batch = memory.size(0), heads = memory.size(1), features = memory.size(2), dv = memory.size(3);
-  const int64_t dim = q.size(-1), slots = keys.size(2), kv_heads = k.size(1), group = heads / kv_heads;
+  const int64_t dim = q.size(-1), slots = keys.size(-2), kv_heads = k.size(1), group = heads / kv_heads;
+  const T* cached_keys = static_cast<const T*>(cache.keys);
+  const T* cached_values = static_cast<const T*>(cache.values);
+  const T* read_weight = static_cast<const T*>(cache.weight);
   const int64_t gates = log_decay ? log_decay->size(-1) : 0;
   T* mem = memory.data_ptr<T>();
   const T* qf_p = qf.data_ptr<T>();
@@ -57,7 +75,7 @@ void token(at::Tensor& memory, const at::Tensor& qf, const std::optional<at::Ten
   const T* gamma_p = gamma ? gamma->data_ptr<T>() : nullptr;
   T* out_p = out.data_ptr<T>();
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> recalled(dv), scores(slots), factor(features);
+    std::vector<T> recalled(dv), scores(slots + cache.slots), factor(features);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / heads, h = row % heads, kv_row = b * kv_heads + h / group;
       T* S = mem + row * features * dv;
@@ -78,7 +96,8 @@ void token(at::Tensor& memory, const at::Tensor& qf, const std::optional<at::Ten
         for (int64_t f = 0; f < features; ++f) factor[f] = T(1);
       }
       // the leaving key's write: u = beta (v - S^T kf) after the decay; then S += kf u^T and the read S^T qf
-      const bool writes = kf_p != nullptr && kept_p[row * slots + slot];  // a masked key: its features unread
+      const bool writes = kf_p != nullptr && kept_p[row * slots + slot]  // a masked key: its features unread
+                          && (cache.stays == nullptr || !cache.stays[row]);
       const T strength = writes ? betas_p[row * slots + slot] : T(0);
       for (int64_t j = 0; j < dv; ++j) recalled[j] = T(0);
       const T* krow = writes ? kf_p + row * features : nullptr;
@@ -102,9 +121,10 @@ void token(at::Tensor& memory, const at::Tensor& qf, const std::optional<at::Ten
         const T* old = value_slots + slot * dv;
         for (int64_t j = 0; j < dv; ++j) recalled[j] = strength * (old[j] - recalled[j]);  // u
       }
+      const T lin = read_weight != nullptr ? read_weight[row] : T(1);
       for (int64_t f = 0; f < features; ++f) {
         T* s = S + f * dv;
-        const T qv = qrow[f];
+        const T qv = lin * qrow[f];
         if (writes) {
           const T kv = krow[f];
 #pragma omp simd
@@ -133,11 +153,30 @@ void token(at::Tensor& memory, const at::Tensor& qf, const std::optional<at::Ten
           top = scores[s] > top ? scores[s] : top;
         }
       }
+      // the cached pairs that have left the window: after the ring's scores (-inf where not exact)
+      const int64_t held = cache.rows != nullptr ? cache.rows[row] : -1;
+      const int64_t* where = held >= 0 ? cache.positions + held * cache.slots : nullptr;
+      T* cached = scores.data() + slots;
+      if (where != nullptr) {
+        const T* ck = cached_keys + held * cache.slots * dim;
+        for (int64_t c = 0; c < cache.slots; ++c) {
+          if (where[c] >= 0 && where[c] <= cache.limit) {
+            cached[c] = dot(qraw, ck + c * dim, dim) * static_cast<T>(scale);
+            top = cached[c] > top ? cached[c] : top;
+          }
+        }
+      }
       T total = 0;
       for (int64_t s = 0; s < slots; ++s) {
         const bool exact = kept_p[row * slots + s] && live_p[s];
         scores[s] = exact ? std::exp(scores[s] - top) : T(0);
         total += scores[s];
+      }
+      if (where != nullptr) {
+        for (int64_t c = 0; c < cache.slots; ++c) {
+          cached[c] = where[c] >= 0 && where[c] <= cache.limit ? std::exp(cached[c] - top) : T(0);
+          total += cached[c];
+        }
       }
       const T weight = (gamma_p != nullptr ? gamma_p[row] : T(1)) / total;
       for (int64_t s = 0; s < slots; ++s) {
@@ -146,6 +185,15 @@ void token(at::Tensor& memory, const at::Tensor& qf, const std::optional<at::Ten
         const T* val = value_slots + s * dv;
 #pragma omp simd
         for (int64_t j = 0; j < dv; ++j) o[j] += w * val[j];
+      }
+      if (where != nullptr) {
+        const T* cv = cached_values + held * cache.slots * dv;
+        for (int64_t c = 0; c < cache.slots; ++c) {
+          if (cached[c] == T(0)) continue;
+          const T w = cached[c] * weight;
+#pragma omp simd
+          for (int64_t j = 0; j < dv; ++j) o[j] += w * cv[c * dv + j];
+        }
       }
     }
   });
@@ -160,6 +208,33 @@ at::Tensor delta_window_token(at::Tensor memory, const at::Tensor& qf, const std
   AT_DISPATCH_FLOATING_TYPES(memory.scalar_type(), "delta_window_token", [&] {
     token<scalar_t>(memory, qf, kf, log_decay, q, k, v, beta_new, keys, values, kept, live, betas, slot, gamma,
                     scale, out);
+  });
+  return out;
+}
+
+// delta_window_token beside the sparse exact cache (see Cache): stays (B*H,) bool, rows (B*H,) int64, positions
+// (R_c, lambda) int64, cached keys (R_c, lambda, d) and values (R_c, lambda, Dv) in the memory's dtype, limit = t - W;
+// weight (B*H,) or None. The ring tensors may be (B*H, slots, ...) as well as (B, H, slots, ...).
+at::Tensor sparse_delta_token(at::Tensor memory, const at::Tensor& qf, const std::optional<at::Tensor>& kf,
+                              const std::optional<at::Tensor>& log_decay, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, const at::Tensor& beta_new, at::Tensor keys, at::Tensor values,
+                              at::Tensor kept, at::Tensor live, at::Tensor betas, int64_t slot,
+                              const std::optional<at::Tensor>& gamma, double scale, const at::Tensor& stays,
+                              const at::Tensor& rows, const at::Tensor& positions, const at::Tensor& cached_keys,
+                              const at::Tensor& cached_values, int64_t limit, const std::optional<at::Tensor>& weight) {
+  at::Tensor out = at::empty({memory.size(0), memory.size(1), 1, memory.size(3)}, memory.options());
+  Cache cache;
+  cache.stays = stays.data_ptr<bool>();
+  cache.rows = rows.data_ptr<int64_t>();
+  cache.positions = positions.data_ptr<int64_t>();
+  cache.keys = cached_keys.data_ptr();
+  cache.values = cached_values.data_ptr();
+  cache.weight = weight ? weight->data_ptr() : nullptr;
+  cache.slots = positions.size(-1);
+  cache.limit = limit;
+  AT_DISPATCH_FLOATING_TYPES(memory.scalar_type(), "sparse_delta_token", [&] {
+    token<scalar_t>(memory, qf, kf, log_decay, q, k, v, beta_new, keys, values, kept, live, betas, slot, gamma,
+                    scale, out, cache);
   });
   return out;
 }
@@ -263,6 +338,8 @@ std::tuple<at::Tensor, at::Tensor> key_gates(const at::Tensor& k, const at::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("delta_window_token", &delta_window_token,
         "one decoding token of the window beside a delta-rule memory (see decode.cpp)");
+  m.def("sparse_delta_token", &sparse_delta_token,
+        "delta_window_token beside the sparse exact cache, between two boundaries (see decode.cpp)");
   m.def("hedgehog_unit_features", &hedgehog_unit_features, "the Hedgehog map's unit features of one token");
   m.def("key_gates", &key_gates, "beta and a per-head log-gate of one token from its keys (KeyGates)");
 }
