@@ -40,6 +40,9 @@ from ..state import DeltaRuleState, LinearAttentionState, SparseCache, SparseCac
 from .composed_step import fill_slots
 from .forms.boundary import attention_scores, choose, oracle_scores, recall_scores
 
+# a write into the linear state: keys (R, d), values (R, Dv), strength (R,), and the keys' features (R, F) or None
+Write = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
 
 class SparseComposedDecodeStep:
     """The sparse cache beside a decayed, gated or delta-rule linear part one token at a time, from the
@@ -106,10 +109,7 @@ class SparseComposedDecodeStep:
             assert isinstance(state.linear, LinearAttentionState)
             self.shift = state.linear.shift.detach().to(device, dtype).reshape(rows).clone()
         self.sizes = cache.sizes_for((batch, heads), device).reshape(rows)
-        self.oracle = None
-        if cache.keep is not None:
-            self.oracle = dataclasses.replace(cache, size=self.sizes.cpu(), keep=cache.keep.to(device).expand(
-                batch, heads, cache.keep.shape[-1]).reshape(rows, -1))
+
         # the exact keys: S sink slots, then the ring (position p in slot S + p mod W)
         slots = self.sinks + self.window
         self.keys = torch.zeros(rows, slots, dim, dtype=dtype, device=device)
@@ -132,6 +132,14 @@ class SparseComposedDecodeStep:
         betas = held.betas
         self.cached_betas = self._held(betas.to(device, dtype).reshape(rows, self.slots) if betas is not None
                                        else torch.zeros(rows, self.slots, dtype=dtype, device=device))
+        # the recall score's features of the cached keys (R_c, λ, F), kept with them (a key's features never change)
+        self.cached_features = None
+        if cache.score == "recall":
+            self.cached_features = self._held(self._features(self._every(self.cached_keys, 0.0), False))
+        self.oracle = None  # the oracle's marks for the rows with a budget
+        if cache.keep is not None:
+            self.oracle = dataclasses.replace(cache, size=self._rows(self.sizes).cpu(), keep=self._rows(
+                cache.keep.to(device).expand(batch, heads, cache.keep.shape[-1]).reshape(rows, -1)))
         # per ring slot of a position p: whether the last boundary kept the pair (it stays exact when it leaves)
         self.stays = torch.zeros(rows, self.window, dtype=torch.bool, device=device)
         ring = torch.arange(max(0, self.num_tokens - self.window), self.num_tokens, device=device)
@@ -149,6 +157,10 @@ class SparseComposedDecodeStep:
     def _held(self, x: torch.Tensor) -> torch.Tensor:
         """The rows with a budget of x (B·H, ·) (a new tensor)."""
         return x.clone() if self.holding is None else x.index_select(0, self.holding)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows with a budget of x (B·H, ·) (x itself when every row has one)."""
+        return x if self.holding is None else x.index_select(0, self.holding)
 
     def _every(self, x: torch.Tensor, fill: float) -> torch.Tensor:
         """Cache rows x (R_c, ·) as (B·H, ·), ``fill`` in the rows without a budget."""
@@ -221,7 +233,7 @@ class SparseComposedDecodeStep:
             keep.reshape(batch, 1).expand(batch, heads).reshape(rows))
         v = v.masked_fill(~token_keep.unsqueeze(-1), 0.0)
         window = self.window
-        writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        writes: list[Write] = []
         if t and t % self.block == 0 and self.slots:
             writes += self._decide(t)
         slot = self.sinks + t % window
@@ -229,7 +241,8 @@ class SparseComposedDecodeStep:
         if leaving >= self.sinks:  # key t − W enters the state unless the boundary kept it or it was padding
             stays = self.stays[:, t % window]
             writes.append((self.keys[:, slot].clone(), self.values[:, slot].clone(),
-                           (self.kept[:, slot] & ~stays).to(dtype) * (self.betas[:, slot] if self.delta else 1.0)))
+                           (self.kept[:, slot] & ~stays).to(dtype) * (self.betas[:, slot] if self.delta else 1.0),
+                           None))
         if self.shift is not None:  # R takes key t (a kept one) before the step's writes
             top = self._map(k, False).amax(-1).masked_fill(~token_keep, NEG_INF)
             self._rescale(torch.maximum(self.shift, top))
@@ -286,10 +299,10 @@ class SparseComposedDecodeStep:
         self.k_sum.mul_(carry[:, None])
         self.shift = shift
 
-    def _advance(self, writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                 log_decay: torch.Tensor | None) -> None:
+    def _advance(self, writes: list[Write], log_decay: torch.Tensor | None) -> None:
         """The linear state's step: the token's decay, then each write (keys (R, d), values (R, Dv), strength (R,):
-        the delta rule's β, or 1/0 for the additive update) in order."""
+        the delta rule's β, or 1/0 for the additive update; the delta rule's unit features (R, F) of the keys, or
+        None: mapped here) in order."""
         rows = self.kv.shape[0]
         total = self.log_rate
         if log_decay is not None:
@@ -300,8 +313,8 @@ class SparseComposedDecodeStep:
             self.kv.mul_(factor.unsqueeze(-1))
             if self.k_sum is not None:
                 self.k_sum.mul_(factor)
-        for key, value, strength in writes:
-            kf = self._features(key, False) if self.delta else self._stored(key)
+        for key, value, strength, known in writes:
+            kf = known if known is not None else self._features(key, False) if self.delta else self._stored(key)
             kf = torch.where(strength.unsqueeze(-1) != 0, kf, 0.0)  # (R, F)
             if self.delta:
                 recalled = torch.bmm(kf.unsqueeze(1), self.kv).squeeze(1)  # Sᵀk̂ (R, Dv)
@@ -312,56 +325,62 @@ class SparseComposedDecodeStep:
                 self.kv.add_(kf.unsqueeze(-1) * value.unsqueeze(1))
                 self.k_sum.add_(kf)
 
-    def _decide(self, t0: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _decide(self, t0: int) -> list[Write]:
         """The boundary t0: choose the cache, mark the leaving ring pairs that stay, and return the writes of the
-        cached pairs not kept (ascending position; strength 0 where a row drops fewer)."""
+        cached pairs not kept (ascending position; strength 0 where a row drops fewer). Only the rows with a budget
+        decide (the others keep no pair: every ring pair of theirs enters the state when it leaves); the cached
+        pairs' features are kept beside them, so a decision maps the block's new candidates alone."""
         window, block, slots, device = self.window, self.block, self.slots, self.kv.device
         leaving = torch.arange(t0 - window, t0 - window + block, device=device)
         at = self.sinks + leaving % window
-        ring_valid = (leaving >= max(self.sinks, 0)) & self.live[at] & self.kept[:, at]  # (R, B)
-        # every row's slots for this decision (the map sees (B, H, ·, d)); kept again for the rows with a budget
-        cached_positions = self._every(self.positions, -1)
-        cached_keys, cached_values = self._every(self.cached_keys, 0.0), self._every(self.cached_values, 0.0)
-        cached_betas = self._every(self.cached_betas, 0.0)
-        positions = torch.cat([cached_positions, leaving.expand(self.kv.shape[0], -1)], 1)  # (R, C)
-        valid = torch.cat([cached_positions >= 0, ring_valid], 1)
+        ring_valid = self._rows((leaving >= max(self.sinks, 0)) & self.live[at] & self.kept[:, at])  # (R_c, B)
+        positions = torch.cat([self.positions, leaving.expand(ring_valid.shape[0], -1)], 1)  # (R_c, C)
+        valid = torch.cat([self.positions >= 0, ring_valid], 1)
         positions = positions.masked_fill(~valid, -1)
-        keys = torch.cat([cached_keys, self.keys[:, at]], 1)
-        vals = torch.cat([cached_values, self.values[:, at]], 1)
-        betas = torch.cat([cached_betas, self.betas[:, at]], 1)
-        if self.cache.score == "recall":
-            kf = self._features(keys, False) * valid.unsqueeze(-1)
+        keys = torch.cat([self.cached_keys, self._rows(self.keys[:, at])], 1)
+        vals = torch.cat([self.cached_values, self._rows(self.values[:, at])], 1)
+        betas = torch.cat([self.cached_betas, self._rows(self.betas[:, at])], 1)
+        features = None
+        if self.cached_features is not None:  # the map sees (B, H, ·, d): every row's ring keys, then the held rows
+            features = torch.cat([self.cached_features, self._rows(self._features(self.keys[:, at], False))], 1)
+            kf = features * valid.unsqueeze(-1)
             if self.delta:
-                scores = torch.linalg.vector_norm(vals - torch.bmm(kf, self.kv), dim=-1)
+                scores = torch.linalg.vector_norm(vals - torch.bmm(kf, self._rows(self.kv)), dim=-1)
             else:
                 assert self.k_sum is not None
-                scores = recall_scores(kf, vals, self.kv, self.k_sum)
+                scores = recall_scores(kf, vals, self._rows(self.kv), self._rows(self.k_sum))
         elif self.cache.score == "attention":
             assert self.queries is not None
-            scores = attention_scores(self.queries, torch.arange(t0 - block, t0, device=device), keys, positions,
-                                      valid, self.scale)
+            scores = attention_scores(self._rows(self.queries), torch.arange(t0 - block, t0, device=device), keys,
+                                      positions, valid, self.scale)
         else:
             assert self.oracle is not None
             scores = oracle_scores(self.oracle, positions)
-        chosen, index, kept = choose(scores, positions, valid, self.sizes, slots)
-        dropped = valid[:, :slots] & ~kept[:, :slots]  # (R, λ), ascending as the cache's slots
-        count = int(dropped.sum(-1).max())
+        chosen, index, kept = choose(scores, positions, valid, self._rows(self.sizes), slots)
+        dropped = valid[:, :slots] & ~kept[:, :slots]  # (R_c, λ), ascending as the cache's slots
+        count = int(dropped.sum(-1).max()) if dropped.numel() else 0
         order = torch.argsort((~dropped).to(torch.int8), dim=1, stable=True)[:, :count]  # the dropped first
         mask = dropped.gather(1, order)
-        writes = []
+        writes: list[Write] = []
+        every = torch.arange(order.shape[0], device=device)
         for column in range(count):
             pick = order[:, column]
-            strength = mask[:, column].to(self.kv.dtype) * (cached_betas.gather(1, pick[:, None]).squeeze(1)
-                                                           if self.delta else 1.0)
-            writes.append((cached_keys[torch.arange(pick.shape[0]), pick],
-                           cached_values[torch.arange(pick.shape[0]), pick], strength))
+            strength = mask[:, column].to(self.kv.dtype) * (self.cached_betas[every, pick] if self.delta else 1.0)
+            picked = None if features is None or not self.delta else self._every(features[every, pick], 0.0)
+            writes.append((self._every(self.cached_keys[every, pick], 0.0),
+                           self._every(self.cached_values[every, pick], 0.0), self._every(strength, 0.0), picked))
         filled = (index >= 0).unsqueeze(-1)
         pick = index.clamp(min=0)
-        self.cached_keys = self._held(keys.gather(1, pick.unsqueeze(-1).expand(-1, -1, keys.shape[-1])) * filled)
-        self.cached_values = self._held(vals.gather(1, pick.unsqueeze(-1).expand(-1, -1, vals.shape[-1])) * filled)
-        self.cached_betas = self._held(betas.gather(1, pick) * filled.squeeze(-1))
-        self.positions = self._held(chosen)
-        self.stays[:, leaving % window] = kept[:, slots:]
+
+        def take(x: torch.Tensor) -> torch.Tensor:
+            return x.gather(1, pick.unsqueeze(-1).expand(-1, -1, x.shape[-1])) * filled
+
+        self.cached_keys, self.cached_values = take(keys), take(vals)
+        if features is not None:
+            self.cached_features = take(features)
+        self.cached_betas = betas.gather(1, pick) * filled.squeeze(-1)
+        self.positions = chosen
+        self.stays[:, leaving % window] = self._every(kept[:, slots:], False)
         return writes
 
     def _scores(self, keys: torch.Tensor, q: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
