@@ -705,3 +705,45 @@ def test_the_native_decoding_token_beside_the_cache(kind, factor, score):
     boundaries = len([t for t in range(prompt, 40) if t % 3 == 0])
     assert results[True]._kernels.calls == 40 - max(prompt, 2) - boundaries  # every token but sinks and boundaries
     assert results[False]._kernels.calls == 0
+
+
+@pytest.mark.parametrize("kind", DELTA_KINDS)
+def test_the_native_carry_between_boundaries(kind, monkeypatch):
+    """backend="native" beside the delta family: the heads that keep pairs carry the memory between boundaries in
+    C++ (the recall score reads it); in three calls with padding and grouped heads, the definition's outputs and
+    the state of one call of the definition's form, field by field."""
+    from linattn.backends import native
+    from linattn.backends.native import forms as native_forms
+
+    if native.module("causal") is None:
+        pytest.skip(f"the native kernels are not built here: {native.status()}")
+    q, k, v, gen = inputs(h=4, n=40, dv=8, heads_kv=2, seed=9)
+    options = linear_options(kind, q, gen)
+    keep = torch.rand(2, 40, generator=gen) > 0.2
+    sizes = (0, 3, 0, 6)
+    common = {"causal": True, "window": 5, "sinks": 2, "return_state": True,
+              "sparse_cache": SparseCache(size=sizes, block=4)}
+    carried = []
+    taken = native_forms.delta_carry
+
+    def counted(*args, **kwargs):
+        result = taken(*args, **kwargs)
+        carried.append(result is not None)
+        return result
+
+    monkeypatch.setattr(native_forms, "delta_carry", counted)
+    state, pieces = None, []
+    for start, end in ((0, 13), (13, 14), (14, 40)):
+        out, state = linattn.linear_attention(
+            q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], form="chunked", chunk_size=8,
+            backend="native", key_padding_mask=keep[:, start:end], initial_state=state, **common,
+            **sliced(options, start, end))
+        pieces.append(out)
+    assert len(carried) == 40 // 4 - 1 and all(carried)  # every boundary after the first token, in C++
+    k4, v4 = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    keep4 = keep[:, None, :].expand(2, 4, 40)
+    want = definition(q, k4, v4.masked_fill(~keep4.unsqueeze(-1), 0), window=5, sinks=2, size=sizes, block=4,
+                      score="recall", keep=keep4, **reference_options(options, q))
+    torch.testing.assert_close(torch.cat(pieces, dim=-2), want, rtol=0, atol=1e-10)
+    _, whole = linattn.linear_attention(q, k, v, form="parallel", key_padding_mask=keep, **common, **options)
+    _states_equal(state, whole, atol=1e-10)

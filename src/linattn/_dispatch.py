@@ -242,7 +242,8 @@ def run_sparse(job: Job, form: str, native: bool = False) -> Result:
     linear part exact/forms/sparse_composed.py); causal. Log-space maps: the scales of exact/forms/sparse_scales.py.
     ``native``: the composed route's linear part on the native kernels, for the heads that run on it (beside the
     delta family, the heads that keep no pair, and in a first call those that keep every pair:
-    exact/forms/sparse_heads.py, exact/forms/sparse_kept.py)."""
+    exact/forms/sparse_heads.py, exact/forms/sparse_kept.py), and the delta rule's carry between the boundaries of
+    the heads that keep pairs."""
     state, cache = job.state, job.sparse_cache
     assert (state is None or isinstance(state, WindowAttentionState)) and cache is not None
     if job.beta is not None or job.log_decay is not None or job.feature_gate is not None:
@@ -284,7 +285,9 @@ def _run_sparse_composed(job: Job, form: str, native: bool = False) -> Result:
         _validate.check_gate_features(job.feature_gate, features)
     _validate.check_state_features(state.linear if state is not None else None, features, job.map_name)
     beta = job.beta if job.beta is None or job.keep is None else job.beta * job.keep.to(job.beta.dtype)
-    part = LinearPart(job.log_decay, job.feature_gate, beta, job.eps, job.min_denom)
+    # native: the boundaries' carry of the delta rule's state in C++ (the choice is discrete: no gradient)
+    part = LinearPart(job.log_decay, job.feature_gate, beta, job.eps, job.min_denom,
+                      native_forms.delta_carry if native and beta is not None else None)
     return sparse_composed(hybrid, cache, part, job.q, job.k, job.v, job.keep, state, form, job.chunk_size or 64)
 
 
@@ -328,7 +331,7 @@ def _heads_apart(job: Job, form: str, native: bool) -> Result:
                    v=rows(job.v, 3), keep=keep, state=state.index_select(head, keeping) if state is not None else None,
                    beta=some(job.beta, 2), log_decay=some(job.log_decay, 2), feature_gate=some(job.feature_gate, 3),
                    window_factor=factor, sparse_cache=own, return_state=True)
-    part_out, part_state = _run_sparse_composed(part, form)
+    part_out, part_state = _run_sparse_composed(part, form, native)
     assert isinstance(part_state, WindowAttentionState)
     carried = state.cache.queries if state is not None and state.cache is not None else job.q[..., :0, :]
     queries = torch.cat([carried, job.q], dim=-2)

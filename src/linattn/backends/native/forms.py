@@ -177,6 +177,27 @@ def delta(job: Any) -> tuple[torch.Tensor, DeltaRuleState]:
     return out, DeltaRuleState(kv, seen + n)
 
 
+def delta_carry(kf: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, log_gates: torch.Tensor | None,
+                state: DeltaRuleState) -> DeltaRuleState | None:
+    """The delta rule's state after M writes that nothing reads (the sparse cache's carry between two boundaries):
+    kf (..., M, F) unit rows (0 where nothing is written), v (..., M, Dv), beta (..., M), log_gates (..., M, 1 | F)
+    fp64 or None, from ``state``; each slot decays, then writes, as ``delta_recurrent`` steps. None where the kernels
+    do not take it (no build, the dtype or value width, gradients)."""
+    kernels = module("causal")
+    if kernels is None or value_reasons(v.shape[-1], v.dtype) or kf.dtype != v.dtype \
+            or grad_reasons(kf, v, beta, state.kv):
+        return None
+    batch, m, dv = kf.shape[:-2], kf.shape[-2], v.shape[-1]
+    kv = state.kv.to(v.dtype).expand(*batch, *state.kv.shape[-2:]).clone(memory_format=torch.contiguous_format)
+    out = v.new_empty(*batch, m, dv)  # the kernel reads every slot; nothing here keeps it
+    gates = None
+    if log_gates is not None:
+        gates = _rows(log_gates.to(torch.float64).expand(*batch, m, log_gates.shape[-1]))
+    kernels.delta_block(_rows(kf), _rows(kf), _rows(v), beta.to(v.dtype).expand(*batch, m).reshape(-1, m), gates,
+                        kv.view(-1, *kv.shape[-2:]), out.view(-1, m, dv), False, False)
+    return DeltaRuleState(kv, state.num_tokens + m)
+
+
 def hedgehog_features(fmap: HedgehogFeatureMap, x: torch.Tensor, is_query: bool) -> torch.Tensor | None:
     """The Hedgehog map's features of x (..., H, N, d) as ``fmap.features`` gives them: the projection z = Wx + b
     and the activation (the two softmaxes of z and −z, the keys' weight, the floor) in one C++ pass where m is a

@@ -16,6 +16,7 @@ own forms (recurrent, chunked).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +40,17 @@ class LinearPart:
 
     ``log_decay`` (..., N) fp64 one log-decay per token (a fixed rate and/or a per-token gate) or None;
     ``feature_gate`` (..., N, F) per-feature log-gates or None; ``beta`` (..., N) the delta rule's write strengths
-    (masked tokens 0) or None for the additive update."""
+    (masked tokens 0) or None for the additive update. ``carry``: None, or a faster way (the native kernels, given
+    by the caller) to the delta rule's state after a stream that nothing reads, the boundaries' carry:
+    ``carry(kf (..., M, F) unit rows, values (..., M, Dv), beta (..., M), log_gates (..., M, 1 | F) fp64 or None,
+    state)`` → the state after the M slots, or None where it does not take them."""
 
     log_decay: torch.Tensor | None
     feature_gate: torch.Tensor | None
     beta: torch.Tensor | None
     eps: float
     min_denom: float | None
+    carry: Callable[..., DeltaRuleState | None] | None = None
 
     @property
     def delta(self) -> bool:
@@ -212,6 +217,11 @@ def run_stream(part: LinearPart, pairs: Pairs, stream: Stream, qf: torch.Tensor 
     if part.delta:
         assert pairs.beta is not None and isinstance(state, DeltaRuleState)
         beta = pairs.beta.gather(-1, stream.rows.clamp(min=0)) * written.squeeze(-1)
+        if qf is None and part.carry is not None:  # the state alone: decays and writes, nothing read
+            logs = gate if gate is not None else decay.unsqueeze(-1) if decay is not None else None
+            carried = part.carry(kf, values, beta, logs, state)
+            if carried is not None:
+                return None, carried
         if gate is not None:
             run_kda = kda_recurrent if chunk_size is None else kda_chunked
             extra = {} if chunk_size is None else {"chunk_size": chunk_size}
