@@ -10,11 +10,17 @@ source's window the exact pairs per head are the source's, so the source's softm
 softmax baseline and its linearized row the equal-memory "more window instead of a cache" baseline; both are kept in
 the new card.
 
+With ``--end-to-end-steps S`` the maps and gates are then trained end to end with the cache in place (the
+linearize command's end-to-end stage: KL to the softmax model on ``--end-to-end-samples`` texts of
+``--end-to-end-tokens`` tokens sampled from the model, seed 0, and their copying sequences, the last ones held out for
+early stopping), before they are measured. The trained folder is kept in OUT/.tuned, the samples in OUT/.samples.json.
+
 The measurement (perplexity, the repeated passage at the card's gaps, passkey at the card's lengths and trials,
 perplexity by position) is written to OUT/.add_cache.json piece by piece: an interrupted run, started again with the
-same options, measures only what is missing.
+same options, measures only what is missing (and trains again only if it stopped while training).
 
     .venv/bin/python scripts/add_cache.py SOURCE OUT --window 64 --cache 128 --floor 0 --top 20 [--threads 1]
+                                          [--end-to-end-steps 48 --end-to-end-samples 16 --end-to-end-tokens 1024]
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ import torch
 
 from linattn import hf
 from linattn._json import dumps
-from linattn.evaluate.lm_stages import read_text
+from linattn.evaluate.lm_config import EndToEndOptions
+from linattn.evaluate.lm_stages import PROMPT_TOKENS, read_text, training_sequences, training_set
 from linattn.evaluate.perplexity import perplexity
 from linattn.evaluate.probes import passkey_accuracy, passkeys, repeat_perplexity, repeated_passages, repeats_by_gap
 from linattn.linearized.caches import folder_setting, retrieval_split
 from linattn.linearized.card import perplexity_by_position, write_card
 from linattn.linearized.folder import atomic_write, load_linearized, read_index, save_linearized
+from linattn.train.end_to_end import fit_end_to_end
 
 
 def main() -> None:
@@ -47,13 +55,19 @@ def main() -> None:
     parser.add_argument("--floor", type=int, default=0)
     parser.add_argument("--top", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--end-to-end-steps", type=int, default=0, help="train with the cache in place first")
+    parser.add_argument("--end-to-end-samples", type=int, default=16)
+    parser.add_argument("--end-to-end-tokens", type=int, default=1024)
     args = parser.parse_args()
+    if args.end_to_end_steps < 0:
+        raise SystemExit(f"--end-to-end-steps: need ≥ 0, got {args.end_to_end_steps}")
     torch.set_num_threads(args.threads)
     source, out = Path(args.source), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     progress_path = out / ".add_cache.json"
     setting = {"source": str(source), "window": args.window, "cache": args.cache, "floor": args.floor,
-               "top": args.top}
+               "top": args.top, **({"end_to_end": [args.end_to_end_steps, args.end_to_end_samples,
+                                                   args.end_to_end_tokens]} if args.end_to_end_steps else {})}
     progress: dict[str, Any] = json.loads(progress_path.read_text()) if progress_path.is_file() else {}
     if progress.get("setting", setting) != setting:
         raise SystemExit(f"{out} holds a measurement made with {progress['setting']}; pass the same options or "
@@ -70,6 +84,10 @@ def main() -> None:
     saved = {**{key: value for key, value in index["options"].items() if key != "sparse_cache"},
              "window": args.window, "sparse_cache": sizes}
     hf.linearize(model, maps, gates=gates, **{**options, "window": args.window, "sparse_cache": caches})
+    trained: dict[str, Any] | None = None
+    if args.end_to_end_steps:
+        model, maps, gates, trained = tuned(model, tokenizer, maps, gates, saved, index, out, args, progress)
+        atomic_write(progress_path, dumps(progress, indent=1))
     heldout, probe_text = read_text(None, "heldout"), read_text(None, "heldout_long")
     lengths = tuple(int(n) for n in earlier["rows"][0]["passkey"])
     gaps = [int(n) for n in earlier["rows"][0].get("repeat_by_gap") or {}]
@@ -109,14 +127,22 @@ def main() -> None:
             continue
         kept.append(old)
     result = {**earlier, "window": args.window, "sparse_cache": args.cache, "sparse_cache_heads": "retrieval",
-              "sparse_cache_floor": args.floor, "sparse_cache_top": args.top, "sparse_cache_trained": False,
+              "sparse_cache_floor": args.floor, "sparse_cache_top": args.top,
+              "sparse_cache_trained": trained is not None,
               "sparse_cache_scored_on": scored_on, "threads": args.threads, "rows": [*kept, row],
               "stages": {**earlier.get("stages", {}), "cache": {
                   "summary": f"window {args.window}, a cache of {args.cache} pairs per head on average split by the "
                              f"heads' retrieval scores on {scored_on} (floor {args.floor}"
                              + (f", the rest to the top {args.top} heads" if args.top else "")
-                             + "), added after training and measured (scripts/add_cache.py)",
-                  "seconds": sum(progress["seconds"].values())}}}
+                             + "), added after training"
+                             + (f", then trained with it in place for {args.end_to_end_steps} end-to-end steps"
+                                if trained is not None else "")
+                             + " and measured (scripts/add_cache.py)",
+                  "seconds": sum(progress["seconds"].values())},
+              **({"cache_end_to_end": {**trained, "summary": (
+                  f"the maps and gates trained end to end with the cache in place, {trained['steps']} steps on "
+                  f"{trained['samples']} samples of {trained['tokens']} tokens and their copying sequences (best "
+                  f"held-out KL {trained['best_held_out_kl']:.3f})")}} if trained is not None else {})}}
     save_linearized(model, out, maps=maps, options=saved, base=index["base"]["model"], results=result, gates=gates)
     write_card(result, str(out))
     reloaded, _ = load_linearized(out)
@@ -126,6 +152,34 @@ def main() -> None:
     print(f"wrote {out}: reloaded logits {'equal' if same else 'DIFFER'} to the measured model's on 512 tokens")
     if not same:
         raise SystemExit(1)
+
+
+def tuned(model: Any, tokenizer: Any, maps: Any, gates: Any, saved: dict[str, Any], index: dict[str, Any],
+          out: Path, args: argparse.Namespace, progress: dict[str, Any]) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """The model's maps and gates trained end to end with the cache in place (or read back from OUT/.tuned when an
+    earlier run finished training): the model, maps, gates and what training took."""
+    folder = out / ".tuned"
+    if "end_to_end" in progress and (folder / "linattn.json").is_file():
+        model, _ = load_linearized(folder)
+        maps, setting, _, _ = folder_setting(folder)
+        print(f"end to end: read back from {folder}", flush=True)
+        return model, maps, setting.get("gates"), progress["end_to_end"]
+    options = EndToEndOptions(steps=args.end_to_end_steps, samples=args.end_to_end_samples,
+                              tokens=args.end_to_end_tokens, texts=str(out / ".samples.json"), copies=True,
+                              corpus_orders=0, repeat_weight=1.0, lora_rank=0, lora_lr=0.0005, retrieval_heads=0,
+                              retrieval_maps=None, train_other_heads=False, sparse_cache=args.cache)
+    begin = time.perf_counter()
+    plain, sampling = training_sequences(model, tokenizer, read_text(None, "train"), options)  # under softmax
+    model.set_attn_implementation(hf.IMPLEMENTATION)
+    data = training_set(plain, [], options)
+    info = fit_end_to_end(model, tokenizer, data.sequences, max_tokens=options.tokens + PROMPT_TOKENS,
+                          steps=options.steps, held_out=data.held_out, progress=True, weights=data.weights)
+    save_linearized(model, folder, maps=maps, options=saved, base=index["base"]["model"], gates=gates)
+    progress["end_to_end"] = {"steps": options.steps, "samples": len(plain), "copying_sequences": data.copying,
+                              "tokens": options.tokens, "sampling_seconds": sampling,
+                              "seconds": time.perf_counter() - begin, "best_held_out_kl": info["best_held_out"],
+                              "history": info["history"]}
+    return model, maps, gates, progress["end_to_end"]
 
 
 if __name__ == "__main__":
