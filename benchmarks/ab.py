@@ -99,6 +99,54 @@ def _student(n: int) -> Callable[..., tuple[Callable[[], None], Callable[[], Non
     return build
 
 
+# one layer of the shipped SmolLM2 folder with a cache: 5 of its 9 heads keep 1,728 pairs each (layer 21)
+CACHED_SIZES = (0, 1728, 1728, 0, 0, 1728, 0, 0, 1728)
+
+
+def _cached(n: int, tokens: int) -> Callable[..., tuple[Callable[[], None], Callable[[], None]]]:
+    """The shipped folder's attention with its cache, on its own seeded inputs (B=1, 9 query and 3 key heads, D=64,
+    a Hedgehog map per head, the gated delta rule beside W=64 + 4 sinks, budgets CACHED_SIZES): ``tokens`` = 0, an
+    n-token prefill (no_grad); else an n-token prefill untimed, then ``tokens`` decoding steps timed."""
+    def build(linattn: Any, torch: Any, x: dict[str, Any]) -> tuple[Callable[[], None], Callable[[], None]]:
+        from linattn.decode import lean_step
+        from linattn.feature_maps import HedgehogFeatureMap
+
+        g = torch.Generator().manual_seed(0)
+        total = n + tokens
+        q = torch.randn(1, 9, total, 64, generator=g)
+        k, v = torch.randn(1, 3, total, 64, generator=g), torch.randn(1, 3, total, 64, generator=g)
+        fmap = HedgehogFeatureMap(head_dim=64, num_features=64, num_heads=9)
+        beta = torch.rand(1, 9, total, generator=g)
+        gate = torch.nn.functional.logsigmoid(torch.randn(1, 9, total, generator=g) + 3)
+        cache = linattn.SparseCache(size=CACHED_SIZES)
+        common = {"window": 64, "sinks": 4, "sparse_cache": cache}
+        steps: list[Any] = []
+
+        def prefill(return_state: bool) -> Any:
+            with torch.no_grad():
+                return linattn.linear_attention(q[..., :n, :], k[..., :n, :], v[..., :n, :], causal=True,
+                                                feature_map=fmap, update="delta", beta=beta[..., :n],
+                                                log_gate=gate[..., :n], return_state=return_state, **common)
+
+        if not tokens:
+            return lambda: None, lambda: prefill(False)
+
+        def before() -> None:
+            state = prefill(True)[1]
+            steps[:] = [lean_step(fmap, state, {**common, "update": "delta", "log_gate": "with each token"},
+                                  kv_heads=3)]
+
+        def step() -> None:
+            with torch.no_grad():
+                for t in range(n, total):
+                    steps[0](q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :],
+                             beta=beta[..., t], log_decay=gate[..., t])
+
+        return before, step
+
+    return build
+
+
 def _resolved(options: dict[str, Any], x: dict[str, Any]) -> dict[str, Any]:
     """Options whose value names an input ("@beta") take that input."""
     return {key: x[value[1:]] if isinstance(value, str) and value.startswith("@") else value
@@ -133,6 +181,11 @@ CALLS: dict[str, Spec] = {
                          ("update", "beta", "log_gate", "window", "sinks", "window_factor")),
     "student_8192": Spec("the same call, an 8,192-token prefill", _student(8192),
                          ("update", "beta", "log_gate", "window", "sinks", "window_factor")),
+    "cached_prefill_8192": Spec("the shipped folder's attention with its cache (a layer of 5 cached heads of 9, "
+                                "gated delta beside W=64 + 4 sinks), an 8,192-token prefill, no_grad",
+                                _cached(8192, 0), ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
+    "cached_decode_1536": Spec("the same layer decoding 64 tokens after a 1,536-token prefill (the prefill untimed)",
+                               _cached(1536, 64), ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
 }
 
 # ---------------------------------------------------------------------------------------------- worker side
