@@ -109,7 +109,6 @@ class SparseComposedDecodeStep:
             assert isinstance(state.linear, LinearAttentionState)
             self.shift = state.linear.shift.detach().to(device, dtype).reshape(rows).clone()
         self.sizes = cache.sizes_for((batch, heads), device).reshape(rows)
-
         # the exact keys: S sink slots, then the ring (position p in slot S + p mod W)
         slots = self.sinks + self.window
         self.keys = torch.zeros(rows, slots, dim, dtype=dtype, device=device)
