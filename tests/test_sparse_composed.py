@@ -618,16 +618,19 @@ def test_heads_apart_with_a_map_per_head(monkeypatch):
     _states_equal(state, reference, atol=1e-10)
 
 
+@pytest.mark.parametrize("features", [6, 8], ids=["m6", "m8"])
 @pytest.mark.parametrize("score", ["recall", "attention"])
-def test_the_decoding_step_holds_slots_for_the_heads_with_a_budget(score):
+def test_the_decoding_step_holds_slots_for_the_heads_with_a_budget(score, features):
     """Budgets (0, 3, 0, 5) and a Hedgehog map per head: the step keeps cache slots for heads 1 and 3 alone (the
     bytes of two rows, not four), decodes across boundaries what one chunked call computes, and hands back the
-    state of that call, field by field."""
+    state of that call, field by field. With m = 8 (a width the native kernels take in float64) the recall score
+    maps those two rows' candidates alone, in C++ with each row's head's weights."""
+    from linattn.backends import native
     from linattn.decode import SparseComposedDecodeStep, lean_step
 
     q, k, v, gen = inputs(h=4, n=30, heads_kv=2, seed=7)
     options = linear_options("gated-delta", q, gen)
-    fmap = linattn.feature_maps.create("hedgehog", head_dim=6, num_heads=4).double()
+    fmap = linattn.feature_maps.create("hedgehog", head_dim=6, num_features=features, num_heads=4).double()
     with torch.no_grad():
         for param in fmap.parameters():
             param.add_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * 0.5)
@@ -641,6 +644,8 @@ def test_the_decoding_step_holds_slots_for_the_heads_with_a_budget(score):
     step = lean_step(fmap, state, {**step_options, "update": "delta", "log_gate": "with each token"}, kv_heads=2)
     assert isinstance(step, SparseComposedDecodeStep)
     assert step.cached_keys.shape[0] == 2 * 2  # B · (heads with a budget)
+    built = native.module() is not None and native.module("causal") is not None
+    assert (step._held_map is not None) == (built and features == 8 and score == "recall")
     outs = []
     for t in range(prompt, 30):
         token = sliced(options, t, t + 1)

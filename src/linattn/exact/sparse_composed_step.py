@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..backends import native
+from ..backends.native import forms as native_forms
 from ..errors import LinearAttentionError
 from ..feature_maps import HedgehogFeatureMap
 from ..features import NEG_INF, finite, is_log_space, map_features, scale_between, stabilise_queries, unit_rows
@@ -131,10 +132,21 @@ class SparseComposedDecodeStep:
         betas = held.betas
         self.cached_betas = self._held(betas.to(device, dtype).reshape(rows, self.slots) if betas is not None
                                        else torch.zeros(rows, self.slots, dtype=dtype, device=device))
-        # the recall score's features of the cached keys (R_c, λ, F), kept with them (a key's features never change)
-        self.cached_features = None
-        if cache.score == "recall":
-            self.cached_features = self._held(self._features(self._every(self.cached_keys, 0.0), False))
+        # the recall score's unit features of the rows with a budget alone, in C++ with each row's own head's
+        # weights (a Hedgehog map beside the delta family); else the map over every row (:meth:`_held_features`)
+        self._held_map: tuple[Any, ...] | None = None
+        causal = native.module("causal") if self._kernels is not None and cache.score == "recall" else None
+        if causal is not None and type(fmap) is HedgehogFeatureMap and fmap.num_heads in (None, heads) \
+                and fmap.head_dim == dim and dtype in (torch.float32, torch.float64) \
+                and not native_forms.value_reasons(fmap.num_features, dtype):
+            index = 0 if fmap.tied else 1
+            held_rows = torch.arange(rows, device=device) if self.holding is None else self.holding
+            head = held_rows % heads if fmap.num_heads else torch.zeros_like(held_rows)
+            weight = fmap.weight.detach()[index].to(dtype).index_select(0, head)  # (R_c, m, d)
+            self._held_map = (causal, weight.transpose(-1, -2).contiguous(),
+                              fmap.bias.detach()[index].to(dtype).index_select(0, head).contiguous(),
+                              fmap.gate.detach()[0].to(dtype).index_select(0, head).unsqueeze(-1),
+                              fmap.GATE_LIMIT, torch.finfo(dtype).tiny)
         self.oracle = None  # the oracle's marks for the rows with a budget
         if cache.keep is not None:
             self.oracle = dataclasses.replace(cache, size=self._rows(self.sizes).cpu(), keep=self._rows(
@@ -194,6 +206,17 @@ class SparseComposedDecodeStep:
         if self.log_space:
             phi = stabilise_queries(phi)[0]
         return unit_rows(phi) if self.delta else phi
+
+    def _held_features(self, keys: torch.Tensor) -> torch.Tensor:
+        """The recall score's features of keys (R_c, N, d) of the rows with a budget: the delta rule's unit φ̂ in
+        C++ for those rows alone (the Hedgehog kernel of the native forward, each row with its head's weights and
+        key weight e^{clamp(u·k)}), or :meth:`_features` of every row (the map sees (B, H, ·, d))."""
+        if self._held_map is None:
+            return self._rows(self._features(self._every(keys, 0.0), False))
+        causal, weight_t, bias, gate, limit, floor = self._held_map
+        keys = keys.contiguous()
+        scale = torch.bmm(keys, gate).squeeze(-1).clamp_(-limit, limit).exp_()  # (R_c, N)
+        return unit_rows(causal.hedgehog_map(keys, weight_t, bias, scale, floor))
 
     def _stored(self, x: torch.Tensor) -> torch.Tensor:
         """Key rows x (R, ·, d) as the additive sums hold them: φ, or (log-space maps) e^{log φ − R} (≤ 1 for every
@@ -327,8 +350,8 @@ class SparseComposedDecodeStep:
     def _decide(self, t0: int) -> list[Write]:
         """The boundary t0: choose the cache, mark the leaving ring pairs that stay, and return the writes of the
         cached pairs not kept (ascending position; strength 0 where a row drops fewer). Only the rows with a budget
-        decide (the others keep no pair: every ring pair of theirs enters the state when it leaves); the cached
-        pairs' features are kept beside them, so a decision maps the block's new candidates alone."""
+        decide (the others keep no pair: every ring pair of theirs enters the state when it leaves), their
+        candidates mapped alone where the map allows it (:meth:`_held_features`)."""
         window, block, slots, device = self.window, self.block, self.slots, self.kv.device
         leaving = torch.arange(t0 - window, t0 - window + block, device=device)
         at = self.sinks + leaving % window
@@ -340,8 +363,8 @@ class SparseComposedDecodeStep:
         vals = torch.cat([self.cached_values, self._rows(self.values[:, at])], 1)
         betas = torch.cat([self.cached_betas, self._rows(self.betas[:, at])], 1)
         features = None
-        if self.cached_features is not None:  # the map sees (B, H, ·, d): every row's ring keys, then the held rows
-            features = torch.cat([self.cached_features, self._rows(self._features(self.keys[:, at], False))], 1)
+        if self.cache.score == "recall":
+            features = self._held_features(keys)
             kf = features * valid.unsqueeze(-1)
             if self.delta:
                 scores = torch.linalg.vector_norm(vals - torch.bmm(kf, self._rows(self.kv)), dim=-1)
@@ -375,8 +398,6 @@ class SparseComposedDecodeStep:
             return x.gather(1, pick.unsqueeze(-1).expand(-1, -1, x.shape[-1])) * filled
 
         self.cached_keys, self.cached_values = take(keys), take(vals)
-        if features is not None:
-            self.cached_features = take(features)
         self.cached_betas = betas.gather(1, pick) * filled.squeeze(-1)
         self.positions = chosen
         self.stays[:, leaving % window] = self._every(kept[:, slots:], False)
