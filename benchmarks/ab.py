@@ -74,19 +74,26 @@ def _training(**options: Any) -> Callable[..., tuple[Callable[[], None], Callabl
     return build
 
 
+def _shipped_inputs(torch: Any, n: int) -> tuple[Any, ...]:
+    """Seeded inputs of the shipped SmolLM2 student's attention call over n tokens: q (1, 9, n, 64), k and v
+    (1, 3, n, 64), a Hedgehog map per head, β (1, 9, n) and log-gates (1, 9, n)."""
+    from linattn.feature_maps import HedgehogFeatureMap
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 9, n, 64, generator=g)
+    k, v = torch.randn(1, 3, n, 64, generator=g), torch.randn(1, 3, n, 64, generator=g)
+    fmap = HedgehogFeatureMap(head_dim=64, num_features=64, num_heads=9)
+    beta = torch.rand(1, 9, n, generator=g)
+    gate = torch.nn.functional.logsigmoid(torch.randn(1, 9, n, generator=g) + 3)
+    return q, k, v, fmap, beta, gate
+
+
 def _student(n: int) -> Callable[..., tuple[Callable[[], None], Callable[[], None]]]:
     """The shipped SmolLM2 student's attention call in an n-token prefill, on its own seeded inputs: B=1, 9 query and
     3 key heads, D=64, a Hedgehog map per head, the gated delta rule beside the window W=192 with 4 sinks, a
     read-out factor per head; no_grad."""
     def build(linattn: Any, torch: Any, x: dict[str, Any]) -> tuple[Callable[[], None], Callable[[], None]]:
-        from linattn.feature_maps import HedgehogFeatureMap
-
-        g = torch.Generator().manual_seed(0)
-        q = torch.randn(1, 9, n, 64, generator=g)
-        k, v = torch.randn(1, 3, n, 64, generator=g), torch.randn(1, 3, n, 64, generator=g)
-        fmap = HedgehogFeatureMap(head_dim=64, num_features=64, num_heads=9)
-        beta = torch.rand(1, 9, n, generator=g)
-        gate = torch.nn.functional.logsigmoid(torch.randn(1, 9, n, generator=g) + 3)
+        q, k, v, fmap, beta, gate = _shipped_inputs(torch, n)
         factor = torch.full((9,), 30.0)
 
         def step() -> None:
@@ -103,23 +110,19 @@ def _student(n: int) -> Callable[..., tuple[Callable[[], None], Callable[[], Non
 CACHED_SIZES = (0, 1728, 1728, 0, 0, 1728, 0, 0, 1728)
 
 
-def _cached(n: int, tokens: int) -> Callable[..., tuple[Callable[[], None], Callable[[], None]]]:
+def _cached(n: int, tokens: int, cached: bool = True) -> Callable[..., tuple[Callable[[], None], Callable[[], None]]]:
     """The shipped folder's attention with its cache, on its own seeded inputs (B=1, 9 query and 3 key heads, D=64,
-    a Hedgehog map per head, the gated delta rule beside W=64 + 4 sinks, budgets CACHED_SIZES): ``tokens`` = 0, an
-    n-token prefill (no_grad); else an n-token prefill untimed, then ``tokens`` decoding steps timed."""
+    a Hedgehog map per head, the gated delta rule beside W=64 + 4 sinks, budgets CACHED_SIZES; ``cached=False``: a
+    layer without a cache): ``tokens`` = 0, an n-token prefill (no_grad); else an n-token prefill untimed, then
+    ``tokens`` decoding steps timed."""
     def build(linattn: Any, torch: Any, x: dict[str, Any]) -> tuple[Callable[[], None], Callable[[], None]]:
         from linattn.decode import lean_step
-        from linattn.feature_maps import HedgehogFeatureMap
 
-        g = torch.Generator().manual_seed(0)
         total = n + tokens
-        q = torch.randn(1, 9, total, 64, generator=g)
-        k, v = torch.randn(1, 3, total, 64, generator=g), torch.randn(1, 3, total, 64, generator=g)
-        fmap = HedgehogFeatureMap(head_dim=64, num_features=64, num_heads=9)
-        beta = torch.rand(1, 9, total, generator=g)
-        gate = torch.nn.functional.logsigmoid(torch.randn(1, 9, total, generator=g) + 3)
-        cache = linattn.SparseCache(size=CACHED_SIZES)
-        common = {"window": 64, "sinks": 4, "sparse_cache": cache}
+        q, k, v, fmap, beta, gate = _shipped_inputs(torch, total)
+        common: dict[str, Any] = {"window": 64, "sinks": 4}
+        if cached:
+            common["sparse_cache"] = linattn.SparseCache(size=CACHED_SIZES)
         steps: list[Any] = []
 
         def prefill(return_state: bool) -> Any:
@@ -186,6 +189,9 @@ CALLS: dict[str, Spec] = {
                                 _cached(8192, 0), ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
     "cached_decode_1536": Spec("the same layer decoding 64 tokens after a 1,536-token prefill (the prefill untimed)",
                                _cached(1536, 64), ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
+    "composed_decode_1536": Spec("a layer of the same folder without a cache decoding 64 tokens after a 1,536-token "
+                                 "prefill (the prefill untimed)", _cached(1536, 64, cached=False),
+                                 ("update", "beta", "log_gate", "window", "sinks")),
 }
 
 # ---------------------------------------------------------------------------------------------- worker side

@@ -256,7 +256,7 @@ class SparseComposedDecodeStep:
         v = v.masked_fill(~token_keep.unsqueeze(-1), 0.0)
         window = self.window
         writes: list[Write] = []
-        if t and t % self.block == 0 and self.slots:
+        if boundary:
             writes += self._decide(t)
         slot = self.sinks + t % window
         leaving = t - window
