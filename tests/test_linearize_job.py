@@ -22,7 +22,7 @@ from test_linearized import TEXT, save_tiny_llama  # noqa: E402
 FAST = ["--fit-steps", "2", "--fit-max-tokens", "128", "--fit-orders", "1", "--end-to-end-steps", "3",
         "--end-to-end-samples", "4", "--end-to-end-tokens", "30", "--passkey-lengths", "40", "--passkey-trials", "2",
         "--repeat-trials", "1", "--passage-tokens", "12", "--gap-tokens", "40", "--window", "8", "--sinks", "1",
-        "--quiet", "--student", "hedgehog"]
+        "--quiet", "--student", "hedgehog", "--sparse-cache", "0"]  # no cache unless a test gives one
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ cache in place: test_linearize_students_cache.py)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -102,19 +103,70 @@ def test_an_unknown_student_is_refused(tiny, tmp_path):  # noqa: F811
         main(command(tiny, tmp_path / "b", "--student", "rwkv"))
 
 
-def test_the_default_student_is_the_gated_delta_rule_with_its_own_window():
-    """The student measured best on SmolLM2 is the command's default, with its window of 192; an explicit
-    --window is kept; the additive student keeps its 64."""
+def test_the_default_student_is_the_gated_delta_rule_with_its_own_window_and_cache():
+    """The student measured best on SmolLM2 is the command's default, with the shipped folder's exact part: a window
+    of 64 and a cache of 2·64 pairs per head on average split by retrieval score among the 20 top heads, no floor;
+    what is given is kept (a --sparse-cache N given keeps the uniform spread); the additive student has no cache."""
     import argparse
 
     from linattn.linearized.arguments import add_linearize_arguments
-    from linattn.linearized.students import DEFAULT_STUDENT, STUDENTS
+    from linattn.linearized.students import DEFAULT_STUDENT, STUDENTS, resolve_exact_part
 
     parser = argparse.ArgumentParser()
     add_linearize_arguments(parser)
+
+    def resolved(*extra):
+        args = parser.parse_args(["smollm2", "--out", "x", *extra])
+        default_top = resolve_exact_part(args, STUDENTS[args.student])
+        return (args.window, args.sparse_cache, args.sparse_cache_heads, args.sparse_cache_floor,
+                args.sparse_cache_top, default_top)
+
     args = parser.parse_args(["smollm2", "--out", "x"])
-    assert args.student == DEFAULT_STUDENT == "gated-delta" and args.window is None
-    assert STUDENTS["gated-delta"].window == STUDENTS["kda"].window == 192 and STUDENTS["hedgehog"].window == 64
+    assert args.student == DEFAULT_STUDENT == "gated-delta" and args.window is None and args.sparse_cache is None
+    assert resolved() == (64, 128, "retrieval", 0, 20, True)
+    assert resolved("--student", "kda") == (64, 128, "retrieval", 0, 20, True)
+    assert resolved("--window", "192") == (192, 384, "retrieval", 0, 20, True)
+    assert resolved("--sparse-cache-top", "5") == (64, 128, "retrieval", 0, 5, False)
+    assert resolved("--sparse-cache-floor", "8") == (64, 128, "retrieval", 8, 20, True)
+    assert resolved("--sparse-cache-heads", "uniform") == (64, 128, "uniform", None, None, False)
+    assert resolved("--sparse-cache", "0") == (64, 0, "uniform", None, None, False)
+    assert resolved("--sparse-cache", "32") == (64, 32, "uniform", None, None, False)
+    assert resolved("--student", "hedgehog") == (64, 0, "uniform", None, None, False)
+    assert resolved("--student", "hedgehog", "--sparse-cache", "32") == (64, 32, "uniform", None, None, False)
+
+
+@pytest.mark.slow  # ~20 s: the pipeline once with the default exact part
+def test_the_default_exact_part_is_split_trained_measured_beside_both_baselines_and_saved(tiny, tmp_path):  # noqa: F811
+    """With no window or cache given, a delta-rule student gets its own: the cache of 2·W per head on average given
+    to the top 20 heads, here every head of the tiny model (8), no floor. The measured rows are the original, the
+    softmax window of W + 2W keys, the same student with those pairs in its window instead, and the linearized
+    model (last); the card explains the third; the folder saves the split."""
+    from linattn.cli import main
+    from test_linearize_job import FAST
+
+    out = tmp_path / "default"
+    base = [arg for arg in command(tiny, out) if arg not in ("--sparse-cache", "0")]  # FAST's "no cache" dropped
+    assert len(base) == len(command(tiny, out)) - 2 and "--window" in base  # W = 8 as FAST says
+    assert main([*base, "--student", "gated-delta", "--end-to-end-tokens", "120"]) == 0
+    plan = json.loads((out / "stages" / "plan.json").read_text())["options"]
+    assert (plan["sparse_cache"], plan["sparse_cache_heads"], plan["sparse_cache_floor"],
+            plan["sparse_cache_top"]) == (16, "retrieval", 0, 20)
+    split = json.loads((out / "stages" / "cache_sizes.json").read_text())
+    sizes = torch.tensor(split["sizes"])
+    assert split["top"] == sizes.numel() == 8 and int(sizes.sum()) == 16 * 8  # every head: the model has 8
+    results = json.loads((out / "results.json").read_text())
+    names = [row["name"] for row in results["rows"]]
+    assert names == ["original (softmax)", "window 24 + 1 sinks (softmax)",
+                     "the same student, window 24 + 1 sinks, no cache", "linearized"]
+    wider, linear = results["rows"][2], results["rows"][3]
+    assert math.isfinite(wider["perplexity"]) and wider["perplexity"] != linear["perplexity"]
+    assert "cache's pairs in its window instead" in (out / "README.md").read_text()
+    assert json.loads((out / "linattn.json").read_text())["options"]["sparse_cache"] == split["sizes"]
+    model, tokenizer = load_linearized(out)  # the measured (last) row's model is the folder's
+    with torch.no_grad():
+        ids = torch.tensor([tokenizer(TEXT)["input_ids"][:60]])
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+    assert FAST[-2:] == ["--sparse-cache", "0"]
 
 
 def test_a_budget_times_the_delta_students_own_fit_and_training_step(tiny, tmp_path, monkeypatch):  # noqa: F811

@@ -9,9 +9,12 @@ from ..evaluate.defaults import LM_SINKS, LM_WINDOW
 
 STUDENT_NAMES = ("hedgehog", "gated-delta", "kda")  # linattn.linearized.students defines them
 DEFAULT_STUDENT_NAME = "gated-delta"  # measured best on SmolLM2 (docs/linearize.md, "Students"): the shipped folder
-# the delta-rule students' window: 192 + 4 sinks = 196 exact pairs, SmolLM2's measured budget of equal memory; the
-# additive student keeps LoLCATs' 64 (its far keys' mass grows, so a wider window buys less beside it)
-DELTA_WINDOW = 192
+# the delta-rule students' exact pairs, the shipped SmolLM2's layout: a window of 64 + 4 sinks and a sparse cache of
+# 2·64 pairs per head on average, all of it given to the 20 heads of highest retrieval score (196 exact pairs per
+# head on average, SmolLM2's measured budget of equal memory); the additive student keeps LoLCATs' 64 and no cache
+DELTA_WINDOW = 64
+DELTA_CACHE_PER_WINDOW = 2  # the cache's mean pairs per head, in windows
+DELTA_CACHE_TOP = 20  # the heads that share the cache (every head, on a model with fewer)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,14 +59,17 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
     add("--window", type=int, default=None, help=f"softmax window beside the linear part (default: {LM_WINDOW} for "
         f"hedgehog, {DELTA_WINDOW} for the delta-rule students)")
     add("--sinks", type=int, default=LM_SINKS, help="sink tokens (the first tokens, always attended)")
-    add("--sparse-cache", type=int, default=0, help="a sparse exact cache of N pairs per head beside the window "
+    add("--sparse-cache", type=int, default=None, help="a sparse exact cache of N pairs per head beside the window "
         "(docs/sparse_cache.md): in place while the fit and the end-to-end stage train and in the measured row, and "
-        "saved with the folder; the softmax window row then has W + N keys (equal memory). 0: none")
-    add("--sparse-cache-heads", choices=("uniform", "retrieval"), default="uniform", help="how the cache's "
+        "saved with the folder; the softmax window row then has W + N keys (equal memory). 0: none. Default: none "
+        f"for hedgehog; for the delta-rule students {DELTA_CACHE_PER_WINDOW}·W pairs per head on average, split by "
+        f"retrieval score with no floor among the {DELTA_CACHE_TOP} highest-scoring heads (every head on a model with "
+        "fewer): the shipped SmolLM2's layout")
+    add("--sparse-cache-heads", choices=("uniform", "retrieval"), default=None, help="how the cache's "
         "pairs are spread over the heads: N for every head, or N per head on average, split in proportion to each "
         "head's retrieval score (the attention it puts beyond the window when a passage repeats, under softmax, on "
         "the end-to-end stage's sampled training texts, sampled even without its steps; --sparse-cache-floor pairs "
-        "at least)")
+        "at least). Default: uniform for a --sparse-cache N given, retrieval for the students' own cache")
     add("--sparse-cache-floor", type=int, default=None, help="with --sparse-cache-heads retrieval: the fewest pairs "
         "a head keeps (default N/2)")
     add("--sparse-cache-top", type=int, default=None, help="with --sparse-cache-heads retrieval: what the floor "

@@ -6,7 +6,8 @@ student's own fit: Hedgehog maps on attention weights, or a delta-rule student l
 end-to-end step as one softmax forward pass and one forward and backward pass of the student (its maps and gates
 alone taking gradients, as in training) on a sequence as long as the stage's, and the measuring stage from one
 forward pass over 256 tokens of the original and one of the linearized model (every row reads about the same
-number of tokens; the softmax window's row is counted as the original's). With ``--sparse-cache`` the fit, the
+number of tokens; the softmax window's row is counted as the original's, and with a cache the row of the same
+student with a wider window instead as the linearized model's). With ``--sparse-cache`` the fit, the
 end-to-end step and the linearized forward pass run with the cache in place (N pairs for every head: a split
 across heads, decided later, holds as many pairs), so its decisions and its exact term are counted.
 
@@ -125,7 +126,7 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
               config: LMCompareConfig, chosen: Student | None = None, repeat_gaps: tuple[int, ...] = ()
               ) -> dict[str, float]:
     """Seconds: ``fit_fixed`` (capture), ``fit_step``, ``end_to_end_step``, ``sampling_batch`` (one batch of
-    :data:`SAMPLING_BATCH` samples), ``measure`` (the three rows), and ``calibration`` (what measuring these took);
+    :data:`SAMPLING_BATCH` samples), ``measure`` (the rows), and ``calibration`` (what measuring these took);
     for the student ``chosen`` (default: the Hedgehog hybrid): its own fit and its own end-to-end step."""
     begin = time.perf_counter()
     chosen = chosen or STUDENTS["hedgehog"]
@@ -168,8 +169,10 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
     with torch.no_grad():
         forward, _ = _timed(lambda: model(input_ids=ids[:, :256]), repeats=2)
     heldout_tokens = len(tokenizer(heldout)["input_ids"])
-    # three rows: the original and the softmax window (timed as the original), the linearized model
-    measure = (2 * forward + linear) / min(256, length) * _probe_tokens(config, heldout_tokens, repeat_gaps)
+    # the original and the softmax window (timed as the original), the linearized model, and with a cache the same
+    # student with the cache's pairs in its window instead (timed as the linearized model)
+    rows = 2 * forward + (2 if config.end_to_end.sparse_cache else 1) * linear
+    measure = rows / min(256, length) * _probe_tokens(config, heldout_tokens, repeat_gaps)
     return {"fit_fixed": capture_seconds + max(short - fit_step, 0.0), "fit_step": fit_step,
             "end_to_end_step": (teacher + student) * EVAL_OVERHEAD,
             "sampling_batch": (eight / 8 + growth / 2) * config.end_to_end.tokens, "measure": measure,

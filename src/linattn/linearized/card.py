@@ -1,10 +1,11 @@
 """The card of a linearized folder: ``README.md`` written from its ``results.json``, and a plot of perplexity by
 token position (when matplotlib is installed).
 
-The table has one row per measured model (the original, the softmax window of equal memory, the linearized
-model): held-out perplexity, the repeated passage's perplexity and passkey retrieval per filler length as hits of
-trials with a 95 % Wilson score interval (Wilson, 1927, "Probable inference, the law of succession, and
-statistical inference"): with a handful of trials an accuracy alone says little.
+The table has one row per measured model (the original, the softmax window of equal memory, with a cache the same
+student with the cache's pairs in its window instead, the linearized model): held-out perplexity, the repeated
+passage's perplexity and passkey retrieval per filler length as hits of trials with a 95 % Wilson score interval
+(Wilson, 1927, "Probable inference, the law of succession, and statistical inference"): with a
+handful of trials an accuracy alone says little.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..evaluate.perplexity import score_tokens
 from ..evaluate.report import markdown_table, number
 
 POSITION_BINS = 8
+WIDER_ROW = "the same student"  # the row of the student with the cache's pairs in its window instead
 Z95 = 1.959964  # the standard normal's 97.5 % quantile
 
 
@@ -106,6 +108,9 @@ def card_lines(result: dict[str, Any], plotted: bool) -> list[str]:
         "Wilson interval. The window row is softmax over the same window" + (" widened by the cache's pairs"
                                                                              if cache else "")
         + " and sinks without a linear part: the softmax model of equal memory."
+        + (" The row of the same student has its maps and gates with the cache's pairs in its window instead of "
+           "the cache (not trained at that window): the linear model of equal memory."
+           if any(row["name"].startswith(WIDER_ROW) for row in result["rows"]) else "")
         + (f" Repeated passage N back: the same probe with a gap of N tokens, on {result.get('probe_source')} "
            "(— where the text is too short for that gap)." if gaps else ""), "",
         *markdown_table(["model", "perplexity", "repeated passage", *(f"repeat {n} back" for n in gaps),

@@ -52,12 +52,13 @@ from ..evaluate.window_softmax import use_window_softmax
 from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
 from ..state import SparseCache
 from ..train.end_to_end import cache_split
-from .card import perplexity_by_position, write_card
+from .card import WIDER_ROW, perplexity_by_position, write_card
 from .folder import atomic_write, check_disk, prepare_out, save_linearized
 from .students import (
     attention_options,
     fit_delta_student,
     load_stage_gates,
+    resolve_exact_part,
     save_stage_gates,
     student,
 )
@@ -139,10 +140,11 @@ class Job:
         check_text_file(getattr(args, "probe_text", None), "--probe-text")
         if args.budget is not None and not args.budget > 0:
             raise LinearAttentionError(f"--budget: need minutes > 0, got {args.budget}")
-        _check_cache_heads(args)
         self.student = student(getattr(args, "student", "hedgehog"))
-        if args.window is None:  # the student's own window (an explicit --window is kept, and saved in the plan)
-            args.window = self.student.window
+        # the student's own window and cache where the options leave them open (what is given is kept; all of it
+        # is saved in the plan)
+        self.default_top = resolve_exact_part(args, self.student)
+        _check_cache_heads(args)
         self.gates: list[Any] | None = None  # a delta-rule student's KeyGates, one per layer
         self.args, self.folder = args, prepare_out(args.out)
         self.stages = Stages(self.folder, args.quiet)
@@ -319,14 +321,18 @@ class Job:
                                            "stages/cache_sizes.json; pass another --out to run it again")
             floor = _cache_floor(args)
             scored = plain[: max(1, min(RETRIEVAL_SEQUENCES, len(plain) - HELD_OUT_SAMPLES))]
+            top = args.sparse_cache_top
+            if self.default_top:  # the students' default count: every head of a model with fewer
+                config = self.model.config
+                top = min(top, int(config.num_hidden_layers) * int(config.num_attention_heads))
             try:
                 caches, scores = cache_split(self.model, scored, window=args.window, sinks=args.sinks,
-                                             mean=args.sparse_cache, floor=floor, top=args.sparse_cache_top)
+                                             mean=args.sparse_cache, floor=floor, top=top)
             except LinearAttentionError as error:
                 raise LinearAttentionError(f"--sparse-cache-heads retrieval: {error} (--end-to-end-tokens ≥ "
                                            f"{15 * args.window} lets every sample serve)") from error
             sizes = [list(cache.size) for cache in caches]  # type: ignore[arg-type]  # split gives tuples
-            atomic_write(path, json.dumps({"mean": args.sparse_cache, "floor": floor, "top": args.sparse_cache_top,
+            atomic_write(path, json.dumps({"mean": args.sparse_cache, "floor": floor, "top": top,
                                            "sizes": sizes,
                                            "scores": scores.tolist()}))
             self.stages.log("end_to_end", "cache split by retrieval score",
@@ -353,11 +359,16 @@ class Job:
         cache = {**self.config.end_to_end.cache_options, **attention_options(self.student)}
         wide = args.window + args.sparse_cache  # the softmax window of equal memory: W + λ keys
         label = f"window {wide} + {args.sinks} sinks (softmax)"
-        for name, switch in (("original (softmax)", lambda: model.set_attn_implementation("sdpa")),
-                             (label, lambda: use_window_softmax(model, wide, args.sinks)),
-                             ("linearized", lambda: hf.linearize(model, tuned, gates=self.gates, **cache))):
+        switches: list[tuple[str, Any]] = [("original (softmax)", lambda: model.set_attn_implementation("sdpa")),
+                                           (label, lambda: use_window_softmax(model, wide, args.sinks))]
+        if args.sparse_cache:  # the same student with the cache's pairs in its window instead (equal memory)
+            switches.append((f"{WIDER_ROW}, window {wide} + {args.sinks} sinks, no cache",
+                             lambda: hf.linearize(model, tuned, gates=self.gates, window=wide,
+                                                  **attention_options(self.student))))
+        switches.append(("linearized", lambda: hf.linearize(model, tuned, gates=self.gates, **cache)))
+        for name, switch in switches:
             switch()
-            if adapters is not None and name == "linearized":
+            if adapters is not None and (name == "linearized" or name.startswith(WIDER_ROW)):
                 adapters.attach()
             row = {"name": name, **score_model(model, self.tokenizer, self.heldout, self.config.probes),
                    "by_position": perplexity_by_position(model, self.tokenizer, self.heldout, positions),

@@ -29,7 +29,7 @@ from ..feature_maps.fitted import FittedFeatureMaps
 from ..feature_maps.learned import LearnedProjectionMap
 from ..nn import KeyGates
 from ..train.student import fit_student
-from .arguments import DEFAULT_STUDENT_NAME, DELTA_WINDOW, STUDENT_NAMES
+from .arguments import DEFAULT_STUDENT_NAME, DELTA_CACHE_PER_WINDOW, DELTA_CACHE_TOP, DELTA_WINDOW, STUDENT_NAMES
 from .folder import load_gates, save_gates
 
 STUDENT_LR = 0.01  # Adam's step in the layer-wise fit of the delta-rule students
@@ -42,14 +42,15 @@ class Student:
     delta: bool  # the delta rule's memory (with KeyGates), else the additive state
     window: int  # the softmax window when --window is not given
     summary: str
+    cache: bool = False  # a sparse cache when --sparse-cache is not given (resolve_exact_part)
 
 
 STUDENTS = {student.name: student for student in (
     Student("hedgehog", None, False, LM_WINDOW, "Hedgehog maps, the additive state beside the softmax window"),
     Student("gated-delta", "token", True, DELTA_WINDOW, "a gated delta-rule memory beside the softmax window: "
-            "Hedgehog features, β and a forget gate per token from the keys, a read-out weight"),
+            "Hedgehog features, β and a forget gate per token from the keys, a read-out weight", cache=True),
     Student("kda", "feature", True, DELTA_WINDOW, "a delta-rule memory with a forget gate per feature (KDA) beside "
-            "the softmax window: Hedgehog features, β and the gates from the keys, a read-out weight"),
+            "the softmax window: Hedgehog features, β and the gates from the keys, a read-out weight", cache=True),
 )}
 DEFAULT_STUDENT = DEFAULT_STUDENT_NAME
 assert tuple(STUDENTS) == STUDENT_NAMES  # the command line's choices (kept apart so that --help imports no torch)
@@ -59,6 +60,27 @@ def student(name: str) -> Student:
     if name not in STUDENTS:
         raise LinearAttentionError(f"--student: unknown student {name!r}; choose one of {', '.join(STUDENTS)}")
     return STUDENTS[name]
+
+
+def resolve_exact_part(args: Any, chosen: Student) -> bool:
+    """Fill in the exact part the options leave open (on ``args``, in place) with the student's own: its window;
+    for the delta-rule students a cache of :data:`DELTA_CACHE_PER_WINDOW` windows per head on average, split by
+    retrieval score with no floor among the :data:`DELTA_CACHE_TOP` highest-scoring heads (the shipped SmolLM2's
+    layout), for the additive student none. A ``--sparse-cache N`` given keeps the uniform spread unless
+    ``--sparse-cache-heads`` says otherwise. Returns whether the top heads' count is the default (which then
+    covers every head of a model with fewer)."""
+    if args.window is None:
+        args.window = chosen.window
+    own = args.sparse_cache is None and chosen.cache
+    if args.sparse_cache is None:
+        args.sparse_cache = DELTA_CACHE_PER_WINDOW * args.window if own else 0
+    if args.sparse_cache_heads is None:
+        args.sparse_cache_heads = "retrieval" if own else "uniform"
+    default_top = own and args.sparse_cache_heads == "retrieval" and args.sparse_cache_top is None
+    if own and args.sparse_cache_heads == "retrieval":
+        args.sparse_cache_floor = 0 if args.sparse_cache_floor is None else args.sparse_cache_floor
+        args.sparse_cache_top = DELTA_CACHE_TOP if args.sparse_cache_top is None else args.sparse_cache_top
+    return default_top
 
 
 def attention_options(chosen: Student) -> dict[str, Any]:
