@@ -234,6 +234,48 @@ def test_a_budget_times_the_delta_student_with_its_cache(tiny, tmp_path, monkeyp
     assert plan["options"]["sparse_cache"] == 4 and plan["costs"]["measure"] > 0
 
 
+def test_a_budget_times_a_retrieval_split_with_the_split_made_on_the_training_text(tiny, tmp_path,  # noqa: F811
+                                                                                monkeypatch):
+    """--budget with --sparse-cache-heads retrieval: the timed fits, the end-to-end step and the linearized row have
+    a split in place, the one made on the training text in 8 orders (the run's own comes later, on its samples): a
+    layer's largest budget sets the training form's slots, which a uniform cache of as many pairs would not show."""
+    from linattn.cli import main
+    from linattn.evaluate.models import load_model
+    from linattn.linearized import budget
+    from linattn.linearized import job as linearize_job
+    from linattn.linearized.caches import text_split
+
+    fits, linearized = [], []
+    real_fit, real_linearize, real_calibrate = budget.fit_student, hf.linearize, budget.calibrate
+
+    def spy_fit(*args, **kwargs):
+        fits.append(kwargs.get("sparse_cache"))
+        return real_fit(*args, **kwargs)
+
+    def spy_linearize(model, maps, gates=None, **kwargs):
+        linearized.append(kwargs.get("sparse_cache"))
+        return real_linearize(model, maps, gates=gates, **kwargs)
+
+    def spy_calibrate(*args, **kwargs):
+        monkeypatch.setattr(hf, "linearize", spy_linearize)
+        try:
+            return real_calibrate(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(hf, "linearize", real_linearize)
+
+    monkeypatch.setattr(budget, "fit_student", spy_fit)
+    monkeypatch.setattr(budget, "calibrate", spy_calibrate)
+    monkeypatch.setattr(linearize_job.Job, "run", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        main(command(tiny, tmp_path / "budgeted", "--student", "gated-delta", *RETRIEVAL, "--sparse-cache-top", "2",
+                     "--budget", "30"))
+    model, tokenizer, _ = load_model(str(tiny), causal_lm=True)
+    wanted = [cache.size for cache in text_split(model, tokenizer, (tiny / "train.txt").read_text(), 8, 1, 4, 1, 2)]
+    assert len(set(wanted)) > 1  # the split differs by layer: not a uniform cache in disguise
+    assert len(fits) == 2 and all([cache.size for cache in fit] == wanted for fit in fits)
+    assert len(linearized) == 1 and [cache.size for cache in linearized[0]] == wanted
+
+
 def test_bad_cache_options_with_a_delta_student_are_refused(tiny, tmp_path, capsys):  # noqa: F811
     """Each refused before any stage, leaving no plan behind: the corrected run into the same folder is not taken
     for a run with other options."""

@@ -8,8 +8,10 @@ alone taking gradients, as in training) on a sequence as long as the stage's, an
 forward pass over 256 tokens of the original and one of the linearized model (every row reads about the same
 number of tokens; the softmax window's row is counted as the original's, and with a cache the row of the same
 student with a wider window instead as the linearized model's). With ``--sparse-cache`` the fit, the
-end-to-end step and the linearized forward pass run with the cache in place (N pairs for every head: a split
-across heads, decided later, holds as many pairs), so its decisions and its exact term are counted.
+end-to-end step and the linearized forward pass run with the cache in place, so its decisions and its exact term
+are counted: N pairs for every head, or with ``--sparse-cache-heads retrieval`` a split made on the training text
+(the run's own split, decided later on its samples, gives its heads other budgets; a layer's largest budget sets
+the training form's slots, so a split costs more than a uniform cache of as many pairs).
 
 Sampling is timed as 8 tokens generated for one batch of short prompts, plus what a token costs more at the end of
 a sample than at its start: one decoding step of the batch after a prompt as long as a whole sample, against one
@@ -92,19 +94,23 @@ def _decode_step(model: Any, ids: torch.Tensor, batch: int) -> float:
     return best
 
 
-def calibration_cache(config: LMCompareConfig) -> SparseCache | None:
-    """The sparse cache the fit is timed with: ``--sparse-cache`` N pairs for every head (a split across heads,
-    decided later on the sampled texts, holds the same pairs in all), with its linear weight; None without one."""
+def calibration_cache(config: LMCompareConfig, split: list[Any] | None = None) -> Any:
+    """The sparse cache the stages are timed with: ``split`` when given (one cache per layer: a split across heads
+    like the one the run decides later on its samples, whose layers' largest budgets set the training form's
+    slots), else ``--sparse-cache`` N pairs for every head, with its linear weight; None without one."""
     options = config.end_to_end
     if not options.sparse_cache:
         return None
+    if split is not None:
+        return split
     return SparseCache(size=options.sparse_cache, linear_weight=options.cache_linear_weight)
 
 
-def _fitter(model: Any, name: str, capture: Any, config: LMCompareConfig, chosen: Student
+def _fitter(model: Any, name: str, capture: Any, config: LMCompareConfig, chosen: Student, cache: Any
             ) -> Callable[[int], tuple[Any, list[Any] | None]]:
-    """``steps ↦ (maps, gates)``: the fit stage of ``chosen`` on ``capture`` (new parameters at every call)."""
-    fit, cache = config.fit, calibration_cache(config)
+    """``steps ↦ (maps, gates)``: the fit stage of ``chosen`` on ``capture`` (new parameters at every call), with
+    the sparse cache ``cache`` (or None) in place."""
+    fit = config.fit
     if not chosen.delta:
         options: dict[str, Any] = {"progress": False, "window": config.window, "sinks": config.sinks}
         if fit.num_features is not None:
@@ -123,18 +129,21 @@ def _fitter(model: Any, name: str, capture: Any, config: LMCompareConfig, chosen
 
 
 def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
-              config: LMCompareConfig, chosen: Student | None = None, repeat_gaps: tuple[int, ...] = ()
-              ) -> dict[str, float]:
+              config: LMCompareConfig, chosen: Student | None = None, repeat_gaps: tuple[int, ...] = (),
+              split: list[Any] | None = None) -> dict[str, float]:
     """Seconds: ``fit_fixed`` (capture), ``fit_step``, ``end_to_end_step``, ``sampling_batch`` (one batch of
     :data:`SAMPLING_BATCH` samples), ``measure`` (the rows), and ``calibration`` (what measuring these took);
-    for the student ``chosen`` (default: the Hedgehog hybrid): its own fit and its own end-to-end step."""
+    for the student ``chosen`` (default: the Hedgehog hybrid): its own fit and its own end-to-end step; with the
+    cache ``split`` (one per layer) in place when given, else ``--sparse-cache``'s uniform one
+    (:func:`calibration_cache`)."""
     begin = time.perf_counter()
     chosen = chosen or STUDENTS["hedgehog"]
+    cache = calibration_cache(config, split)
     fit = config.fit
     model.set_attn_implementation("sdpa")
     capture_seconds, capture = _timed(lambda: capture_attention(model, tokenizer, train, max_tokens=fit.max_tokens,
                                                                 model_name=name, orders=fit.orders))
-    fitter = _fitter(model, name, capture, config, chosen)
+    fitter = _fitter(model, name, capture, config, chosen, cache)
     # on one capture, so that the difference is the steps alone (a capture's own time varies more than a step)
     short, _ = _timed(lambda: fitter(1))
     long, (maps, gates) = _timed(lambda: fitter(1 + FIT_PROBE_STEPS))
@@ -145,7 +154,8 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         teacher, _ = _timed(lambda: model(input_ids=ids), repeats=2)
-    hf.linearize(model, maps, gates=gates, **config.end_to_end.cache_options, **attention_options(chosen))
+    placed = config.end_to_end.cache_options if split is None else {"sparse_cache": split}
+    hf.linearize(model, maps, gates=gates, **placed, **attention_options(chosen))
     flags = [(param, param.requires_grad) for param in model.parameters()]
     for param, _ in flags:  # as in fit_end_to_end: the model's own weights frozen, gradients for the maps only
         param.requires_grad_(False)

@@ -46,9 +46,17 @@ def retrieval_split(folder: Path, model: Any, tokenizer: Any, window: int, sinks
     if samples.is_file():
         texts = json.loads(samples.read_text(encoding="utf-8"))["texts"][:8]
         sequences = [torch.tensor(tokenizer(text)["input_ids"]) for text in texts]
-        source = "the folder's sampled training texts (stages/samples.json, the first 8)"
-    else:  # the shipped training text is ~1.2k tokens: its paragraphs in 8 orders
-        sequences = [torch.tensor(tokenizer(text)["input_ids"]) for text in reordered(read_text(None, "train"), 8)]
-        source = "the shipped training text, its paragraphs in 8 orders"
+        caches, _ = cache_split(model, sequences, window=window, sinks=sinks, mean=size, floor=floor, top=top)
+        return caches, "the folder's sampled training texts (stages/samples.json, the first 8)"
+    # the shipped training text is ~1.2k tokens: its paragraphs in 8 orders
+    caches = text_split(model, tokenizer, read_text(None, "train"), window, sinks, size, floor, top)
+    return caches, "the shipped training text, its paragraphs in 8 orders"
+
+
+def text_split(model: Any, tokenizer: Any, text: str, window: int, sinks: int, size: int, floor: int,
+               top: int | None = None, orders: int = 8) -> list[Any]:
+    """One cache per layer split by the heads' retrieval scores under softmax on ``text`` in ``orders`` paragraph
+    orders (:func:`linattn.train.end_to_end.cache_split`)."""
+    sequences = [torch.tensor(tokenizer(piece)["input_ids"]) for piece in reordered(text, orders)]
     caches, _ = cache_split(model, sequences, window=window, sinks=sinks, mean=size, floor=floor, top=top)
-    return caches, source
+    return caches

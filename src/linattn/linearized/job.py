@@ -184,13 +184,38 @@ class Job:
 
             config = _config(self.args, plan, "")
             costs = calibrate(self.model, self.tokenizer, self.name, self.train, self.heldout, config, self.student,
-                              tuple(getattr(self.args, "repeat_gaps", None) or ()))
+                              tuple(getattr(self.args, "repeat_gaps", None) or ()), split=self._calibration_split())
             plan = plan_steps(self.args.budget, costs, end_to_end=self.args.end_to_end_steps > 0,
                               samples=self.args.end_to_end_samples)
         plan["options"] = self._options()
         _config(self.args, plan, "")  # options refused there leave no plan behind (a corrected rerun is not "other")
         atomic_write(self.folder / "stages" / "plan.json", json.dumps(plan, indent=2))
         return plan
+
+    def _top(self) -> int | None:
+        """--sparse-cache-top, the students' default count held to the model's heads."""
+        top = self.args.sparse_cache_top
+        if top is not None and self.default_top:  # every head of a model with fewer
+            config = self.model.config
+            top = min(top, int(config.num_hidden_layers) * int(config.num_attention_heads))
+        return top
+
+    def _calibration_split(self) -> list[Any] | None:
+        """With --sparse-cache-heads retrieval: the split --budget times the stages with, made on the training text
+        (the run's own is decided later on its samples; its layers' largest budgets, which set the training form's
+        slots, are what a uniform cache would miss). None otherwise, or where the text is too short to score."""
+        args = self.args
+        if not args.sparse_cache or args.sparse_cache_heads != "retrieval":
+            return None
+        from .caches import text_split
+
+        try:
+            caches = text_split(self.model, self.tokenizer, self.train, args.window, args.sinks, args.sparse_cache,
+                                _cache_floor(args), self._top())
+        except LinearAttentionError:
+            return None  # the uniform cache of as many pairs instead
+        weight = args.sparse_cache_linear_weight
+        return [SparseCache(size=cache.size, linear_weight=weight) for cache in caches]
 
     def run(self) -> dict[str, Any]:
         bar = progress_bar(len(STAGES), "linearize", enabled=not self.args.quiet)
@@ -321,10 +346,7 @@ class Job:
                                            "stages/cache_sizes.json; pass another --out to run it again")
             floor = _cache_floor(args)
             scored = plain[: max(1, min(RETRIEVAL_SEQUENCES, len(plain) - HELD_OUT_SAMPLES))]
-            top = args.sparse_cache_top
-            if self.default_top:  # the students' default count: every head of a model with fewer
-                config = self.model.config
-                top = min(top, int(config.num_hidden_layers) * int(config.num_attention_heads))
+            top = self._top()
             try:
                 caches, scores = cache_split(self.model, scored, window=args.window, sinks=args.sinks,
                                              mean=args.sparse_cache, floor=floor, top=top)
