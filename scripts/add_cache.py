@@ -13,7 +13,9 @@ the new card.
 With ``--end-to-end-steps S`` the maps and gates are then trained end to end with the cache in place (the
 linearize command's end-to-end stage: KL to the softmax model on ``--end-to-end-samples`` texts of
 ``--end-to-end-tokens`` tokens sampled from the model, seed 0, and their copying sequences, the last ones held out for
-early stopping), before they are measured. The trained folder is kept in OUT/.tuned, the samples in OUT/.samples.json.
+early stopping; with ``--end-to-end-corpus-orders K`` also the shipped training text in K paragraph orders and their
+copying sequences), before they are measured. The trained folder is kept in OUT/.tuned, the samples in
+OUT/.samples.json.
 
 The measurement (perplexity, the repeated passage at the card's gaps, passkey at the card's lengths and trials,
 perplexity by position) is written to OUT/.add_cache.json piece by piece: an interrupted run, started again with the
@@ -21,6 +23,7 @@ same options, measures only what is missing (and trains again only if it stopped
 
     .venv/bin/python scripts/add_cache.py SOURCE OUT --window 64 --cache 128 --floor 0 --top 20 [--threads 1]
                                           [--end-to-end-steps 48 --end-to-end-samples 16 --end-to-end-tokens 1024]
+                                          [--end-to-end-corpus-orders K]
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ import torch
 
 from linattn import hf
 from linattn._json import dumps
+from linattn.evaluate.capture import reordered
 from linattn.evaluate.lm_config import EndToEndOptions
-from linattn.evaluate.lm_stages import PROMPT_TOKENS, read_text, training_sequences, training_set
+from linattn.evaluate.lm_stages import PROMPT_TOKENS, read_text, token_ids, training_sequences, training_set
 from linattn.evaluate.perplexity import perplexity
 from linattn.evaluate.probes import passkey_accuracy, passkeys, repeat_perplexity, repeated_passages, repeats_by_gap
 from linattn.linearized.caches import folder_setting, retrieval_split
@@ -58,16 +62,20 @@ def main() -> None:
     parser.add_argument("--end-to-end-steps", type=int, default=0, help="train with the cache in place first")
     parser.add_argument("--end-to-end-samples", type=int, default=16)
     parser.add_argument("--end-to-end-tokens", type=int, default=1024)
+    parser.add_argument("--end-to-end-corpus-orders", type=int, default=0, help="the shipped training text in this "
+                        "many paragraph orders (and their copying sequences) beside the samples")
     args = parser.parse_args()
-    if args.end_to_end_steps < 0:
-        raise SystemExit(f"--end-to-end-steps: need ≥ 0, got {args.end_to_end_steps}")
+    if args.end_to_end_steps < 0 or args.end_to_end_corpus_orders < 0:
+        raise SystemExit(f"--end-to-end-steps, --end-to-end-corpus-orders: need ≥ 0, got {args.end_to_end_steps}, "
+                         f"{args.end_to_end_corpus_orders}")
     torch.set_num_threads(args.threads)
     source, out = Path(args.source), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     progress_path = out / ".add_cache.json"
     setting = {"source": str(source), "window": args.window, "cache": args.cache, "floor": args.floor,
                "top": args.top, **({"end_to_end": [args.end_to_end_steps, args.end_to_end_samples,
-                                                   args.end_to_end_tokens]} if args.end_to_end_steps else {})}
+                                                   args.end_to_end_tokens]} if args.end_to_end_steps else {}),
+               **({"corpus_orders": args.end_to_end_corpus_orders} if args.end_to_end_corpus_orders else {})}
     progress: dict[str, Any] = json.loads(progress_path.read_text()) if progress_path.is_file() else {}
     if progress.get("setting", setting) != setting:
         raise SystemExit(f"{out} holds a measurement made with {progress['setting']}; pass the same options or "
@@ -141,7 +149,10 @@ def main() -> None:
                   "seconds": sum(progress["seconds"].values())},
               **({"cache_end_to_end": {**trained, "summary": (
                   f"the maps and gates trained end to end with the cache in place, {trained['steps']} steps on "
-                  f"{trained['samples']} samples of {trained['tokens']} tokens and their copying sequences (best "
+                  f"{trained['samples']} samples of {trained['tokens']} tokens"
+                  + (f" and the training text in {trained['corpus_orders']} orders" if trained.get("corpus_orders")
+                     else "")
+                  + " and their copying sequences (best "
                   f"held-out KL {trained['best_held_out_kl']:.3f})")}} if trained is not None else {})}}
     save_linearized(model, out, maps=maps, options=saved, base=index["base"]["model"], results=result, gates=gates)
     write_card(result, str(out))
@@ -166,16 +177,21 @@ def tuned(model: Any, tokenizer: Any, maps: Any, gates: Any, saved: dict[str, An
         return model, maps, setting.get("gates"), progress["end_to_end"]
     options = EndToEndOptions(steps=args.end_to_end_steps, samples=args.end_to_end_samples,
                               tokens=args.end_to_end_tokens, texts=str(out / ".samples.json"), copies=True,
-                              corpus_orders=0, repeat_weight=1.0, lora_rank=0, lora_lr=0.0005, retrieval_heads=0,
+                              corpus_orders=args.end_to_end_corpus_orders, repeat_weight=1.0, lora_rank=0,
+                              lora_lr=0.0005, retrieval_heads=0,
                               retrieval_maps=None, train_other_heads=False, sparse_cache=args.cache)
     begin = time.perf_counter()
-    plain, sampling = training_sequences(model, tokenizer, read_text(None, "train"), options)  # under softmax
+    train = read_text(None, "train")
+    plain, sampling = training_sequences(model, tokenizer, train, options)  # under softmax
     model.set_attn_implementation(hf.IMPLEMENTATION)
-    data = training_set(plain, [], options)
+    corpus = token_ids(tokenizer, reordered(train, options.corpus_orders, seed=0), options.tokens) \
+        if options.corpus_orders else []
+    data = training_set(plain, corpus, options)
     info = fit_end_to_end(model, tokenizer, data.sequences, max_tokens=options.tokens + PROMPT_TOKENS,
                           steps=options.steps, held_out=data.held_out, progress=True, weights=data.weights)
     save_linearized(model, folder, maps=maps, options=saved, base=index["base"]["model"], gates=gates)
     progress["end_to_end"] = {"steps": options.steps, "samples": len(plain), "copying_sequences": data.copying,
+                              "corpus_orders": len(corpus),
                               "tokens": options.tokens, "sampling_seconds": sampling,
                               "seconds": time.perf_counter() - begin, "best_held_out_kl": info["best_held_out"],
                               "history": info["history"]}

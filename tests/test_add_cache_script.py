@@ -70,3 +70,29 @@ def test_a_folder_given_a_cache_is_trained_with_it_in_place(tiny, tmp_path, monk
     with torch.no_grad():
         again, _ = load_linearized(out)
         assert torch.equal(again(input_ids=ids).logits, tuned(input_ids=ids).logits)
+
+
+@pytest.mark.slow  # ~20 s: a tiny linearize run, then the script once
+def test_the_training_text_trains_beside_the_samples_when_asked(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """--end-to-end-corpus-orders K: the shipped training text in K paragraph orders joins the samples (with their
+    copying sequences) in the training set, the setting and the stage's record say so."""
+    from linattn.cli import main
+    from linattn.evaluate import lm_stages
+
+    source, out = tmp_path / "source", tmp_path / "corpus"
+    assert main(command(tiny, source, "--student", "gated-delta")) == 0
+    seen = []
+    real = lm_stages.training_set
+
+    def spy(plain, corpus, options):
+        seen.append((len(plain), [len(ids) for ids in corpus], options.corpus_orders))
+        return real(plain, corpus, options)
+
+    monkeypatch.setattr(lm_stages, "training_set", spy)
+    run_script(monkeypatch, str(source), str(out), *OPTIONS, "--end-to-end-corpus-orders", "2")
+    assert len(seen) == 1 and seen[0][0] == 3 and seen[0][2] == 2
+    assert len(seen[0][1]) == 2 and all(0 < n <= 40 + lm_stages.PROMPT_TOKENS for n in seen[0][1])
+    progress = json.loads((out / ".add_cache.json").read_text())
+    assert progress["setting"]["corpus_orders"] == 2 and progress["end_to_end"]["corpus_orders"] == 2
+    assert "the training text in 2 orders" in json.loads((out / "results.json").read_text())["stages"][
+        "cache_end_to_end"]["summary"]
