@@ -4,8 +4,8 @@ token position (when matplotlib is installed).
 The table has one row per measured model (the original, the softmax window of equal memory, with a cache the same
 student with the cache's pairs in its window instead, the linearized model): held-out perplexity, the repeated
 passage's perplexity and passkey retrieval per filler length as hits of trials with a 95 % Wilson score interval
-(Wilson, 1927, "Probable inference, the law of succession, and statistical inference"): with a
-handful of trials an accuracy alone says little.
+(Wilson, 1927, "Probable inference, the law of succession, and statistical inference"): with a handful of trials
+an accuracy alone says little.
 """
 
 from __future__ import annotations
