@@ -465,3 +465,41 @@ def test_a_cache_given_to_the_top_heads_alone_is_saved_with_the_folder(tiny, tmp
     assert set(scores.argsort(descending=True)[:2].tolist()) == set((sizes > 1).nonzero().flatten().tolist())
     assert json.loads((out / "linattn.json").read_text())["options"] == {"sparse_cache": split["sizes"]}
     assert "shared by the 2 highest-scoring heads" in (out / "README.md").read_text()
+
+
+@pytest.mark.slow  # ~10 s: the pipeline once
+def test_the_training_text_trains_beside_the_samples_by_default(tiny, tmp_path, monkeypatch):
+    """The end-to-end stage's training set holds the training text in --end-to-end-corpus-orders paragraph orders
+    (8 by default), each cut as a sample is, and their copying sequences; 0 leaves the samples alone. A plan saved
+    before the option existed meant 0: continuing it with 0 is not a run with other options."""
+    from linattn.cli import main
+    from linattn.evaluate import lm_stages
+    from linattn.linearized.arguments import CORPUS_ORDERS
+
+    seen = []
+    real = lm_stages.training_set
+
+    def spy(plain, corpus, options):
+        seen.append([len(ids) for ids in corpus])
+        return real(plain, corpus, options)
+
+    monkeypatch.setattr(lm_stages, "training_set", spy)
+    text = tmp_path / "train.txt"  # paragraphs that differ, so that their orders differ
+    text.write_text("\n\n".join(TEXT.replace("sand", word) for word in ("sand", "silt", "clay", "rock", "loam")))
+
+    def with_text(out, *extra):
+        return [str(text) if arg == str(tiny / "train.txt") else arg for arg in command(tiny, out, *extra)]
+
+    out = tmp_path / "corpus"
+    assert main(with_text(out, "--end-to-end-corpus-orders", "3")) == 0
+    assert len(seen) == 1 and len(seen[0]) == 3 and all(0 < n <= 30 + lm_stages.PROMPT_TOKENS for n in seen[0])
+    assert json.loads((out / "stages" / "plan.json").read_text())["options"]["end_to_end_corpus_orders"] == 3
+    assert "the training text in 3 orders" in json.loads((out / "results.json").read_text())["stages"][
+        "end_to_end"]["summary"]
+    assert CORPUS_ORDERS == 8 and main(with_text(tmp_path / "default")) == 0 and len(seen[1]) == 8
+    alone = tmp_path / "alone"
+    assert main(with_text(alone, "--end-to-end-corpus-orders", "0")) == 0 and seen[2] == []
+    plan = json.loads((alone / "stages" / "plan.json").read_text())  # as a plan from before the option looks
+    del plan["options"]["end_to_end_corpus_orders"]
+    (alone / "stages" / "plan.json").write_text(json.dumps(plan))
+    assert main(with_text(alone, "--end-to-end-corpus-orders", "0")) == 0  # every stage done: nothing refused

@@ -68,10 +68,12 @@ PROBE_TEXT, PROBE_SOURCE = "heldout_long", "the shipped long held-out text"  # t
 # what --out must have free, beyond the checkpoints' estimate: the card, the plot, the samples, a margin
 # options that change what a stage makes (a rerun must pass the same); --quiet and --budget's own value do not
 _PLANNED = ("model", "text", "heldout", "student", "window", "sinks", "fit_steps", "num_features", "fit_max_tokens",
-            "fit_orders", "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "lora", "sparse_cache",
+            "fit_orders", "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "end_to_end_corpus_orders",
+            "lora", "sparse_cache",
             "sparse_cache_heads", "sparse_cache_floor", "sparse_cache_top", "sparse_cache_linear_weight", "budget")
 # what a plan saved before an option existed meant
-_EARLIER_DEFAULTS = {"sparse_cache": 0, "sparse_cache_heads": "uniform", "sparse_cache_floor": None,
+_EARLIER_DEFAULTS = {"end_to_end_corpus_orders": 0, "sparse_cache": 0, "sparse_cache_heads": "uniform",
+                     "sparse_cache_floor": None,
                      "sparse_cache_top": None,
                      "sparse_cache_linear_weight": 1.0, "student": "hedgehog"}
 
@@ -118,8 +120,9 @@ def _config(args: argparse.Namespace, plan: dict[str, Any], samples_file: str) -
                      orders=args.fit_orders, gamma=False, fitted_maps=None, save_maps=None)
     end_to_end = EndToEndOptions(
         steps=end_to_end_steps, samples=samples, tokens=args.end_to_end_tokens, texts=samples_file,
-        copies=True, corpus_orders=0, repeat_weight=1.0, lora_rank=args.lora if end_to_end_steps else 0,
-        lora_lr=0.0005, retrieval_heads=0, retrieval_maps=None, train_other_heads=False,
+        copies=True, corpus_orders=args.end_to_end_corpus_orders, repeat_weight=1.0,
+        lora_rank=args.lora if end_to_end_steps else 0, lora_lr=0.0005, retrieval_heads=0, retrieval_maps=None,
+        train_other_heads=False,
         sparse_cache=args.sparse_cache, cache_linear_weight=args.sparse_cache_linear_weight)
     return LMCompareConfig(model=args.model, text=args.text, heldout=args.heldout, out=args.out,
                            maps=("hedgehog+window",), window=args.window, sinks=args.sinks, max_tokens=0,
@@ -305,7 +308,9 @@ class Job:
         self.stages.finish("end_to_end", {
             "seconds": time.perf_counter() - begin, **info,
             "summary": f"{what} trained end to end, {options.steps} steps on {len(plain)} samples of "
-                       f"{options.tokens} tokens and their copying sequences (best held-out KL "
+                       f"{options.tokens} tokens"
+                       + (f" and the training text in {options.corpus_orders} orders" if options.corpus_orders else "")
+                       + " and their copying sequences (best held-out KL "
                        f"{info['best_held_out_kl']:.3f})"})
         return tuned, adapters
 
