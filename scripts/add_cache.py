@@ -23,7 +23,7 @@ same options, measures only what is missing (and trains again only if it stopped
 
     .venv/bin/python scripts/add_cache.py SOURCE OUT --window 64 --cache 128 --floor 0 --top 20 [--threads 1]
                                           [--end-to-end-steps 48 --end-to-end-samples 16 --end-to-end-tokens 1024]
-                                          [--end-to-end-corpus-orders K]
+                                          [--end-to-end-corpus-orders K] [--end-to-end-seed S]
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--end-to-end-tokens", type=int, default=1024)
     parser.add_argument("--end-to-end-corpus-orders", type=int, default=0, help="the shipped training text in this "
                         "many paragraph orders (and their copying sequences) beside the samples")
+    parser.add_argument("--end-to-end-seed", type=int, default=0, help="the seed of the steps' random draws of "
+                        "training sequences (another seed: a rerun that shows how far the draws move the result)")
     args = parser.parse_args()
     if args.end_to_end_steps < 0 or args.end_to_end_corpus_orders < 0:
         raise SystemExit(f"--end-to-end-steps, --end-to-end-corpus-orders: need ≥ 0, got {args.end_to_end_steps}, "
@@ -75,7 +77,8 @@ def main() -> None:
     setting = {"source": str(source), "window": args.window, "cache": args.cache, "floor": args.floor,
                "top": args.top, **({"end_to_end": [args.end_to_end_steps, args.end_to_end_samples,
                                                    args.end_to_end_tokens]} if args.end_to_end_steps else {}),
-               **({"corpus_orders": args.end_to_end_corpus_orders} if args.end_to_end_corpus_orders else {})}
+               **({"corpus_orders": args.end_to_end_corpus_orders} if args.end_to_end_corpus_orders else {}),
+               **({"seed": args.end_to_end_seed} if args.end_to_end_seed else {})}
     progress: dict[str, Any] = json.loads(progress_path.read_text()) if progress_path.is_file() else {}
     if progress.get("setting", setting) != setting:
         raise SystemExit(f"{out} holds a measurement made with {progress['setting']}; pass the same options or "
@@ -188,10 +191,11 @@ def tuned(model: Any, tokenizer: Any, maps: Any, gates: Any, saved: dict[str, An
         if options.corpus_orders else []
     data = training_set(plain, corpus, options)
     info = fit_end_to_end(model, tokenizer, data.sequences, max_tokens=options.tokens + PROMPT_TOKENS,
-                          steps=options.steps, held_out=data.held_out, progress=True, weights=data.weights)
+                          steps=options.steps, held_out=data.held_out, progress=True, weights=data.weights,
+                          seed=args.end_to_end_seed)
     save_linearized(model, folder, maps=maps, options=saved, base=index["base"]["model"], gates=gates)
     progress["end_to_end"] = {"steps": options.steps, "samples": len(plain), "copying_sequences": data.copying,
-                              "corpus_orders": len(corpus),
+                              "corpus_orders": len(corpus), "seed": args.end_to_end_seed,
                               "tokens": options.tokens, "sampling_seconds": sampling,
                               "seconds": time.perf_counter() - begin, "best_held_out_kl": info["best_held_out"],
                               "history": info["history"]}

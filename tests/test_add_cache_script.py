@@ -75,7 +75,8 @@ def test_a_folder_given_a_cache_is_trained_with_it_in_place(tiny, tmp_path, monk
 @pytest.mark.slow  # ~20 s: a tiny linearize run, then the script once
 def test_the_training_text_trains_beside_the_samples_when_asked(tiny, tmp_path, monkeypatch):  # noqa: F811
     """--end-to-end-corpus-orders K: the shipped training text in K paragraph orders joins the samples (with their
-    copying sequences) in the training set, the setting and the stage's record say so."""
+    copying sequences) in the training set, the setting and the stage's record say so; --end-to-end-seed S seeds
+    the steps' draws and is recorded likewise."""
     from linattn.cli import main
     from linattn.evaluate import lm_stages
 
@@ -89,10 +90,23 @@ def test_the_training_text_trains_beside_the_samples_when_asked(tiny, tmp_path, 
         return real(plain, corpus, options)
 
     monkeypatch.setattr(lm_stages, "training_set", spy)
-    run_script(monkeypatch, str(source), str(out), *OPTIONS, "--end-to-end-corpus-orders", "2")
+    from linattn.train import end_to_end
+
+    seeds = []
+    real_fit = end_to_end.fit_end_to_end
+
+    def spy_fit(*args, **kwargs):
+        seeds.append(kwargs.get("seed"))
+        return real_fit(*args, **kwargs)
+
+    monkeypatch.setattr(end_to_end, "fit_end_to_end", spy_fit)
+    run_script(monkeypatch, str(source), str(out), *OPTIONS, "--end-to-end-corpus-orders", "2",
+               "--end-to-end-seed", "3")
+    assert seeds == [3]  # the steps' draws follow --end-to-end-seed
     assert len(seen) == 1 and seen[0][0] == 3 and seen[0][2] == 2
     assert len(seen[0][1]) == 2 and all(0 < n <= 40 + lm_stages.PROMPT_TOKENS for n in seen[0][1])
     progress = json.loads((out / ".add_cache.json").read_text())
     assert progress["setting"]["corpus_orders"] == 2 and progress["end_to_end"]["corpus_orders"] == 2
+    assert progress["setting"]["seed"] == 3 and progress["end_to_end"]["seed"] == 3
     assert "the training text in 2 orders" in json.loads((out / "results.json").read_text())["stages"][
         "cache_end_to_end"]["summary"]
