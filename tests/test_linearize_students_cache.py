@@ -24,6 +24,36 @@ RETRIEVAL = ("--sparse-cache", "4", "--sparse-cache-heads", "retrieval", "--spar
 PROMPT = TEXT[:48]  # past the window (8), a sink and a block (8): the cache holds pairs when decoding starts
 
 
+def calibration_calls(monkeypatch):
+    """([sparse_cache of each timed fit], [(sparse_cache, update) of each hf.linearize call while calibrating]),
+    filled as a run calibrates its budget; the run stops (KeyboardInterrupt) once its plan is written."""
+    from linattn.linearized import budget
+    from linattn.linearized import job as linearize_job
+
+    fits, linearized = [], []
+    real_fit, real_linearize, real_calibrate = budget.fit_student, hf.linearize, budget.calibrate
+
+    def spy_fit(*args, **kwargs):
+        fits.append(kwargs.get("sparse_cache"))
+        return real_fit(*args, **kwargs)
+
+    def spy_linearize(model, maps, gates=None, **kwargs):
+        linearized.append((kwargs.get("sparse_cache"), kwargs.get("update")))
+        return real_linearize(model, maps, gates=gates, **kwargs)
+
+    def spy_calibrate(*args, **kwargs):
+        monkeypatch.setattr(hf, "linearize", spy_linearize)
+        try:
+            return real_calibrate(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(hf, "linearize", real_linearize)
+
+    monkeypatch.setattr(budget, "fit_student", spy_fit)
+    monkeypatch.setattr(budget, "calibrate", spy_calibrate)
+    monkeypatch.setattr(linearize_job.Job, "run", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))
+    return fits, linearized
+
+
 def size_of(cache):
     """A cache's per-head sizes as a tuple, or its one size: from a SparseCache or an option as saved (an int)."""
     if isinstance(cache, int):
@@ -201,30 +231,8 @@ def test_a_budget_times_the_delta_student_with_its_cache(tiny, tmp_path, monkeyp
     place (N pairs per head), and so does the timed forward pass of the linearized row. (The run stops once the
     plan is written: a budget of minutes plans as many steps as fit, which is no test's business here.)"""
     from linattn.cli import main
-    from linattn.linearized import budget
-    from linattn.linearized import job as linearize_job
 
-    fits, linearized = [], []
-    real_fit, real_linearize, real_calibrate = budget.fit_student, hf.linearize, budget.calibrate
-
-    def spy_fit(*args, **kwargs):
-        fits.append(kwargs.get("sparse_cache"))
-        return real_fit(*args, **kwargs)
-
-    def spy_linearize(model, maps, gates=None, **kwargs):
-        linearized.append((kwargs.get("sparse_cache"), kwargs.get("update")))
-        return real_linearize(model, maps, gates=gates, **kwargs)
-
-    def spy_calibrate(*args, **kwargs):
-        monkeypatch.setattr(hf, "linearize", spy_linearize)
-        try:
-            return real_calibrate(*args, **kwargs)
-        finally:
-            monkeypatch.setattr(hf, "linearize", real_linearize)
-
-    monkeypatch.setattr(budget, "fit_student", spy_fit)
-    monkeypatch.setattr(budget, "calibrate", spy_calibrate)
-    monkeypatch.setattr(linearize_job.Job, "run", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))
+    fits, linearized = calibration_calls(monkeypatch)
     out = tmp_path / "budgeted"
     with pytest.raises(KeyboardInterrupt):
         main(command(tiny, out, "--student", "kda", "--sparse-cache", "4", "--budget", "30"))
@@ -241,31 +249,9 @@ def test_a_budget_times_a_retrieval_split_with_the_split_made_on_the_training_te
     layer's largest budget sets the training form's slots, which a uniform cache of as many pairs would not show."""
     from linattn.cli import main
     from linattn.evaluate.models import load_model
-    from linattn.linearized import budget
-    from linattn.linearized import job as linearize_job
     from linattn.linearized.caches import text_split
 
-    fits, linearized = [], []
-    real_fit, real_linearize, real_calibrate = budget.fit_student, hf.linearize, budget.calibrate
-
-    def spy_fit(*args, **kwargs):
-        fits.append(kwargs.get("sparse_cache"))
-        return real_fit(*args, **kwargs)
-
-    def spy_linearize(model, maps, gates=None, **kwargs):
-        linearized.append(kwargs.get("sparse_cache"))
-        return real_linearize(model, maps, gates=gates, **kwargs)
-
-    def spy_calibrate(*args, **kwargs):
-        monkeypatch.setattr(hf, "linearize", spy_linearize)
-        try:
-            return real_calibrate(*args, **kwargs)
-        finally:
-            monkeypatch.setattr(hf, "linearize", real_linearize)
-
-    monkeypatch.setattr(budget, "fit_student", spy_fit)
-    monkeypatch.setattr(budget, "calibrate", spy_calibrate)
-    monkeypatch.setattr(linearize_job.Job, "run", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))
+    fits, linearized = calibration_calls(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         main(command(tiny, tmp_path / "budgeted", "--student", "gated-delta", *RETRIEVAL, "--sparse-cache-top", "2",
                      "--budget", "30"))
@@ -273,7 +259,7 @@ def test_a_budget_times_a_retrieval_split_with_the_split_made_on_the_training_te
     wanted = [cache.size for cache in text_split(model, tokenizer, (tiny / "train.txt").read_text(), 8, 1, 4, 1, 2)]
     assert len(set(wanted)) > 1  # the split differs by layer: not a uniform cache in disguise
     assert len(fits) == 2 and all([cache.size for cache in fit] == wanted for fit in fits)
-    assert len(linearized) == 1 and [cache.size for cache in linearized[0]] == wanted
+    assert len(linearized) == 1 and [cache.size for cache in linearized[0][0]] == wanted
 
 
 def test_bad_cache_options_with_a_delta_student_are_refused(tiny, tmp_path, capsys):  # noqa: F811
