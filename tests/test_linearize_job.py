@@ -234,10 +234,34 @@ def test_a_budget_too_small_is_refused_with_the_least_that_would_do(tiny, tmp_pa
     costs = {"calibration": 10.0, "fit_fixed": 20.0, "measure": 30.0, "sampling_batch": 40.0, "fit_step": 1.0,
              "end_to_end_step": 2.0}
     monkeypatch.setattr(budget, "calibrate", lambda *args, **kwargs: costs)
-    assert main(command(tiny, tmp_path / "b", "--budget", "2")) == 2
+    assert main(command(tiny, tmp_path / "b", "--budget", "2", "--fit-steps", "10")) == 2
     err = capsys.readouterr().err
     assert "--budget: 2 min leave room for" in err and "pass --budget 3 or more" in err
     assert not (tmp_path / "b" / "stages" / "plan.json").exists()
+
+
+def test_the_budget_caps_the_fit_at_fit_steps_and_counts_the_training_text(tiny, tmp_path, monkeypatch):
+    from linattn.cli import main
+    from linattn.evaluate.lm_stages import training_text_count
+    from linattn.evaluate.models import load_model
+    from linattn.linearized import budget
+
+    costs = {"calibration": 10.0, "fit_fixed": 20.0, "measure": 30.0, "sampling_batch": 40.0, "fit_step": 1.0,
+             "end_to_end_step": 2.0}
+    monkeypatch.setattr(budget, "calibrate", lambda *args, **kwargs: costs)
+    seen = []
+
+    def plan(*args, **kwargs):
+        seen.append(kwargs)
+        raise KeyboardInterrupt  # what the job asked for is all this test needs
+
+    monkeypatch.setattr(budget, "plan_steps", plan)
+    with pytest.raises(KeyboardInterrupt):
+        main(command(tiny, tmp_path / "b", "--budget", "10", "--fit-steps", "12", "--end-to-end-corpus-orders", "3"))
+    _, tokenizer, _ = load_model(str(tiny), causal_lm=True)
+    options = type("Options", (), {"corpus_orders": 3, "tokens": 30, "copies": True, "repeat_weight": 1.0})()
+    wanted = training_text_count(tokenizer, (tiny / "train.txt").read_text(), options)
+    assert wanted >= 1 and seen == [{"end_to_end": True, "samples": 4, "most_fit": 12, "corpus": wanted}]
 
 
 def test_a_disk_without_room_for_the_run_is_refused(tiny, tmp_path, monkeypatch, capsys):
@@ -288,6 +312,24 @@ def test_plan_steps_samples_no_more_than_the_end_to_end_steps_use():
     assert (middle["end_to_end_samples"], middle["end_to_end_steps"]) == (24, 26)
     with pytest.raises(LinearAttentionError, match="--end-to-end-samples: need more than 2"):
         plan_steps(10, costs, end_to_end=True, samples=2)
+
+
+def test_plan_steps_caps_the_fit_and_counts_the_training_text():
+    costs = {"calibration": 10.0, "fit_fixed": 20.0, "measure": 30.0, "sampling_batch": 40.0, "fit_step": 1.0,
+             "end_to_end_step": 20.0}
+    # one batch: 380 s left; the fit capped at 50 steps (50 s), the other 330 s give 16 end-to-end steps, which 8
+    # samples (13 sequences) do not cover, but with the training text's 16 sequences they do
+    plan = plan_steps(10, costs, end_to_end=True, samples=32, most_fit=50, corpus=16)
+    assert (plan["end_to_end_samples"], plan["fit_steps"], plan["end_to_end_steps"]) == (8, 50, 16)
+    assert plan["estimates"]["fit"] == 20 + 50 and plan["estimates"]["end_to_end"] == 40 + 16 * 20
+    # without it, two batches (340 s left: 50 fitting steps, 14 end-to-end steps, 29 sequences)
+    plan = plan_steps(10, costs, end_to_end=True, samples=32, most_fit=50)
+    assert (plan["end_to_end_samples"], plan["fit_steps"], plan["end_to_end_steps"]) == (16, 50, 14)
+    # a cap above 40 % of the time changes nothing; with no end-to-end stage the fit takes all of it, uncapped
+    assert plan_steps(10, costs, end_to_end=True, samples=8, most_fit=500)["fit_steps"] == 152
+    assert plan_steps(10, costs, end_to_end=False, most_fit=50)["fit_steps"] == 420
+    with pytest.raises(LinearAttentionError, match="--fit-steps: with --budget, need at least 10"):
+        plan_steps(10, costs, end_to_end=True, most_fit=9)
 
 
 def test_wilson_interval_matches_its_closed_form():

@@ -235,7 +235,7 @@ def test_a_budget_times_the_delta_student_with_its_cache(tiny, tmp_path, monkeyp
     fits, linearized = calibration_calls(monkeypatch)
     out = tmp_path / "budgeted"
     with pytest.raises(KeyboardInterrupt):
-        main(command(tiny, out, "--student", "kda", "--sparse-cache", "4", "--budget", "30"))
+        main(command(tiny, out, "--student", "kda", "--sparse-cache", "4", "--budget", "30", "--fit-steps", "10"))
     assert fits == [SparseCache(size=4), SparseCache(size=4)]  # the fits of 1 and 9 steps
     assert linearized == [(4, "delta")]  # the end-to-end step and the linearized row's forward pass
     plan = json.loads((out / "stages" / "plan.json").read_text())
@@ -254,7 +254,7 @@ def test_a_budget_times_a_retrieval_split_with_the_split_made_on_the_training_te
     fits, linearized = calibration_calls(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         main(command(tiny, tmp_path / "budgeted", "--student", "gated-delta", *RETRIEVAL, "--sparse-cache-top", "2",
-                     "--budget", "30"))
+                     "--budget", "30", "--fit-steps", "10"))
     model, tokenizer, _ = load_model(str(tiny), causal_lm=True)
     wanted = [cache.size for cache in text_split(model, tokenizer, (tiny / "train.txt").read_text(), 8, 1, 4, 1, 2)]
     assert len(set(wanted)) > 1  # the split differs by layer: not a uniform cache in disguise

@@ -152,6 +152,21 @@ def training_set(plain: list[torch.Tensor], corpus: list[torch.Tensor], options:
                        len(copies) + len(corpus_copies), len(corpus))
 
 
+def corpus_sequences(tokenizer: Any, train: str, options: EndToEndOptions) -> list[torch.Tensor]:
+    """With ``--end-to-end-corpus-orders K``: the training text itself in K paragraph orders, as token ids of
+    ``--end-to-end-tokens`` each, trained on beside the samples (none without it)."""
+    if not options.corpus_orders:
+        return []
+    return token_ids(tokenizer, reordered(train, options.corpus_orders, seed=0), options.tokens)
+
+
+def training_text_count(tokenizer: Any, train: str, options: EndToEndOptions) -> int:
+    """End-to-end training sequences that come from the training text (its orders and their copying sequences):
+    what the stage trains on beyond its samples, with no sampling."""
+    data = training_set([], corpus_sequences(tokenizer, train, options), options)
+    return len(data.sequences)
+
+
 def train_end_to_end(model: Any, tokenizer: Any, fitted: FittedFeatureMaps, config: LMCompareConfig, train: str,
                      plain: list[torch.Tensor], heads: torch.Tensor | None, *, gates: list[Any] | None = None,
                      student_options: dict[str, Any] | None = None) -> tuple[Any, Any, dict[str, Any]]:
@@ -162,10 +177,7 @@ def train_end_to_end(model: Any, tokenizer: Any, fitted: FittedFeatureMaps, conf
     copy, the adapters (or None) and what it took. ``gates`` (a student's, :class:`linattn.nn.KeyGates` per layer)
     are trained in place beside the maps, with the student's ``linear_attention`` options (``update="delta"``)."""
     options = config.end_to_end
-    corpus: list[torch.Tensor] = []
-    if options.corpus_orders:  # the training text itself, in paragraph orders, beside the samples
-        corpus = token_ids(tokenizer, reordered(train, options.corpus_orders, seed=0), options.tokens)
-    data = training_set(plain, corpus, options)
+    data = training_set(plain, corpus_sequences(tokenizer, train, options), options)
     if heads is not None and options.train_other_heads:
         heads = ~heads
     tuned = copy.deepcopy(fitted)

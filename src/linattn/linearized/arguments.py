@@ -52,8 +52,8 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
     add("text", nargs="?", default=None, help="training text file (default: the shipped corpus)")
     add("--out", required=True, help="the folder to write (stages, maps, results, card); a rerun continues it")
     add("--budget", type=float, default=None, help="minutes: time a few steps of each stage, then choose the step "
-        "counts that fit (replaces --fit-steps and --end-to-end-steps) and as many samples as those steps use (up "
-        "to --end-to-end-samples)")
+        "counts that fit (replaces --end-to-end-steps; --fit-steps becomes the most fitting steps, the rest of the "
+        "training time going end to end) and as many samples as those steps use (up to --end-to-end-samples)")
     add("--heldout", default=None, help="held-out text file for the measuring stage (default: the shipped corpus)")
     add("--student", choices=STUDENT_NAMES, default=DEFAULT_STUDENT_NAME, help="what replaces each attention "
         "layer beside the window and sinks: hedgehog (Hedgehog maps, the additive state), gated-delta (a gated "

@@ -20,10 +20,14 @@ length; on SmolLM2 a batch of 8 steps at 1,552 tokens costs 2.3 times one at 16)
 of the two.
 
 What remains of 80 % of the budget (a shared machine's load changes during a run) after the fixed costs goes 40 % to
-fitting steps and 60 % to end-to-end steps. The number of samples is the least (in whole batches, up to
-``--end-to-end-samples``) that gives the end-to-end steps one training sequence each: a sample the steps never
-reach costs its sampling and buys nothing, and its time goes to steps instead. A budget that leaves fewer than
-:data:`MIN_FIT_STEPS` / :data:`MIN_END_TO_END_STEPS` is refused, naming the least that would do.
+fitting steps, but no more than ``--fit-steps`` of them, and the rest to end-to-end steps: the end-to-end stage is
+where a student learns to recall, and on SmolLM2 a fit of 1,332 steps left its held-out KL still falling fast
+after 22 end-to-end steps, where the shipped folder had 48 fitting and 180 end-to-end steps. Without an end-to-end
+stage, everything goes to the fit. The number of samples is the least (in whole batches, up to
+``--end-to-end-samples``) that gives the end-to-end steps one training sequence each, counting the training text's
+own sequences (``--end-to-end-corpus-orders``) among them: a sample the steps never reach costs its sampling and
+buys nothing, and its time goes to steps instead. A budget that leaves fewer than :data:`MIN_FIT_STEPS` /
+:data:`MIN_END_TO_END_STEPS` is refused, naming the least that would do.
 """
 
 from __future__ import annotations
@@ -189,10 +193,11 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
             "calibration": time.perf_counter() - begin}
 
 
-def training_sequences_of(samples: int) -> int:
+def training_sequences_of(samples: int, corpus: int = 0) -> int:
     """End-to-end training sequences from ``samples`` samples: the samples and their copying sequences, less the
-    held-out ones (:func:`~.lm_stages.training_set`)."""
-    return 2 * samples - HELD_OUT_SAMPLES - 1
+    held-out ones (:func:`~.lm_stages.training_set`), and ``corpus`` sequences of the training text (its orders
+    and their copying sequences)."""
+    return 2 * samples - HELD_OUT_SAMPLES - 1 + corpus
 
 
 def _sample_counts(most: int) -> list[int]:
@@ -201,30 +206,38 @@ def _sample_counts(most: int) -> list[int]:
     return [count for count in counts if count > HELD_OUT_SAMPLES]
 
 
-def _steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int
+def _steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int, most_fit: int
            ) -> tuple[float, float, int, int]:
     """The fixed seconds, the sampling's share of them, and the fitting and end-to-end steps that fit, with
-    ``samples`` samples."""
+    ``samples`` samples and at most ``most_fit`` fitting steps when an end-to-end stage follows."""
     sampling = costs["sampling_batch"] * math.ceil(samples / SAMPLING_BATCH) if end_to_end else 0.0
     fixed = costs["calibration"] + costs["fit_fixed"] + costs["measure"] + sampling
     left = budget_minutes * 60 * SAFETY - fixed
-    share = FIT_SHARE if end_to_end else 1.0
-    fit_steps = min(int(left * share / costs["fit_step"]), MAX_STEPS) if left > 0 else 0
-    e2e_steps = min(int(left * (1 - share) / costs["end_to_end_step"]), MAX_STEPS) if end_to_end and left > 0 else 0
+    if left <= 0:
+        return fixed, sampling, 0, 0
+    if not end_to_end:
+        return fixed, sampling, min(int(left / costs["fit_step"]), MAX_STEPS), 0
+    fit_steps = min(int(left * FIT_SHARE / costs["fit_step"]), most_fit, MAX_STEPS)
+    e2e_steps = min(int((left - fit_steps * costs["fit_step"]) / costs["end_to_end_step"]), MAX_STEPS)
     return fixed, sampling, fit_steps, e2e_steps
 
 
-def plan_steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int = 32) -> dict[str, Any]:
+def plan_steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int = 32, *,
+               most_fit: int = MAX_STEPS, corpus: int = 0) -> dict[str, Any]:
     """Fit and end-to-end step counts and the number of samples (at most ``samples``) that fit ``budget_minutes``
     given ``costs`` (:func:`calibrate`), and the estimated seconds of each stage; refuses a budget too small for
-    the least useful run."""
+    the least useful run. With an end-to-end stage, the fit gets 40 % of the training time but at most
+    ``most_fit`` steps (``--fit-steps``), and the end-to-end stage the rest; ``corpus`` training sequences come
+    from the training text (no sampling needed for them)."""
     counts = _sample_counts(samples) if end_to_end else [0]
     if not counts:
         raise LinearAttentionError(f"--end-to-end-samples: need more than {HELD_OUT_SAMPLES}, got {samples}")
-    plans = [(count, _steps(budget_minutes, costs, end_to_end, count)) for count in counts]
+    if most_fit < MIN_FIT_STEPS:
+        raise LinearAttentionError(f"--fit-steps: with --budget, need at least {MIN_FIT_STEPS}, got {most_fit}")
+    plans = [(count, _steps(budget_minutes, costs, end_to_end, count, most_fit)) for count in counts]
     # the fewest samples that give every end-to-end step its own sequence, else as many as allowed
     chosen, (fixed, sampling, fit_steps, e2e_steps) = next(
-        (plan for plan in plans if training_sequences_of(plan[0]) >= plan[1][3]), plans[-1])
+        (plan for plan in plans if training_sequences_of(plan[0], corpus) >= plan[1][3]), plans[-1])
     share = FIT_SHARE if end_to_end else 1.0
     if fit_steps < MIN_FIT_STEPS or (end_to_end and e2e_steps < MIN_END_TO_END_STEPS):
         least = fixed + MIN_FIT_STEPS * costs["fit_step"] / share

@@ -45,7 +45,14 @@ from ..evaluate.lm_config import (
     LMCompareConfig,
     ProbeOptions,
 )
-from ..evaluate.lm_stages import RETRIEVAL_SEQUENCES, fit_hedgehog, read_text, train_end_to_end, training_sequences
+from ..evaluate.lm_stages import (
+    RETRIEVAL_SEQUENCES,
+    fit_hedgehog,
+    read_text,
+    train_end_to_end,
+    training_sequences,
+    training_text_count,
+)
 from ..evaluate.models import check_model_name, load_model, looks_causal
 from ..evaluate.probes import repeats_by_gap
 from ..evaluate.window_softmax import use_window_softmax
@@ -189,7 +196,8 @@ class Job:
             costs = calibrate(self.model, self.tokenizer, self.name, self.train, self.heldout, config, self.student,
                               tuple(getattr(self.args, "repeat_gaps", None) or ()), split=self._calibration_split())
             plan = plan_steps(self.args.budget, costs, end_to_end=self.args.end_to_end_steps > 0,
-                              samples=self.args.end_to_end_samples)
+                              samples=self.args.end_to_end_samples, most_fit=self.args.fit_steps,
+                              corpus=training_text_count(self.tokenizer, self.train, config.end_to_end))
         plan["options"] = self._options()
         _config(self.args, plan, "")  # options refused there leave no plan behind (a corrected rerun is not "other")
         atomic_write(self.folder / "stages" / "plan.json", json.dumps(plan, indent=2))
