@@ -139,6 +139,19 @@ def test_head_slice_keeps_those_heads() -> None:
     torch.testing.assert_close(part.features(x[1:3], is_query=False), fmap.features(x, is_query=False)[1:3])
 
 
+def test_head_select_keeps_those_heads_in_order_and_the_dtype() -> None:
+    fmap = feature_maps.create("hedgehog", head_dim=4, num_features=6, num_heads=5, init="random", seed=3).double()
+    with torch.no_grad():
+        fmap.gate.add_(torch.randn(fmap.gate.shape, dtype=torch.float64))  # the key gate is per head too
+    x = torch.randn(5, 9, 4, dtype=torch.float64)
+    index = torch.tensor([4, 1])
+    part = fmap.head_select(index)
+    assert part.weight.dtype == torch.float64 and part.num_heads == 2
+    want = fmap.features(x, is_query=False).index_select(0, index)
+    # the same arithmetic per head, in a batch of another size (BLAS may pick another kernel): float64 rounding
+    torch.testing.assert_close(part.features(x.index_select(0, index), is_query=False), want, rtol=0, atol=1e-14)
+
+
 @pytest.mark.parametrize("name", LEARNED)
 def test_state_dict_round_trip_and_seed(name: str) -> None:
     fmap = feature_maps.create(name, head_dim=8, num_features=16, num_heads=2, init="random", seed=7)

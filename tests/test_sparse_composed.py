@@ -618,6 +618,38 @@ def test_heads_apart_with_a_map_per_head(monkeypatch):
     _states_equal(state, reference, atol=1e-10)
 
 
+def test_heads_apart_map_their_own_heads_natively_without_gradients(monkeypatch):
+    """Without gradients, the heads that keep pairs are mapped in C++ by a map of their own weights alone (no
+    zero rows for the others), as the torch route maps them: outputs and state agree within float64 rounding."""
+    from linattn.backends import native
+    from linattn.backends.native import forms as native_forms
+
+    if native.module("causal") is None:
+        pytest.skip(f"the native kernels are not built here: {native.status()}")
+    q, k, v, gen = inputs(h=4, n=37, d=8, dv=8, seed=7)
+    options = linear_options("gated-delta", q, gen, features=16)
+    fmap = linattn.feature_maps.create("hedgehog", head_dim=8, num_features=8, num_heads=4).double()
+    with torch.no_grad():
+        for param in fmap.parameters():
+            param.add_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * 0.5)
+    common = {"causal": True, "window": 5, "sinks": 2, "return_state": True, "feature_map": fmap,
+              "sparse_cache": SparseCache(size=(4, 0, 0, 7), block=4), "form": "chunked", "chunk_size": 8}
+    heads_seen = []
+    real = native_forms.hedgehog_features
+
+    def spy(fmap, x, is_query):
+        heads_seen.append((fmap.num_heads, x.shape[-3]))
+        return real(fmap, x, is_query)
+
+    monkeypatch.setattr(native_forms, "hedgehog_features", spy)
+    with torch.no_grad():
+        got, state = linattn.linear_attention(q, k, v, backend="native", **common, **options)
+        want, reference = linattn.linear_attention(q, k, v, backend="torch", **common, **options)
+    assert (2, 2) in heads_seen  # the two heads with a budget, on a map of their own
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    _states_equal(state, reference, atol=1e-10)
+
+
 @pytest.mark.parametrize("features", [6, 8], ids=["m6", "m8"])
 @pytest.mark.parametrize("score", ["recall", "attention"])
 def test_the_decoding_step_holds_slots_for_the_heads_with_a_budget(score, features):

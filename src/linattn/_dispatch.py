@@ -327,7 +327,8 @@ def _heads_apart(job: Job, form: str, native: bool) -> Result:
 
     factor = job.window_factor.expand(batch).index_select(head, keeping) if job.window_factor is not None else None
     keep = job.keep.expand(job.k.shape[:-1]).index_select(head, keeping) if job.keep is not None else None
-    part = replace(job, fmap=HeadRows(job.fmap, keeping, heads), q=rows(job.q, 3), k=rows(job.k, 3),
+    part = replace(job, fmap=HeadRows(job.fmap, keeping, heads, native_forms.hedgehog_features if native else None),
+                   q=rows(job.q, 3), k=rows(job.k, 3),
                    v=rows(job.v, 3), keep=keep, state=state.index_select(head, keeping) if state is not None else None,
                    beta=some(job.beta, 2), log_decay=some(job.log_decay, 2), feature_gate=some(job.feature_gate, 3),
                    window_factor=factor, sparse_cache=own, return_state=True)

@@ -129,10 +129,18 @@ class LearnedProjectionMap(FeatureMap):
             raise LinearAttentionError(f"{type(self).__name__}: head_slice needs a per-head map (num_heads set)")
         if not 0 <= start < stop <= self.num_heads:
             raise LinearAttentionError(f"head_slice: need 0 ≤ start < stop ≤ {self.num_heads}, got {start}, {stop}")
-        part = type(self)(self.head_dim, num_features=self.num_features, num_heads=stop - start, tied=self.tied)
+        return self.head_select(torch.arange(start, stop))
+
+    def head_select(self, index: torch.Tensor) -> LearnedProjectionMap:
+        """A copy holding the heads ``index`` (h,) only, in that order (detached: new parameters, of this map's
+        dtype and device)."""
+        if self.num_heads is None:
+            raise LinearAttentionError(f"{type(self).__name__}: head_select needs a per-head map (num_heads set)")
+        part = type(self)(self.head_dim, num_features=self.num_features, num_heads=int(index.numel()),
+                          tied=self.tied).to(self.weight)
         with torch.no_grad():  # every parameter is (P, H, ...): the head is dim 1
             for name, param in part.named_parameters():
-                param.copy_(getattr(self, name)[:, start:stop])
+                param.copy_(getattr(self, name).index_select(1, index.to(param.device)))
         return part
 
     def extra_repr(self) -> str:

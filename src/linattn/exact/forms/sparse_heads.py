@@ -12,26 +12,54 @@ the delta family, whose unit features cancel any scale a map might take from the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from ...feature_maps import HedgehogFeatureMap
 from ...feature_maps.base import FeatureMap
 from ...features import map_features
 from ...state import DeltaRuleState, SparseCache, SparseCacheState, WindowAttentionState
 from .sparse import _queries_since
 
+# one Hedgehog map's features of x in C++, or None where the kernels do not take the call (backends/native)
+NativeMap = Callable[[HedgehogFeatureMap, torch.Tensor, bool], "torch.Tensor | None"]
+
 
 class HeadRows(FeatureMap):
-    """The map ``inner`` of H heads applied to the heads ``index`` (h,) only: inputs (..., h, N, D)."""
+    """The map ``inner`` of H heads applied to the heads ``index`` (h,) only: inputs (..., h, N, D). ``native``
+    (given by the native backend): a per-head Hedgehog map's features of those heads alone in C++ where no gradient
+    is needed (a copy of their parameters, made once), as the composed route's are; else the other heads' rows are
+    zeros the map also runs on."""
 
-    def __init__(self, inner: torch.nn.Module, index: torch.Tensor, heads: int) -> None:
+    def __init__(self, inner: torch.nn.Module, index: torch.Tensor, heads: int,
+                 native: NativeMap | None = None) -> None:
         super().__init__()
         self.inner, self.heads = inner, heads
         self.rows: torch.Tensor = index  # made for one call: a plain attribute, not a buffer
         self.positive = getattr(inner, "positive", True)  # type: ignore[misc]
         self.log_space = getattr(inner, "log_space", False)  # type: ignore[misc]
+        per_head = isinstance(inner, HedgehogFeatureMap) and type(inner) is HedgehogFeatureMap \
+            and inner.num_heads == heads
+        self.native = native if per_head else None
+        self._own: HedgehogFeatureMap | None = None  # the heads' own map, made at the first native call
+
+    def _native(self, x: torch.Tensor, is_query: bool) -> torch.Tensor | None:
+        inner = self.inner
+        if self.native is None or not isinstance(inner, HedgehogFeatureMap) or (
+                torch.is_grad_enabled() and any(param.requires_grad for param in inner.parameters())):
+            return None
+        if self._own is None:
+            own = inner.head_select(self.rows)
+            assert isinstance(own, HedgehogFeatureMap)
+            self._own = own.requires_grad_(False)
+        return self.native(self._own, x, is_query)
 
     def features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         # the checks (finite, nonnegative) run on the rows returned, by the caller's map_features
+        made = self._native(x, is_query)
+        if made is not None:
+            return made
         full = x.new_zeros(*x.shape[:-3], self.heads, *x.shape[-2:]).index_copy(-3, self.rows, x)
         return map_features(self.inner, full, is_query=is_query).index_select(-3, self.rows)
 
