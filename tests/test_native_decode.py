@@ -141,6 +141,19 @@ def test_native_float32(kernels, kind):
     assert float((got - reference).abs().max()) <= 2e-6 * scale
 
 
+def test_the_build_name_differs_by_checkout_not_by_call(tmp_path):
+    """Two copies of one source (two checkouts) get two build names, so neither rebuilds the other's; one source
+    keeps its name."""
+    source = native.SOURCES["decode"]
+    copy = tmp_path / source.name
+    copy.write_bytes(source.read_bytes())
+    assert native.build_digest(source) == native.build_digest(source)
+    before = native.build_digest(copy)
+    assert before != native.build_digest(source)
+    copy.write_bytes(source.read_bytes() + b"\n")  # and an edited source, at the same path, another
+    assert native.build_digest(copy) != before
+
+
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("LINATTN_NATIVE", "0")
     monkeypatch.setattr(native, "_state", {})

@@ -49,6 +49,16 @@ def _arch_flags() -> tuple[str, list[str]]:
     return "generic", []
 
 
+def build_digest(source: Path) -> str:
+    """The build's name part: the source's bytes, and where it and torch are. ninja rebuilds when a build's
+    command changes, and the command holds both paths: two checkouts (a worktree, benchmarks/ab.py's exported
+    commit, a CI clone) sharing one cache folder under one name would rebuild each other's build at every first
+    call (~30 s each), so each gets its own."""
+    hashed = hashlib.sha256(source.read_bytes())
+    hashed.update(f"\0{source.resolve()}\0{Path(torch.__file__).resolve().parent}".encode())
+    return hashed.hexdigest()[:10]
+
+
 def module(name: str = "decode") -> Any | None:
     """The built extension ``name`` ("decode" or "causal"), or None (:func:`status` says why); built once per
     process, on the first call."""
@@ -67,7 +77,7 @@ def module(name: str = "decode") -> Any | None:
         found["reason"] = f"torch's extension builder is unavailable ({error}); pip install ninja"
         return None
     source = SOURCES[name]
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:10]
+    digest = build_digest(source)
     arch, flags = _arch_flags()
     # -fopenmp: at::parallel_for is inlined from torch's headers, so without it the rows would run on one thread
     parallel = ["-fopenmp"] if platform.system() == "Linux" else []
