@@ -240,7 +240,9 @@ def test_a_budget_too_small_is_refused_with_the_least_that_would_do(tiny, tmp_pa
     assert not (tmp_path / "b" / "stages" / "plan.json").exists()
 
 
-def test_the_budget_caps_the_fit_at_fit_steps_and_counts_the_training_text(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cache", [[], ["--sparse-cache", "4", "--sparse-cache-heads", "retrieval"]],
+                         ids=["no-cache", "split"])
+def test_the_budget_caps_the_fit_at_fit_steps_and_counts_the_training_text(tiny, tmp_path, monkeypatch, cache):
     from linattn.cli import main
     from linattn.evaluate.lm_stages import training_text_count
     from linattn.evaluate.models import load_model
@@ -257,11 +259,14 @@ def test_the_budget_caps_the_fit_at_fit_steps_and_counts_the_training_text(tiny,
 
     monkeypatch.setattr(budget, "plan_steps", plan)
     with pytest.raises(KeyboardInterrupt):
-        main(command(tiny, tmp_path / "b", "--budget", "10", "--fit-steps", "12", "--end-to-end-corpus-orders", "3"))
+        main(command(tiny, tmp_path / "b", "--budget", "10", "--fit-steps", "12", "--end-to-end-corpus-orders", "3",
+                     *cache))
     _, tokenizer, _ = load_model(str(tiny), causal_lm=True)
     options = type("Options", (), {"corpus_orders": 3, "tokens": 30, "copies": True, "repeat_weight": 1.0})()
     wanted = training_text_count(tokenizer, (tiny / "train.txt").read_text(), options)
-    assert wanted >= 1 and seen == [{"end_to_end": True, "samples": 4, "most_fit": 12, "corpus": wanted}]
+    # with a split decided on the samples, the fit stage makes them (its estimate counts them)
+    assert wanted >= 1 and seen == [{"end_to_end": True, "samples": 4, "most_fit": 12, "corpus": wanted,
+                                     "sample_first": bool(cache)}]
 
 
 def test_a_disk_without_room_for_the_run_is_refused(tiny, tmp_path, monkeypatch, capsys):
@@ -322,6 +327,9 @@ def test_plan_steps_caps_the_fit_and_counts_the_training_text():
     plan = plan_steps(10, costs, end_to_end=True, samples=32, most_fit=50, corpus=16)
     assert (plan["end_to_end_samples"], plan["fit_steps"], plan["end_to_end_steps"]) == (8, 50, 16)
     assert plan["estimates"]["fit"] == 20 + 50 and plan["estimates"]["end_to_end"] == 40 + 16 * 20
+    # a split decided on the samples: they are made in the fit stage, and its estimate says so
+    first = plan_steps(10, costs, end_to_end=True, samples=32, most_fit=50, corpus=16, sample_first=True)
+    assert first["estimates"]["fit"] == 40 + 20 + 50 and first["estimates"]["end_to_end"] == 16 * 20
     # without it, two batches (340 s left: 50 fitting steps, 14 end-to-end steps, 29 sequences)
     plan = plan_steps(10, costs, end_to_end=True, samples=32, most_fit=50)
     assert (plan["end_to_end_samples"], plan["fit_steps"], plan["end_to_end_steps"]) == (16, 50, 14)

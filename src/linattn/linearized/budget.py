@@ -223,12 +223,13 @@ def _steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, sam
 
 
 def plan_steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int = 32, *,
-               most_fit: int = MAX_STEPS, corpus: int = 0) -> dict[str, Any]:
+               most_fit: int = MAX_STEPS, corpus: int = 0, sample_first: bool = False) -> dict[str, Any]:
     """Fit and end-to-end step counts and the number of samples (at most ``samples``) that fit ``budget_minutes``
     given ``costs`` (:func:`calibrate`), and the estimated seconds of each stage; refuses a budget too small for
     the least useful run. With an end-to-end stage, the fit gets 40 % of the training time but at most
     ``most_fit`` steps (``--fit-steps``), and the end-to-end stage the rest; ``corpus`` training sequences come
-    from the training text (no sampling needed for them)."""
+    from the training text (no sampling needed for them). ``sample_first``: the sampling is counted in the fit's
+    estimate (it runs there when a split across heads is decided on the samples before the fit)."""
     counts = _sample_counts(samples) if end_to_end else [0]
     if not counts:
         raise LinearAttentionError(f"--end-to-end-samples: need more than {HELD_OUT_SAMPLES}, got {samples}")
@@ -251,8 +252,10 @@ def plan_steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool,
             "more"
             + ("" if not end_to_end else ", or --end-to-end-steps 0 to skip that stage")
         )
-    estimates = {"fit": costs["fit_fixed"] + fit_steps * costs["fit_step"],
-                 "end_to_end": (sampling + e2e_steps * costs["end_to_end_step"]) if end_to_end else 0.0,
+    # with a split decided on the samples (--sparse-cache-heads retrieval), the fit stage samples them first
+    first = sampling if sample_first else 0.0
+    estimates = {"fit": first + costs["fit_fixed"] + fit_steps * costs["fit_step"],
+                 "end_to_end": (sampling - first + e2e_steps * costs["end_to_end_step"]) if end_to_end else 0.0,
                  "measure": costs["measure"]}
     return {"fit_steps": fit_steps, "end_to_end_steps": e2e_steps, "end_to_end_samples": chosen,
             "estimates": estimates, "costs": costs}

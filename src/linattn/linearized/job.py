@@ -197,7 +197,8 @@ class Job:
                               tuple(getattr(self.args, "repeat_gaps", None) or ()), split=self._calibration_split())
             plan = plan_steps(self.args.budget, costs, end_to_end=self.args.end_to_end_steps > 0,
                               samples=self.args.end_to_end_samples, most_fit=self.args.fit_steps,
-                              corpus=training_text_count(self.tokenizer, self.train, config.end_to_end))
+                              corpus=training_text_count(self.tokenizer, self.train, config.end_to_end),
+                              sample_first=bool(self.args.sparse_cache) and self.args.sparse_cache_heads == "retrieval")
         plan["options"] = self._options()
         _config(self.args, plan, "")  # options refused there leave no plan behind (a corrected rerun is not "other")
         atomic_write(self.folder / "stages" / "plan.json", json.dumps(plan, indent=2))
