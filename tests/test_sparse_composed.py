@@ -530,16 +530,52 @@ def test_heads_that_keep_every_pair_or_none(kind, factor, score, monkeypatch):
 
 def test_a_head_one_pair_short_runs_the_general_form(monkeypatch):
     """Where a head's budget is one pair short of the call's (it would evict once), the general form runs, and
-    the result is still the definition's."""
+    the result is still the definition's. With a head that keeps none, the first 28 tokens (7 whole blocks, whose
+    21 pairs the budget holds) take the kept route, the last one the general form from their state."""
     q, k, v, gen = inputs(h=2, n=29, seed=3)
     options = linear_options("gated-delta", q, gen)
-    calls = _route_calls(monkeypatch, "with_kept_pairs")
+    kept, apart = _route_calls(monkeypatch, "with_kept_pairs"), _route_calls(monkeypatch, "_heads_apart")
     got = linattn.linear_attention(q, k, v, causal=True, window=5, sinks=2, form="chunked", chunk_size=8,
                                    sparse_cache=SparseCache(size=(0, 24), block=4), **options)
-    assert calls == []
+    assert kept == [1] and apart == [1]
     want = definition(q, k, v, window=5, sinks=2, size=(0, 24), block=4, score="recall",
                       **reference_options(options, q))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    got = linattn.linear_attention(q, k, v, causal=True, window=5, sinks=2, form="chunked", chunk_size=8,
+                                   sparse_cache=SparseCache(size=(23, 24), block=4), **options)
+    assert kept == [1] and apart == [1]  # every head keeps pairs, one evicts: the sparse form, whole
+    want = definition(q, k, v, window=5, sinks=2, size=(23, 24), block=4, score="recall",
+                      **reference_options(options, q))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("score", ["recall", "attention"])
+@pytest.mark.parametrize("kind", DELTA_KINDS)
+def test_a_long_first_call_keeps_its_first_blocks_whole(kind, score, monkeypatch):
+    """A first call longer than the budgets hold (45 tokens, block 4, budgets (0, 13, 0, 25) of 4 heads): its
+    first whole blocks over which every head keeps every pair or none (20 tokens: their last boundary, 16, has the
+    13 candidates 2 … 14) run the kept route, the rest the split route from their state; outputs and every field
+    of the state equal the definition's form over the whole call."""
+    q, k, v, gen = inputs(h=4, n=45, heads_kv=2, seed=4)
+    options = linear_options(kind, q, gen)
+    sizes = (0, 13, 0, 25)
+    common = {"causal": True, "window": 5, "sinks": 2, "return_state": True,
+              "sparse_cache": SparseCache(size=sizes, score=score, block=4)}
+    kept, apart = _route_calls(monkeypatch, "with_kept_pairs"), _route_calls(monkeypatch, "_heads_apart")
+    seen = []
+    import linattn._dispatch as dispatch
+
+    real = dispatch._tokens
+    monkeypatch.setattr(dispatch, "_tokens", lambda job, start, stop: seen.append((start, stop)) or real(job, start,
+                                                                                                          stop))
+    got, state = linattn.linear_attention(q, k, v, form="chunked", chunk_size=8, **common, **options)
+    assert kept == [1] and apart == [1] and seen == [(0, 20), (20, 45)]
+    k4, v4 = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    want = definition(q, k4, v4, window=5, sinks=2, size=sizes, block=4, score=score,
+                      **reference_options(options, q))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    _, general = linattn.linear_attention(q, k, v, form="parallel", **common, **options)
+    _states_equal(state, general, atol=1e-10)
 
 
 def test_the_native_route_of_heads_that_keep_every_pair_or_none(monkeypatch):

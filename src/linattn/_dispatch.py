@@ -267,6 +267,12 @@ def _run_sparse_composed(job: Job, form: str, native: bool = False) -> Result:
     state, cache = job.state, job.sparse_cache
     assert (state is None or isinstance(state, WindowAttentionState)) and cache is not None
     route = _sparse_route(job, form)
+    if route == "prefix":  # the first whole blocks on the route below, the rest continuing from their state
+        cut = _kept_prefix(job)
+        first, first_state = _run_sparse_composed(replace(_tokens(job, 0, cut), return_state=True), form, native)
+        rest, state = _run_sparse_composed(replace(_tokens(job, cut, job.q.shape[-2]), state=first_state), form,
+                                           native)
+        return torch.cat([first, rest], dim=-2), state
     if route == "kept":
         full = keeps_all_or_none(cache, job.q.shape[:-2], job.q.shape[-2], job.window, job.sinks)
         assert full is not None and job.beta is not None
@@ -294,14 +300,39 @@ def _run_sparse_composed(job: Job, form: str, native: bool = False) -> Result:
 def _sparse_route(job: Job, form: str) -> str | None:
     """How a chunked call of the delta family with a sparse cache runs faster than the sparse form over every head:
     "kept" (a first call without padding in which every head keeps every pair or none: exact/forms/sparse_kept.py),
-    "split" (some heads keep no pair: exact/forms/sparse_heads.py), or None (the sparse form)."""
+    "split" (some heads keep no pair: exact/forms/sparse_heads.py), "prefix" (a longer first call without padding
+    whose first whole blocks are "kept" and whose rest is "split": the two calls, the second continuing the first's
+    state, are the op over the whole call), or None (the sparse form)."""
     cache = job.sparse_cache
     if form != "chunked" or job.beta is None or cache is None or job.q.dim() < 3:
         return None
-    if job.state is None and job.keep is None and \
-            keeps_all_or_none(cache, job.q.shape[:-2], job.q.shape[-2], job.window, job.sinks) is not None:
-        return "kept"
-    return "split" if split_heads(cache, job.q.shape[-3]) is not None else None
+    split = split_heads(cache, job.q.shape[-3]) is not None
+    if job.state is None and job.keep is None:
+        if keeps_all_or_none(cache, job.q.shape[:-2], job.q.shape[-2], job.window, job.sinks) is not None:
+            return "kept"
+        if split and job.segments is None and job.key_scales is None and _kept_prefix(job):
+            return "prefix"
+    return "split" if split else None
+
+
+def _kept_prefix(job: Job) -> int:
+    """The most whole blocks, fewer tokens than the call's, over which every head of a first call keeps every pair
+    or none (a head's pairs grow with the tokens, so the longest such part is the first); 0 where none does."""
+    assert job.sparse_cache is not None
+    block = job.sparse_cache.block_for(job.window)
+    n = (job.q.shape[-2] - 1) // block * block
+    while n >= block and keeps_all_or_none(job.sparse_cache, job.q.shape[:-2], n, job.window, job.sinks) is None:
+        n -= block
+    return max(n, 0) if n >= block else 0
+
+
+def _tokens(job: Job, start: int, stop: int) -> Job:
+    """Tokens start … stop − 1 of a call without padding or packing (its per-token inputs cut alike)."""
+    def cut(x: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+        return x.narrow(dim, start, stop - start) if x is not None else None
+
+    return replace(job, q=job.q[..., start:stop, :], k=job.k[..., start:stop, :], v=job.v[..., start:stop, :],
+                   beta=cut(job.beta, -1), log_decay=cut(job.log_decay, -1), feature_gate=cut(job.feature_gate, -2))
 
 
 def _heads_apart(job: Job, form: str, native: bool) -> Result:
