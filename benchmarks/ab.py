@@ -187,6 +187,8 @@ CALLS: dict[str, Spec] = {
     "cached_prefill_8192": Spec("the shipped folder's attention with its cache (a layer of 5 cached heads of 9, "
                                 "gated delta beside W=64 + 4 sinks), an 8,192-token prefill, no_grad",
                                 _cached(8192, 0), ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
+    "cached_prefill_4096": Spec("the same layer, a 4,096-token prefill, no_grad", _cached(4096, 0),
+                                ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
     "cached_decode_1536": Spec("the same layer decoding 64 tokens after a 1,536-token prefill (the prefill untimed)",
                                _cached(1536, 64), ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
     "composed_decode_1536": Spec("a layer of the same folder without a cache decoding 64 tokens after a 1,536-token "
