@@ -242,6 +242,32 @@ def test_a_budget_times_the_delta_student_with_its_cache(tiny, tmp_path, monkeyp
     assert plan["options"]["sparse_cache"] == 4 and plan["costs"]["measure"] > 0
 
 
+def test_a_budget_times_the_end_to_end_step_at_its_sequences_mean_length(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """The end-to-end step is timed on a sequence as long as the mean of a sample (--end-to-end-tokens 30 and the
+    prompt's room) and its copying sequence (their mean length, set to 10 here), in the teacher's two timed passes
+    and the student's two forward and backward passes."""
+    from linattn.cli import main
+    from linattn.linearized import budget
+
+    calibration_calls(monkeypatch)
+    monkeypatch.setattr(budget, "mean_copy_length", lambda: 10.0)
+    lengths = []
+    real_forward = torch.nn.Module.__call__
+
+    def spy(self, *args, **kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and type(self).__name__.endswith("ForCausalLM"):
+            lengths.append((ids.shape[-1], torch.is_grad_enabled()))
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", spy)
+    with pytest.raises(KeyboardInterrupt):
+        main(command(tiny, tmp_path / "budgeted", "--student", "gated-delta", "--budget", "30", "--fit-steps", "10"))
+    step = round((30 + budget.PROMPT_TOKENS + 10) / 2)
+    assert [length for length, grad in lengths if grad] == [step, step]
+    assert lengths.count((step, False)) == 2  # the teacher's passes
+
+
 def test_a_budget_times_a_retrieval_split_with_the_split_made_on_the_training_text(tiny, tmp_path,  # noqa: F811
                                                                                 monkeypatch):
     """--budget with --sparse-cache-heads retrieval: the timed fits, the end-to-end step and the linearized row have

@@ -77,6 +77,14 @@ def sample_texts(
     return texts
 
 
+COPY_PASSAGE, COPY_GAP = (32, 192), (128, 768)  # copying sequences' passage P and gap G: uniform draws
+
+
+def mean_copy_length() -> float:
+    """The expected length 2P + G of a copying sequence drawn from :data:`COPY_PASSAGE` and :data:`COPY_GAP`."""
+    return float(sum(COPY_PASSAGE) + sum(COPY_GAP) / 2)
+
+
 def _copy_plans(sequences: Sequence[torch.Tensor], passage: tuple[int, int], gap: tuple[int, int],
                 seed: int) -> list[tuple[int, int, int]]:
     """(index, P, G) of each sequence long enough for its drawn passage P and gap G (seeded draws, one per
@@ -91,7 +99,7 @@ def _copy_plans(sequences: Sequence[torch.Tensor], passage: tuple[int, int], gap
 
 
 def copying_sequences(
-    sequences: Sequence[torch.Tensor], *, passage: tuple[int, int] = (32, 192), gap: tuple[int, int] = (128, 768),
+    sequences: Sequence[torch.Tensor], *, passage: tuple[int, int] = COPY_PASSAGE, gap: tuple[int, int] = COPY_GAP,
     seed: int = 0,
 ) -> list[torch.Tensor]:
     """From each token sequence (N,) long enough: its first P tokens, the G tokens after them, then the first P
@@ -101,8 +109,8 @@ def copying_sequences(
 
 
 def copying_weights(
-    sequences: Sequence[torch.Tensor], repeat_weight: float, *, passage: tuple[int, int] = (32, 192),
-    gap: tuple[int, int] = (128, 768), seed: int = 0,
+    sequences: Sequence[torch.Tensor], repeat_weight: float, *, passage: tuple[int, int] = COPY_PASSAGE,
+    gap: tuple[int, int] = COPY_GAP, seed: int = 0,
 ) -> list[torch.Tensor]:
     """Position weights for :func:`fit_end_to_end`'s ``weights``, one (N,) float32 tensor per sequence of
     :func:`copying_sequences` with the same arguments (same order): ``repeat_weight`` at the positions that predict
