@@ -39,9 +39,8 @@ import torch
 
 from linattn import hf
 from linattn._json import dumps
-from linattn.evaluate.capture import reordered
 from linattn.evaluate.lm_config import EndToEndOptions
-from linattn.evaluate.lm_stages import PROMPT_TOKENS, read_text, token_ids, training_sequences, training_set
+from linattn.evaluate.lm_stages import PROMPT_TOKENS, corpus_sequences, read_text, training_sequences, training_set
 from linattn.evaluate.perplexity import perplexity
 from linattn.evaluate.probes import passkey_accuracy, passkeys, repeat_perplexity, repeated_passages, repeats_by_gap
 from linattn.linearized.caches import folder_setting, retrieval_split
@@ -187,8 +186,7 @@ def tuned(model: Any, tokenizer: Any, maps: Any, gates: Any, saved: dict[str, An
     train = read_text(None, "train")
     plain, sampling = training_sequences(model, tokenizer, train, options)  # under softmax
     model.set_attn_implementation(hf.IMPLEMENTATION)
-    corpus = token_ids(tokenizer, reordered(train, options.corpus_orders, seed=0), options.tokens) \
-        if options.corpus_orders else []
+    corpus = corpus_sequences(tokenizer, train, options)
     data = training_set(plain, corpus, options)
     info = fit_end_to_end(model, tokenizer, data.sequences, max_tokens=options.tokens + PROMPT_TOKENS,
                           steps=options.steps, held_out=data.held_out, progress=True, weights=data.weights,

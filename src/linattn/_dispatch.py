@@ -323,7 +323,7 @@ def _kept_prefix(job: Job) -> int:
     n = (job.q.shape[-2] - 1) // block * block
     while n >= block and keeps_all_or_none(job.sparse_cache, job.q.shape[:-2], n, job.window, job.sinks) is None:
         n -= block
-    return max(n, 0) if n >= block else 0
+    return n if n >= block else 0
 
 
 def _tokens(job: Job, start: int, stop: int) -> Job:

@@ -39,9 +39,7 @@ class HeadRows(FeatureMap):
         self.rows: torch.Tensor = index  # made for one call: a plain attribute, not a buffer
         self.positive = getattr(inner, "positive", True)  # type: ignore[misc]
         self.log_space = getattr(inner, "log_space", False)  # type: ignore[misc]
-        per_head = isinstance(inner, HedgehogFeatureMap) and type(inner) is HedgehogFeatureMap \
-            and inner.num_heads == heads
-        self.native = native if per_head else None
+        self.native = native if type(inner) is HedgehogFeatureMap and inner.num_heads == heads else None
         self._own: HedgehogFeatureMap | None = None  # the heads' own map, made at the first native call
 
     def _native(self, x: torch.Tensor, is_query: bool) -> torch.Tensor | None:
