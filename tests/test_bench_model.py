@@ -59,3 +59,34 @@ def test_bad_bench_arguments_are_refused(fitted_dir, tmp_path, capsys):  # noqa:
     assert "no linearized folder ships for it; pass --linearized DIR" in capsys.readouterr().err
     with pytest.raises(LinearAttentionError):
         speed.prompt_ids(type("T", (), {"__call__": lambda self, text: {"input_ids": []}})(), 4)
+
+
+def test_the_floor_is_the_original_without_attention_and_bounds_the_ratios(fitted_dir, tmp_path):  # noqa: F811
+    """--floor: a third row per context, the original whose attention returns each query's own value (so a token's
+    output does not depend on the others: the last position of a prompt equals that token alone at its position,
+    which is how the floor decodes without a cache), and bound columns computed from the rows."""
+    import torch
+
+    from linattn.cli import main
+    from linattn.evaluate import load_model
+
+    folder, _, tokenizer = fitted_dir
+    base = json.loads((folder / "linattn.json").read_text())["base"]["model"]
+    floor = speed.floor_model(base)
+    ids = speed.prompt_ids(tokenizer, 20)
+    with torch.no_grad():
+        whole = floor(input_ids=ids, use_cache=False).logits[0, -1]
+        alone = floor(input_ids=ids[:, -1:], position_ids=torch.tensor([[19]]), use_cache=False).logits[0, -1]
+        original = load_model(base, causal_lm=True)[0](input_ids=ids).logits[0, -1]
+    torch.testing.assert_close(alone, whole, rtol=1e-5, atol=1e-5)  # one token's rows, two matmul shapes
+    assert not torch.allclose(original, whole, atol=1e-2)  # the attention is really taken out
+    out = tmp_path / "bench"
+    assert main(["bench", "--model", base, "--linearized", str(folder), "--contexts", "24", "--new-tokens", "3",
+                 "--rounds", "1", "--out", str(out), "--no-plot", "--no-memory", "--floor"]) == 0
+    result = json.loads((out / "bench_model.json").read_text())
+    by = {row["model"]: row for row in result["rows"]}
+    assert set(by) == {"original", "linearized", "floor"} and by["floor"]["cache_bytes"] == 0
+    bound = result["summary"][0]["bound"]
+    assert bound["prefill_speedup"] == pytest.approx(by["original"]["prefill_ms"] / by["floor"]["prefill_ms"])
+    assert bound["decode_speedup"] == pytest.approx(by["floor"]["decode_tokens_per_second"]
+                                                    / by["original"]["decode_tokens_per_second"])

@@ -198,11 +198,16 @@ class Job:
             plan = plan_steps(self.args.budget, costs, end_to_end=self.args.end_to_end_steps > 0,
                               samples=self.args.end_to_end_samples, most_fit=self.args.fit_steps,
                               corpus=training_text_count(self.tokenizer, self.train, config.end_to_end),
-                              sample_first=bool(self.args.sparse_cache) and self.args.sparse_cache_heads == "retrieval")
+                              sample_first=self._retrieval_split)
         plan["options"] = self._options()
         _config(self.args, plan, "")  # options refused there leave no plan behind (a corrected rerun is not "other")
         atomic_write(self.folder / "stages" / "plan.json", json.dumps(plan, indent=2))
         return plan
+
+    @property
+    def _retrieval_split(self) -> bool:
+        """Whether the run splits its cache by retrieval score (--sparse-cache with --sparse-cache-heads retrieval)."""
+        return bool(self.args.sparse_cache) and self.args.sparse_cache_heads == "retrieval"
 
     def _top(self) -> int | None:
         """--sparse-cache-top, the students' default count held to the model's heads."""
@@ -217,7 +222,7 @@ class Job:
         (the run's own is decided later on its samples; its layers' largest budgets, which set the training form's
         slots, are what a uniform cache would miss). None otherwise, or where the text is too short to score."""
         args = self.args
-        if not args.sparse_cache or args.sparse_cache_heads != "retrieval":
+        if not self._retrieval_split:
             return None
         from .caches import text_split
 

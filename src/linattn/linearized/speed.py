@@ -14,6 +14,11 @@ faster; decoding: linearized tokens/s / original tokens/s). Peak memory: the hig
 during one more prefill (the profiler's allocation events, above what existed before), measured apart from the
 timed calls. Threads: ``--threads`` (default 0: torch's); one thread gives each model the same core on a shared
 machine.
+
+``--floor`` adds a third model to every round: the original with its attention taken out (each query's output is
+its own value; no cache, no mask), so only the projections, the MLPs, the norms and the LM head run. No attention,
+linear or not, can make the model faster than that, so original / floor is the most a linearized model can gain
+at each context (the table's bound columns).
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ from ..evaluate.perplexity import keeps_logits
 from ..measure import peak_memory
 from .folder import atomic_write, load_linearized, shipped
 from .generate import cache_bytes, new_cache
+
+FLOOR = "floor"  # the model name of --floor's row
+_FLOOR_IMPLEMENTATION = "linattn_floor"
 
 
 @dataclass
@@ -73,21 +81,52 @@ def _last_logits(model: Any) -> dict[str, int]:
 
 
 def run_once(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[float], int]:
-    """Seconds of the prefill, seconds of each decoding step, the cache's bytes after the prefill."""
-    cache = new_cache(model)
+    """Seconds of the prefill, seconds of each decoding step, the cache's bytes after the prefill. The floor
+    (:func:`floor_model`) runs without a cache: each step is the new token alone at its position."""
+    floor = model.config._attn_implementation == _FLOOR_IMPLEMENTATION
+    cache = None if floor else new_cache(model)
     with torch.no_grad():
         begin = time.perf_counter()
-        out = model(input_ids=ids, cache=cache, use_cache=True, **_last_logits(model))
+        out = model(input_ids=ids, **_cached(cache), **_last_logits(model))
         token = out.logits[:, -1:].argmax(-1)
         prefill = time.perf_counter() - begin
-        held = cache_bytes(cache)
+        held = cache_bytes(cache) if cache is not None else 0
         steps = []
-        for _ in range(new_tokens):
+        for at in range(ids.shape[-1], ids.shape[-1] + new_tokens):
             begin = time.perf_counter()
-            out = model(input_ids=token, cache=cache, use_cache=True)
+            where = {"position_ids": torch.tensor([[at]])} if floor else {}
+            out = model(input_ids=token, **_cached(cache), **where)
             token = out.logits[:, -1:].argmax(-1)
             steps.append(time.perf_counter() - begin)
     return prefill, steps, held
+
+
+def _cached(cache: Any) -> dict[str, Any]:
+    return {"cache": cache, "use_cache": True} if cache is not None else {"use_cache": False}
+
+
+def _pass_through(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The floor's attention function: each query's output is its own token's value (B, Nq, H, dv)."""
+    heads, queries = query.shape[1], query.shape[2]
+    own = value[:, :, value.shape[2] - queries :]
+    return own.repeat_interleave(heads // value.shape[1], 1).transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def floor_model(name: str) -> Any:
+    """The original model ``name`` with its attention taken out (module docstring): the time of everything else."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(_FLOOR_IMPLEMENTATION, _pass_through)
+    AttentionMaskInterface.register(_FLOOR_IMPLEMENTATION, _no_mask)
+    model, _, _ = load_model(name, causal_lm=True)
+    model.set_attn_implementation(_FLOOR_IMPLEMENTATION)
+    return model.eval()
 
 
 def measure(models: dict[str, Any], tokenizer: Any, contexts: list[int], new_tokens: int, rounds: int,
@@ -108,8 +147,9 @@ def measure(models: dict[str, Any], tokenizer: Any, contexts: list[int], new_tok
             peak = None
             if memory:
                 def prefill_call(model: Any = model, ids: torch.Tensor = ids) -> None:
+                    floor = model.config._attn_implementation == _FLOOR_IMPLEMENTATION
                     with torch.no_grad():
-                        model(input_ids=ids, cache=new_cache(model), use_cache=True, **_last_logits(model))
+                        model(input_ids=ids, **_cached(None if floor else new_cache(model)), **_last_logits(model))
 
                 peak = peak_memory(prefill_call, torch.device("cpu"))
             step = statistics.median(steps[name])
@@ -139,6 +179,11 @@ def ratios(rows: list[SpeedRow], base: str = "original", other: str = "linearize
             "peak_prefill_mib": {base: _mib(a.peak_prefill_bytes), other: _mib(b.peak_prefill_bytes)},
             "cache_mib": {base: a.cache_bytes / 2**20, other: b.cache_bytes / 2**20},
         })
+        if FLOOR in pair:  # the most any attention could gain: the original against the model without one
+            floor = pair[FLOOR]
+            out[-1]["bound"] = {"prefill_ms": floor.prefill_ms, "prefill_speedup": a.prefill_ms / floor.prefill_ms,
+                                "decode_tokens_per_second": floor.decode_tokens_per_second,
+                                "decode_speedup": floor.decode_tokens_per_second / a.decode_tokens_per_second}
     return out
 
 
@@ -152,15 +197,20 @@ def table(summary: list[dict[str, Any]]) -> str:
         values = entry["peak_prefill_mib"]
         return "—" if None in values.values() else " / ".join(f"{v:,.0f}" for v in values.values())
 
+    bounds = any("bound" in entry for entry in summary)
     lines = ["| context | prefill ms (original / linearized) | prefill speed-up | decode tokens/s (original / "
-             "linearized) | decode speed-up | prefill peak MiB | cache MiB |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "linearized) | decode speed-up | prefill peak MiB | cache MiB |"
+             + (" bound: prefill / decode |" if bounds else ""),
+             "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if bounds else "")]
     for entry in summary:
         prefill, decode, cache = entry["prefill_ms"], entry["decode_tokens_per_second"], entry["cache_mib"]
+        bound = entry.get("bound")
         lines.append(f"| {entry['context']:,} | {' / '.join(f'{v:,.0f}' for v in prefill.values())} | "
                      f"{entry['prefill_speedup']:.2f}× | {' / '.join(f'{v:.2f}' for v in decode.values())} | "
                      f"{entry['decode_speedup']:.2f}× | {memory(entry)} | "
-                     f"{' / '.join(f'{v:.1f}' for v in cache.values())} |")
+                     f"{' / '.join(f'{v:.1f}' for v in cache.values())} |"
+                     + ("" if not bounds else " — |" if bound is None else
+                        f" {bound['prefill_speedup']:.2f}× / {bound['decode_speedup']:.2f}× |"))
     return "\n".join(lines)
 
 
@@ -178,6 +228,12 @@ def plot(summary: list[dict[str, Any]], path: Path) -> bool:
     axis.plot(contexts, [e["prefill_speedup"] for e in summary], "o-", label="prefill (original ms / linearized ms)")
     axis.plot(contexts, [e["decode_speedup"] for e in summary], "s-",
               label="decoding (linearized tokens/s / original)")
+    bounded = [e for e in summary if "bound" in e]
+    if bounded:  # --floor: the most any attention could gain
+        axis.plot([e["context"] for e in bounded], [e["bound"]["prefill_speedup"] for e in bounded], "o--",
+                  color="C0", alpha=0.5, label="prefill bound (original / no attention)")
+        axis.plot([e["context"] for e in bounded], [e["bound"]["decode_speedup"] for e in bounded], "s--",
+                  color="C1", alpha=0.5, label="decoding bound")
     axis.axhline(1.0, color="grey", linewidth=0.8)
     axis.set_xscale("log", base=2)
     axis.set_xlabel("context (tokens)")
@@ -206,15 +262,18 @@ def cli(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     print(f"{args.model}: original against {folder} ({threads} thread{'s' if threads != 1 else ''}, "
           f"{args.rounds} round{'s' if args.rounds != 1 else ''}, {args.new_tokens} new tokens)", flush=True)
-    rows = measure({"original": original.eval(), "linearized": linearized}, tokenizer, sorted(args.contexts),
-                   args.new_tokens, args.rounds, memory=not args.no_memory)
+    models = {"original": original.eval(), "linearized": linearized}
+    if args.floor:
+        models[FLOOR] = floor_model(args.model)
+    rows = measure(models, tokenizer, sorted(args.contexts), args.new_tokens, args.rounds, memory=not args.no_memory)
     summary = ratios(rows)
     print("\n" + table(summary))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"linattn": __version__, "torch": torch.__version__, "threads": threads, "machine": platform.machine(),
             "processor": platform.processor(), "load_average_1_5_15": list(os.getloadavg()), "model": args.model,
-            "linearized": str(folder), "new_tokens": args.new_tokens, "rounds": args.rounds}
+            "linearized": str(folder), "new_tokens": args.new_tokens, "rounds": args.rounds,
+            "floor": bool(args.floor)}
     atomic_write(out / "bench_model.json", dumps({"meta": meta, "summary": summary,
                                                   "rows": [asdict(row) for row in rows]}, indent=2))
     with open(out / "bench_model.csv", "w", newline="", encoding="utf-8") as handle:

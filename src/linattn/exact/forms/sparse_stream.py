@@ -142,10 +142,10 @@ def stream_piece(pairs: Pairs, entry: torch.Tensor, lo: int, hi: int, n0: int, w
     if boundary:
         leaving = pairs.valid & (entry == lo) & (pairs.pos < lo - window)  # (..., X): dropped from the cache at lo
         count = int(leaving.sum(-1).max()) if leaving.numel() else 0
-        if count:
-            index = torch.arange(leaving.shape[-1], device=device)
-            order = torch.where(leaving, index, leaving.shape[-1] + index).argsort(-1)[..., :count]  # ascending
-            extra = torch.where(leaving.gather(-1, order), order, -1)
+        if count:  # the leaving rows in ascending order, −1 after them: each row to its rank (O(X), no sort)
+            rank = torch.where(leaving, leaving.cumsum(-1) - 1, count)  # the others to a spare last column
+            index = torch.arange(leaving.shape[-1], device=device).expand_as(rank)
+            extra = rank.new_full((*batch, count + 1), -1).scatter_(-1, rank, index)[..., :count]
     count = extra.shape[-1]
     tokens = steps - n0
     key_gate, extra_gate = tokens.clone(), tokens.new_full((count,), -1)
