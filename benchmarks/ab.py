@@ -5,6 +5,7 @@
     python benchmarks/ab.py HEAD~1 --json out/ab.json                # also write every sample as JSON
     python benchmarks/ab.py 8d6dc4a --new 0231ac7                    # two commits, neither the working tree
     python benchmarks/ab.py 0231ac7 --threads 1 --clock cpu          # CPU time, 1 thread: steadier under load
+    python benchmarks/ab.py 0231ac7 --malloc system                  # glibc's malloc as the system has it
 
 How it measures. REF's ``src/`` is exported with ``git archive`` into a temporary folder (removed afterwards; so is
 ``--new``'s). Each side runs in its own long-lived subprocess, this file in worker mode with
@@ -13,7 +14,9 @@ imported) and builds the same seeded inputs. After ``--warmup`` untimed runs of 
 times every call once on each side, one side right after the other; the side that goes first swaps every round
 (ABBA…), so a slow spell of the shared machine lands on both. Per call and side: the median, the interquartile
 range and min–max of the rounds; ``new/old`` is the ratio of the medians, ``paired`` the median (and IQR) of the
-per-round ratios, which cancels load that changes slowly. The load average is printed before and after.
+per-round ratios, which cancels load that changes slowly. The load average is printed before and after. Both workers
+run with malloc keeping freed memory (``--malloc keep``, as the ``linattn`` command runs: linattn/allocator.py, set
+through glibc's environment variables so that a commit from before it gets it too) or as the system has it.
 
 A call uses only API that exists at both ends of a comparison; where a side's ``linear_attention`` lacks a keyword
 a call needs (``update=`` before the delta rule), that side shows ``n/a`` and the call is timed on the other side
@@ -40,6 +43,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = "AB-WORKER "  # prefixes the worker's replies, so stray prints on its stdout are ignored
+# glibc reads these at the process's start: what linattn.allocator.reuse_freed_memory sets, for a worker of any commit
+MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 
 # ---------------------------------------------------------------------------------------------- the timed calls
 # Each builder gets (linattn, torch, inputs) and returns (before, step): ``before`` runs untimed ahead of every timed
@@ -175,6 +180,11 @@ CALLS: dict[str, Spec] = {
                       ("update", "beta")),
     "delta_fwd_bwd": Spec("delta rule, β per token, causal forward + backward",
                           _training(update="delta", beta="@beta"), ("update", "beta")),
+    "gated_delta_fwd_bwd": Spec("gated delta rule, a decay of 0.999 per token (as the SmolLM2 students' gates), β per "
+                                "token, causal forward + backward",
+                                _training(update="delta", beta="@beta", decay=0.999), ("update", "beta", "decay")),
+    "strong_delta_fwd_bwd": Spec("the same with a decay of 0.01 per token (the memory emptied within a chunk)",
+                                 _training(update="delta", beta="@beta", decay=0.01), ("update", "beta", "decay")),
     "composed_fwd_bwd": Spec("gated delta rule beside the window W=64, 4 sinks, forward + backward",
                              _training(update="delta", beta="@beta", decay=0.01, window=64, sinks=4,
                                        normalize=False),
@@ -249,9 +259,13 @@ def _worker() -> None:
 class Side:
     """One commit's worker process."""
 
-    def __init__(self, label: str, src: Path, threads: int) -> None:
+    def __init__(self, label: str, src: Path, threads: int, malloc: str) -> None:
         self.label, self.src = label, src
         env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        for name in MALLOC_ENVIRONMENT:
+            env.pop(name, None)
+        if malloc == "keep":
+            env.update(MALLOC_ENVIRONMENT)
         self.process = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=env)
 
@@ -352,6 +366,9 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: elapsed time; cpu: the worker's CPU time, all threads (steadier under load)")
     parser.add_argument("--n", type=int, default=16384, help="tokens (B=1, H=8, D=64)")
+    parser.add_argument("--malloc", choices=("keep", "system"), default="keep",
+                        help="keep: glibc's malloc keeps freed memory for reuse in both workers (as `linattn` runs); "
+                        "system: as the system has it")
     parser.add_argument("--json", type=Path, default=None, help="also write the table and every sample here")
     args = parser.parse_args()
 
@@ -363,7 +380,8 @@ def main() -> None:
             new_label, new_src = _export(args.new, Path(tmp) / "new")
         (Path(tmp) / "old").mkdir()
         old_label, old_src = _export(args.ref, Path(tmp) / "old")
-        sides = [Side(new_label, new_src, args.threads), Side(old_label, old_src, args.threads)]
+        sides = [Side(new_label, new_src, args.threads, args.malloc), Side(old_label, old_src, args.threads,
+                                                                            args.malloc)]
         try:
             shape = (1, 8, args.n, 64)
             setups = [side.ask(op="setup", calls=args.calls, threads=args.threads, shape=shape) for side in sides]
@@ -374,7 +392,8 @@ def main() -> None:
                     print(f"{side.label}: {call} n/a ({why})")
             load_before = os.getloadavg()
             print(f"new = {new_label}\nold = {old_label}\ntorch {setups[0]['torch']}, {setups[0]['threads']} "
-                  f"threads, B=1 H=8 N={args.n} D=64 fp32, {args.rounds} rounds after {args.warmup} warm-up; "
+                  f"threads, B=1 H=8 N={args.n} D=64 fp32, malloc {args.malloc}, {args.rounds} rounds after "
+                  f"{args.warmup} warm-up; "
                   f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}")
             runnable = [[c for c in args.calls if c not in setup["missing"]] for setup in setups]
             times = _measure_partial(sides, args.calls, runnable, args.rounds, args.warmup, args.clock)
@@ -386,7 +405,8 @@ def main() -> None:
     rows = _table(args.calls, times)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        record = {"new": new_label, "old": old_label, "threads": args.threads, "n": args.n, "rounds": args.rounds,
+        record = {"new": new_label, "old": old_label, "threads": args.threads, "malloc": args.malloc, "n": args.n,
+                  "rounds": args.rounds,
                   "warmup": args.warmup, "clock": args.clock, "load_before": load_before, "load_after": load_after,
                   "calls": rows}
         args.json.write_text(json.dumps(record, indent=1))

@@ -10,7 +10,11 @@ additive call (elu + 1, normalised). Memory: the peak of live
 allocations during forward+backward as a multiple of the bytes of q, k, v and the output.
 
     .venv/bin/python benchmarks/delta.py [--n 16384] [--heads 8] [--dim 64] [--rounds 5] [--threads 2]
-        [--chunk 64] [--memory] [--only "gated delta" kda]
+        [--chunk 64] [--memory] [--only "gated delta" kda] [--malloc keep|system]
+
+With ``--malloc keep`` (the default, as the ``linattn`` command runs) glibc's malloc keeps freed memory for reuse
+(:func:`linattn.reuse_freed_memory`); ``system`` leaves it as the system has it, where every large tensor is faulted
+in anew.
 """
 
 from __future__ import annotations
@@ -140,9 +144,13 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--memory", action="store_true", help="also the training peak-memory table")
     parser.add_argument("--only", nargs="+", help="time only these variants (e.g. 'gated delta' kda)")
+    parser.add_argument("--malloc", choices=("keep", "system"), default="keep",
+                        help="keep: malloc keeps freed memory (linattn.reuse_freed_memory); system: as it is")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}; "
+    malloc = "keep" if args.malloc == "keep" and linattn.reuse_freed_memory() else "system"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, malloc {malloc}, "
+          f"load {os.getloadavg()[0]:.1f}; "
           f"B=1 H={args.heads} N={args.n} D=F={args.dim} fp32, causal, chunk {args.chunk}; median of {args.rounds} "
           "alternating rounds")
     timing(args.n, args.heads, args.dim, args.rounds, args.chunk, args.only)

@@ -194,6 +194,39 @@ def test_chunked_gradients_equal_the_recurrent_forms(gated):
         assert (chunked - recurrent).abs().max() < 1e-9
 
 
+@pytest.mark.parametrize("strength", ["mild", "strong"])
+def test_a_chunks_decay_folded_or_formed(strength):
+    """The chunked form's two ways with a decay: folded into the rows of the products where a chunk's cumulative
+    log-decay spans ≤ FOLD_SPREAD (e^{G_t − G_j} = e^{G_t − M}·e^{M − G_j}), Γ formed from differences where it spans
+    more (here every token's a ≤ e^-8, 16 tokens a chunk). Each is checked to be the one taken, then outputs, final
+    state and every gradient (the log-decays' included) against the float64 recurrence."""
+    from linattn.kinds.delta.forms import FOLD_SPREAD, _gates
+
+    q, k, v, beta, log_decay = inputs(n=70)
+    if strength == "strong":
+        log_decay = 40 * log_decay - 8
+    chunk_span = log_decay[..., :64].unflatten(-1, (-1, 16)).sum(-1).abs().max()
+    gates = _gates(log_decay[..., :64].unflatten(-1, (-1, 16)), torch.float64)
+    assert (gates.left is not None) == (strength == "mild") == (gates.gamma is None)
+    assert (chunk_span <= FOLD_SPREAD) == (strength == "mild")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, beta, log_decay)]
+    weights = torch.randn(2, 3, 70, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    results = []
+    for run in ("chunked", "reference"):
+        if run == "chunked":
+            out, state = delta(*leaves[:4], log_gate=leaves[4], form="chunked", chunk_size=16, return_state=True)
+            kv = state.kv
+        else:
+            out, kv = recurrence(*leaves)
+        loss = (out * weights).sum() + kv.square().sum()
+        results.append((out.detach(), kv.detach(), *torch.autograd.grad(loss, leaves)))
+    for chunked, reference in zip(*results, strict=True):
+        assert (chunked - reference).abs().max() < 1e-9
+    # fp32 (where the strong decay's weights are floored at e^-87 and no subnormal is formed): within fp32 rounding
+    out32 = delta(*(x.float() for x in (q, k, v, beta)), log_gate=log_decay, form="chunked", chunk_size=16)
+    assert rel_error(out32.double(), results[1][0]) < 1e-5
+
+
 def test_half_precision_over_65536_tokens_stays_within_rounding():
     """Unit keys over 65,536 tokens in bf16 with β = 1 and no decay (the memory is never shrunk): finite, and
     within bf16's own rounding of the float64 result on the same (bf16-rounded) inputs."""

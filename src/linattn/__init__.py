@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from . import feature_maps, nn
+from .allocator import reuse_freed_memory
 from .errors import LinearAttentionError
 from .feature_maps import FeatureMap
 from .forms import FORMS
@@ -41,5 +42,6 @@ __all__ = [
     "feature_maps",
     "linear_attention",
     "nn",
+    "reuse_freed_memory",
     "stable_linear_attention",
 ]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from . import __version__, feature_maps
+from .allocator import ENVIRONMENT, malloc_from_environment
 from .backends import native
 from .data import check_text_file
 from .errors import LinearAttentionError
@@ -34,7 +35,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{text} (default: %(default)s)".lstrip()
 
 
-def _info(_: argparse.Namespace) -> int:
+def _info(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"linattn {__version__}")
     print(f"python {platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -42,6 +43,8 @@ def _info(_: argparse.Namespace) -> int:
     print(f"forms: {', '.join(f for f in FORMS if f != 'auto')}")
     print(f"feature maps: {', '.join(feature_maps.available())}")
     print(native.status())  # the C++ kernels: built here on first use if `make` has not built them
+    kept = "freed memory kept for reuse" if args.malloc == "keep" else "as the system has it"
+    print(f"malloc: {args.malloc} ({kept}; {ENVIRONMENT}=keep|system)")
     return 0
 
 
@@ -198,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         verb.formatter_class = HelpFormatter
     args = parser.parse_args(argv)
     try:
+        args.malloc = malloc_from_environment()  # large tensors without page faults (linattn.allocator)
         return int(args.run(args))
     except (LinearAttentionError, OSError, UnicodeDecodeError) as error:
         if args.debug:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,17 +64,64 @@ def delta_recurrent(
     return torch.stack(outs, dim=-2), DeltaRuleState(kv, seen + qf.shape[-2])
 
 
-def _gates(log_decay: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
-    """Per chunk from its log-decays (..., nc, C) in fp64: Γ (..., nc, C, C) (e^{G_t − G_j}, j ≤ t, else 0),
-    b_t = e^{G_t}, the chunk's total e^{G_C} (..., nc, 1, 1) and e^{G_C − G_j}; all None without a decay."""
+FP32_EXP_FLOOR = -87.0  # e^-87: fp32's smallest normal numbers
+FOLD_SPREAD = 60.0  # a chunk's G may span this much and Γ still be folded into its products' rows (e^{±30})
+
+
+class _Gates(NamedTuple):
+    """A decay's per-chunk factors, from the chunks' log-decays (..., nc, C) in fp64 (every field None without one).
+
+    Γ_tj = e^{G_t − G_j} (j ≤ t), G the chunk's own cumulative log-decay, enters every C×C product of the chunk.
+    Where G spans at most ``FOLD_SPREAD`` within every chunk, Γ_tj = left_t·right_j with left = e^{G − M}, right =
+    e^{M − G}, M the middle of the chunk's G: the factors are folded into the rows of the products' operands (an
+    N·F pass instead of a C×C one, and no C×C exponential; each factor within e^{±30}, far inside fp32's and bf16's
+    range). Otherwise (a decay that empties the memory within a chunk) Γ itself is formed (:func:`_pair_gates`)."""
+
+    gamma: torch.Tensor | None  # Γ (..., nc, C, C), when it is not folded
+    left: torch.Tensor | None  # e^{G_t − M} (..., nc, C), when it is
+    right: torch.Tensor | None  # e^{M − G_j}
+    b: torch.Tensor | None  # e^{G_t}
+    last: torch.Tensor | None  # the chunk's total e^{G_C} (..., nc, 1, 1)
+    k_decay: torch.Tensor | None  # e^{G_C − G_j}
+
+
+def _gates(log_decay: torch.Tensor | None, dtype: torch.dtype) -> _Gates:
+    """:class:`_Gates` from the chunks' log-decays (..., nc, C) in fp64, the factors in ``dtype``."""
     if log_decay is None:
-        return None, None, None, None
-    size = log_decay.shape[-1]
-    lower = torch.ones(size, size, dtype=torch.bool, device=log_decay.device).tril()
+        return _Gates(None, None, None, None, None, None)
     cum = torch.cumsum(log_decay, dim=-1)  # G, summed in fp64: only differences ≤ 0 are cast
-    gamma = torch.exp((cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf"))).to(dtype)
     total = cum[..., -1:]
-    return gamma, torch.exp(cum).to(dtype), torch.exp(total).to(dtype).unsqueeze(-1), torch.exp(total - cum).to(dtype)
+    b, last, k_decay = (torch.exp(cum).to(dtype), torch.exp(total).to(dtype).unsqueeze(-1),
+                        torch.exp(total - cum).to(dtype))
+    # M cancels in left_t·right_j: a constant to autograd (delta_transition differentiates through this)
+    low, high = cum.detach().amin(-1, keepdim=True), cum.detach().amax(-1, keepdim=True)
+    if dtype != torch.float16 and cum.numel() and float((high - low).max()) <= FOLD_SPREAD:
+        middle = (low + high) / 2
+        return _Gates(None, torch.exp(cum - middle).to(dtype), torch.exp(middle - cum).to(dtype), b, last, k_decay)
+    return _Gates(_pair_gates(cum, dtype), None, None, b, last, k_decay)
+
+
+def _pair_gates(cum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Γ (..., C, C) = e^{G_t − G_j} for j ≤ t, else 0, from G (..., C) in fp64. The difference is taken in fp64 and
+    the exponential in fp32 (fp64 for an fp64 call): G_t − G_j ≤ 0 rounded to fp32 changes e^{G_t − G_j} by at most
+    |d|·e^{d}·2⁻²⁴ ≤ 2.2e-8 absolute. In fp32 no pair weight is below e^-87 (≈ 1.6e-38, fp32's smallest normal
+    number is 1.2e-38) but the zeros above the diagonal: a subnormal result would make the exponential and every
+    product with it run on the processor's slow path, for a weight that changes nothing."""
+    size = cum.shape[-1]
+    upper = torch.ones(size, size, dtype=torch.bool, device=cum.device).triu(1)
+    diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)
+    if dtype != torch.float64:
+        diff = diff.to(torch.float32).clamp_(min=FP32_EXP_FLOOR)
+    return diff.masked_fill_(upper, float("-inf")).exp_().to(dtype)
+
+
+def _pair_products(x: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor | None, left: torch.Tensor | None,
+                   right: torch.Tensor | None) -> torch.Tensor:
+    """x·yᵀ ⊙ Γ (..., C, C) for a tile of chunks (x, y (..., C, ·)), unmasked: Γ folded into the rows of x and y,
+    given, or absent (:class:`_Gates`)."""
+    if left is not None:
+        return _row_scaled(x, left) @ _row_scaled(y, right).mT
+    return _scaled(x @ y.mT, gamma)
 
 
 def _masks(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +176,8 @@ def _by_tiles(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Te
 
 
 def _chunk_solution(
-    kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, gamma: torch.Tensor | None, b: torch.Tensor | None,
+    kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, gamma: torch.Tensor | None, left: torch.Tensor | None,
+    right: torch.Tensor | None, b: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ...]:
     """Every chunk's local solution at once: W_v = T·diag(β)V (..., nc, C, Dv), W_k = T·diag(β·b)K (..., nc, C, F)
     and T = (I + A)⁻¹ (..., nc, C, C).
@@ -138,7 +186,7 @@ def _chunk_solution(
     fraction of a product's rate per flop, so solving for C columns and multiplying beats solving for F + Dv
     columns; and the backward's transposed solve becomes one product with Tᵀ."""
     strict = _masks(kc.shape[-2], kc.device)[1]
-    system = _scaled((kc @ kc.mT) * bc.unsqueeze(-1), gamma).masked_fill(~strict, 0)  # A
+    system = _pair_products(kc * bc.unsqueeze(-1), kc, gamma, left, right).masked_fill_(~strict, 0)  # A
     eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device)
     inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
     w_v = inverse @ (vc * bc.unsqueeze(-1))
@@ -192,12 +240,12 @@ class _DeltaChunks(torch.autograd.Function):
         size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         qc, kc = _chunked(q, size), _chunked(k, size)
-        gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
-                                         q.dtype)
+        gamma, left, right, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None
+                                                    else None, q.dtype)
         lower, _ = _masks(size, q.device)
         lead = q.dim() - 1  # the batch dimensions and the chunks'
         w_v, w_k, inverse = _by_tiles(_chunk_solution, [kc, _chunked(v, size), beta.unflatten(-1, (-1, size)),
-                                                        gamma, b], lead)
+                                                        gamma, left, right, b], lead)
         k_out = _row_scaled(kc, k_decay)  # K ⊙ Γ_C
         state = initial if initial is not None else q.new_zeros(*q.shape[:-2], k.shape[-1], v.shape[-1])
         states = q.new_empty(*qc.shape[:-2], k.shape[-1], v.shape[-1])  # the state entering each chunk
@@ -207,12 +255,13 @@ class _DeltaChunks(torch.autograd.Function):
         written = w_v  # U, written over W_v chunk by chunk (W_v is not needed after)
 
         def outputs(qc: torch.Tensor, kc: torch.Tensor, written: torch.Tensor, states: torch.Tensor,
-                    gamma: torch.Tensor | None, b: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-            scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)  # P
+                    gamma: torch.Tensor | None, left: torch.Tensor | None, right: torch.Tensor | None,
+                    b: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+            scores = _pair_products(qc, kc, gamma, left, right).masked_fill_(~lower, 0)  # P
             out = _add_product_(_row_scaled(qc, b) @ states, scores, written)
             return scores, out
 
-        scores, out = _by_tiles(outputs, [qc, kc, written, states, gamma, b], lead)
+        scores, out = _by_tiles(outputs, [qc, kc, written, states, gamma, left, right, b], lead)
         ctx.size, ctx.has_initial = size, initial is not None
         ctx.save_for_backward(q, k, v, beta, log_decay, states, w_k, written, inverse, scores)
         return out.flatten(-3, -2), final.view(state.shape)
@@ -278,11 +327,11 @@ def chunk_backward(
     assert states is not None and w_k is not None and written is not None
     qc, kc, vc, d_o = _chunked(q, size), _chunked(k, size), _chunked(v, size), _chunked(d_out, size)
     bc = beta.unflatten(-1, (-1, size))
-    gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
-                                     q.dtype)
+    gamma, left, right, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None
+                                                else None, q.dtype)
     lower, strict = _masks(size, q.device)
     if scores is None:
-        scores = _scaled(qc @ kc.mT, gamma).masked_fill_(~lower, 0)
+        scores = _pair_products(qc, kc, gamma, left, right).masked_fill_(~lower, 0)
     bq = _row_scaled(qc, b)
     k_out = _row_scaled(kc, k_decay)
 
@@ -296,15 +345,15 @@ def chunk_backward(
     def local(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, d_o: torch.Tensor,
               states: torch.Tensor, written: torch.Tensor, d_written: torch.Tensor, d_leaving: torch.Tensor,
               k_out: torch.Tensor, scores: torch.Tensor, inverse: torch.Tensor | None, gamma: torch.Tensor | None,
-              b: torch.Tensor | None, k_decay: torch.Tensor | None, last: torch.Tensor | None
-              ) -> tuple[torch.Tensor, ...]:
+              left: torch.Tensor | None, right: torch.Tensor | None, b: torch.Tensor | None,
+              k_decay: torch.Tensor | None, last: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """The chunk-local gradients of a tile of chunks, from the adjoints of their output states."""
         d_scores = (d_o @ written.mT).masked_fill_(~lower, 0)  # dP
         d_bq = d_o @ states.mT
         d_kout = written @ d_leaving.mT
         system = None
         if inverse is None or want:
-            system = _scaled((kc @ kc.mT) * bc.unsqueeze(-1), gamma).masked_fill_(~strict, 0)
+            system = _pair_products(kc * bc.unsqueeze(-1), kc, gamma, left, right).masked_fill_(~strict, 0)
         # W = T·R with U = W_v − W_k·S, so dW = (dU, −dU·Sᵀ) and dR = Tᵀ·dW = (Tᵀ·dU, −(Tᵀ·dU)·Sᵀ): one solve for
         # the Dv columns of dU only; and dA = −dR·Wᵀ = −(Tᵀ·dU)·(W_v − W_k·S)ᵀ = −(Tᵀ·dU)·Uᵀ
         if inverse is not None:
@@ -316,13 +365,23 @@ def chunk_backward(
         d_system = (d_rv @ written.mT).neg_().masked_fill_(~strict, 0)  # dA
 
         rows = _scaled(bc, b)
-        gated_scores = _scaled(d_scores, gamma)  # dP ⊙ Γ
-        # d_bq and d_kout are read again below only with a decay, when _row_scaled made new tensors: in place is safe
-        dq = _add_product_(_row_scaled(d_bq, b), gated_scores, kc)
-        weighted = _scaled(d_system, gamma)  # dA ⊙ Γ; A_tj = β_t·Γ_tj·k_t·k_j
-        pulled = weighted @ kc  # Σ_j (dA ⊙ Γ)_tj k_j: the keys' row t of dA·K, before β_t
-        dk = _add_product_(_row_scaled(d_kout, k_decay), gated_scores.mT, qc)
-        dk = _add_product_(dk, weighted.mT, kc * bc.unsqueeze(-1))
+        # A_tj = β_t·Γ_tj·k_t·k_j and P_tj = Γ_tj·q_t·k_j: dq gets (dP ⊙ Γ)·K, dk (dP ⊙ Γ)ᵀ·Q + (dA ⊙ Γ)ᵀ·(β ⊙ K), and
+        # pulled = (dA ⊙ Γ)·K is the keys' row t of dA·K before β_t. d_bq and d_kout are read again below only with
+        # a decay, when _row_scaled made new tensors: in place is safe
+        if left is None:
+            gated_scores = _scaled(d_scores, gamma)  # dP ⊙ Γ
+            weighted = _scaled(d_system, gamma)  # dA ⊙ Γ
+            dq = _add_product_(_row_scaled(d_bq, b), gated_scores, kc)
+            pulled = weighted @ kc
+            dk = _add_product_(_row_scaled(d_kout, k_decay), gated_scores.mT, qc)
+            dk = _add_product_(dk, weighted.mT, kc * bc.unsqueeze(-1))
+        else:  # Γ_tj = left_t·right_j: into the rows of the operands and the results
+            assert right is not None and b is not None
+            k_right = _row_scaled(kc, right)
+            dq = (d_scores @ k_right).mul_(left.unsqueeze(-1)).addcmul_(d_bq, b.unsqueeze(-1))
+            pulled = (d_system @ k_right).mul_(left.unsqueeze(-1))
+            into_k = _add_product_(d_scores.mT @ _row_scaled(qc, left), d_system.mT, kc * (bc * left).unsqueeze(-1))
+            dk = _row_scaled(d_kout, k_decay).addcmul_(into_k, right.unsqueeze(-1))
         dk.addcmul_(rows.unsqueeze(-1), d_rk).addcmul_(bc.unsqueeze(-1), pulled)
         d_v = bc.unsqueeze(-1) * d_rv
         d_rows = (kc * d_rk).sum(-1)
@@ -330,8 +389,10 @@ def chunk_backward(
 
         if want:
             assert b is not None and last is not None and k_decay is not None and system is not None
-            pairs = (d_system * system + d_scores * scores).to(torch.float64)  # dΓ·Γ
-            d_cum = pairs.sum(-1) - pairs.sum(-2)
+            # dΓ·Γ, in place (dA and dP are not read after); each row and column sum is taken in the call's dtype,
+            # as exact as its terms, and only the sums go to fp64 for G's reverse cumulative sum
+            pairs = d_system.mul_(system).addcmul_(d_scores, scores)
+            d_cum = pairs.sum(-1).double() - pairs.sum(-2).double()
             d_cum += ((d_rows * bc + (qc * d_bq).sum(-1)) * b).to(torch.float64)  # through b_t
             out_decay = ((kc * d_kout).sum(-1) * k_decay).to(torch.float64)  # through e^{G_C − G_j}
             d_cum -= out_decay
@@ -341,7 +402,7 @@ def chunk_backward(
         return dq, dk, d_v, d_beta
 
     grads = _by_tiles(local, [qc, kc, vc, bc, d_o, states, written, d_written, d_leaving, k_out, scores, inverse,
-                              gamma, b, k_decay, last], q.dim() - 1)
+                              gamma, left, right, b, k_decay, last], q.dim() - 1)
     dq, dk, d_v, d_beta = grads[:4]
     d_log = grads[4].flatten(-2) if want else None
     return dq.flatten(-3, -2), dk.flatten(-3, -2), d_v.flatten(-3, -2), d_beta.flatten(-2), d_log, d_state
@@ -396,10 +457,10 @@ def delta_transition(
         kf, v = F.pad(kf, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
         beta = F.pad(beta, (0, pad))
         log_decay = F.pad(log_decay, (0, pad)) if log_decay is not None else None
-    gamma, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None else None,
-                                     kf.dtype)
+    gamma, left, right, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None
+                                                else None, kf.dtype)
     kc = _chunked(kf, size)
-    w_v, w_k, _ = _chunk_solution(kc, _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma, b)
+    w_v, w_k, _ = _chunk_solution(kc, _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma, left, right, b)
     k_out = _row_scaled(kc, k_decay).mT
     carry, adds = k_out @ w_k, k_out @ w_v
     eye = torch.eye(kf.shape[-1], dtype=kf.dtype, device=kf.device)
