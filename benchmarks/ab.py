@@ -111,6 +111,30 @@ def _student(n: int) -> Callable[..., tuple[Callable[[], None], Callable[[], Non
     return build
 
 
+def _student_training(n: int) -> Callable[..., tuple[Callable[[], None], Callable[[], None]]]:
+    """A training step's attention call of the delta-rule students without a cache (their layers but the cached
+    ones): the shipped student's shapes and map, the gated delta rule beside W=64 + 4 sinks, n tokens, forward and
+    backward into q, k, v, the map, β and the log-gates."""
+    def build(linattn: Any, torch: Any, x: dict[str, Any]) -> tuple[Callable[[], None], Callable[[], None]]:
+        q, k, v, fmap, beta, gate = _shipped_inputs(torch, n)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, beta, gate)]
+        grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+
+        def before() -> None:
+            for leaf in [*leaves, *fmap.parameters()]:
+                leaf.grad = None
+
+        def step() -> None:
+            q, k, v, beta, gate = leaves
+            out = linattn.linear_attention(q, k, v, causal=True, feature_map=fmap, update="delta", beta=beta,
+                                           log_gate=gate, window=64, sinks=4)
+            out.backward(grad)
+
+        return before, step
+
+    return build
+
+
 # one layer of the shipped SmolLM2 folder with a cache: 5 of its 9 heads keep 1,728 pairs each (layer 21)
 CACHED_SIZES = (0, 1728, 1728, 0, 0, 1728, 0, 0, 1728)
 
@@ -194,9 +218,15 @@ CALLS: dict[str, Spec] = {
                          ("update", "beta", "log_gate", "window", "sinks", "window_factor")),
     "student_8192": Spec("the same call, an 8,192-token prefill", _student(8192),
                          ("update", "beta", "log_gate", "window", "sinks", "window_factor")),
-    "cached_prefill_8192": Spec("the shipped folder's attention with its cache (a layer of 5 cached heads of 9, "
+    "student_train_1536": Spec("a delta-rule student's attention call in training, without a cache (shipped shapes, "
+                               "gated delta beside W=64 + 4 sinks), 1,536 tokens, forward + backward",
+                               _student_training(1536), ("update", "beta", "log_gate", "window", "sinks")),
+    "cached_prefill_8192": Spec("the shipped folder's attention with its cache (a layer of 4 cached heads of 9, "
                                 "gated delta beside W=64 + 4 sinks), an 8,192-token prefill, no_grad",
                                 _cached(8192, 0), ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
+    "uncached_prefill_8192": Spec("a layer of the same folder without a cache (gated delta beside W=64 + 4 sinks), an "
+                                  "8,192-token prefill, no_grad", _cached(8192, 0, cached=False),
+                                  ("update", "beta", "log_gate", "window", "sinks")),
     "cached_prefill_4096": Spec("the same layer, a 4,096-token prefill, no_grad", _cached(4096, 0),
                                 ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
     "cached_decode_1536": Spec("the same layer decoding 64 tokens after a 1,536-token prefill (the prefill untimed)",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -96,6 +97,10 @@ def run(fn: Callable[[Inputs], torch.Tensor], x: Inputs, training: bool) -> None
             out.sum().backward()
 
 
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def timing(n: int, heads: int, dim: int, rounds: int, chunk: int, only: list[str] | None) -> None:
     variants = linattn_variants(chunk) | textbook_variants(chunk)
     if only:
@@ -105,14 +110,17 @@ def timing(n: int, heads: int, dim: int, rounds: int, chunk: int, only: list[str
     print(f"{'pass':<16}" + "".join(f"{name + ' ms':>20}" for name in names))
     for training in (False, True):
         times: dict[str, list[float]] = {name: [] for name in names}
+        faults: dict[str, list[int]] = {name: [] for name in names}  # page faults (minor) during each call
         for _ in range(rounds + 1):  # the first round warms up
             for name in names:
                 inputs = leaves(x, training)
-                start = time.perf_counter()
+                start, first = time.perf_counter(), _faults()
                 run(variants[name], inputs, training)
                 times[name].append(time.perf_counter() - start)
+                faults[name].append(_faults() - first)
         ms = {name: statistics.median(times[name][1:]) * 1e3 for name in names}
         print(f"{'fwd+bwd' if training else 'forward':<16}" + "".join(f"{ms[name]:>20.1f}" for name in names))
+        print(f"  {'page faults':<14}" + "".join(f"{statistics.median(faults[name][1:]):>20,.0f}" for name in names))
         for base in (name for name in ("add id", "add id gated", "add elu") if name in ms):
             print(f"  × {base:<12}" + "".join(f"{ms[name] / ms[base]:>20.2f}" for name in names))
         for name, textbook in (("delta", "textbook delta"), ("gated delta", "textbook gated")):

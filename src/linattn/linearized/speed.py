@@ -83,8 +83,8 @@ def _last_logits(model: Any) -> dict[str, int]:
 def run_once(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[float], int]:
     """Seconds of the prefill, seconds of each decoding step, the cache's bytes after the prefill. The floor
     (:func:`floor_model`) runs without a cache: each step is the new token alone at its position."""
-    floor = model.config._attn_implementation == _FLOOR_IMPLEMENTATION
-    cache = None if floor else new_cache(model)
+    cache = _fresh_cache(model)
+    floor = cache is None
     with torch.no_grad():
         begin = time.perf_counter()
         out = model(input_ids=ids, **_cached(cache), **_last_logits(model))
@@ -99,6 +99,11 @@ def run_once(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, lis
             token = out.logits[:, -1:].argmax(-1)
             steps.append(time.perf_counter() - begin)
     return prefill, steps, held
+
+
+def _fresh_cache(model: Any) -> Any:
+    """A new cache for ``model``'s prefill, or None for the floor (:func:`floor_model`), which runs without one."""
+    return None if model.config._attn_implementation == _FLOOR_IMPLEMENTATION else new_cache(model)
 
 
 def _cached(cache: Any) -> dict[str, Any]:
@@ -147,9 +152,8 @@ def measure(models: dict[str, Any], tokenizer: Any, contexts: list[int], new_tok
             peak = None
             if memory:
                 def prefill_call(model: Any = model, ids: torch.Tensor = ids) -> None:
-                    floor = model.config._attn_implementation == _FLOOR_IMPLEMENTATION
                     with torch.no_grad():
-                        model(input_ids=ids, **_cached(None if floor else new_cache(model)), **_last_logits(model))
+                        model(input_ids=ids, **_cached(_fresh_cache(model)), **_last_logits(model))
 
                 peak = peak_memory(prefill_call, torch.device("cpu"))
             step = statistics.median(steps[name])
