@@ -6,8 +6,8 @@ the kernel and unmapped when freed, and free memory at the top of the heap goes 
 threshold. A computation that makes and frees tensors of a few MiB and more over and over (the chunked forms, their
 tiles of chunks, every training step) then has each page of each such tensor faulted in and zeroed by the kernel
 again. Measured on this project's 2-core machine (``benchmarks/delta.py``, docs/benchmarks.md): the chunked gated
-delta rule's forward+backward at N = 16,384, 8 heads, made ~200,000 page faults a call and spent 0.4 s of its 1.4 s
-of CPU time in the kernel; with the memory kept, none, and the call ran 1.7× faster.
+delta rule's forward+backward at N = 16,384, 8 heads, made 185,174 page faults a call; with the memory kept almost
+none, and the call ran 1.4× faster.
 
 :func:`reuse_freed_memory` raises both thresholds (``mallopt``): blocks up to 1 GiB come from the heap, and freed
 memory stays with the process for the next allocation. It is process-wide and lasts until the process ends; the
