@@ -43,8 +43,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = "AB-WORKER "  # prefixes the worker's replies, so stray prints on its stdout are ignored
-# glibc reads these at the process's start: what linattn.allocator.reuse_freed_memory sets, for a worker of any commit
-MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+MALLOC_NAMES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")  # glibc reads these at the process's start
 
 # ---------------------------------------------------------------------------------------------- the timed calls
 # Each builder gets (linattn, torch, inputs) and returns (before, step): ``before`` runs untimed ahead of every timed
@@ -286,16 +285,24 @@ def _worker() -> None:
 # ---------------------------------------------------------------------------------------------- driver side
 
 
+def malloc_environment() -> dict[str, str]:
+    """What linattn.allocator.reuse_freed_memory sets (this checkout's values), as glibc's environment: so that a
+    worker of any commit, one from before the function too, runs with it."""
+    from linattn.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD
+
+    return dict(zip(MALLOC_NAMES, (str(MMAP_THRESHOLD), str(TRIM_THRESHOLD)), strict=True))
+
+
 class Side:
     """One commit's worker process."""
 
     def __init__(self, label: str, src: Path, threads: int, malloc: str) -> None:
         self.label, self.src = label, src
         env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        for name in MALLOC_ENVIRONMENT:
+        for name in MALLOC_NAMES:
             env.pop(name, None)
         if malloc == "keep":
-            env.update(MALLOC_ENVIRONMENT)
+            env.update(malloc_environment())
         self.process = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=env)
 

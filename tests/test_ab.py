@@ -43,3 +43,19 @@ def test_both_sides_are_timed_and_a_call_the_old_commit_lacks_is_na(tmp_path: Pa
     assert len(delta["new"]["seconds"]) == 2 and "old" not in delta and "ratio" not in delta
     assert "delta_fwd_bwd n/a (linear_attention has no update, beta=)" in stdout
     assert "new/old" in stdout
+
+
+def test_the_workers_malloc_environment_is_the_allocators_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--malloc keep`` gives a worker of any commit, through glibc's environment, the thresholds that
+    linattn.reuse_freed_memory sets in this checkout."""
+    import importlib.util
+
+    from linattn import allocator
+
+    spec = importlib.util.spec_from_file_location("ab_script", ROOT / "benchmarks" / "ab.py")
+    assert spec is not None and spec.loader is not None
+    ab = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, ab)  # its dataclasses look their module up there
+    spec.loader.exec_module(ab)
+    assert ab.malloc_environment() == {"MALLOC_MMAP_THRESHOLD_": str(allocator.MMAP_THRESHOLD),
+                                       "MALLOC_TRIM_THRESHOLD_": str(allocator.TRIM_THRESHOLD)}

@@ -206,7 +206,7 @@ def test_a_chunks_decay_folded_or_formed(strength):
     if strength == "strong":
         log_decay = 40 * log_decay - 8
     chunk_span = log_decay[..., :64].unflatten(-1, (-1, 16)).sum(-1).abs().max()
-    gates = _gates(log_decay[..., :64].unflatten(-1, (-1, 16)), torch.float64)
+    gates = _gates(log_decay[..., :64], 16, torch.float64)
     assert (gates.left is not None) == (strength == "mild") == (gates.gamma is None)
     assert (chunk_span <= FOLD_SPREAD) == (strength == "mild")
     leaves = [x.clone().requires_grad_() for x in (q, k, v, beta, log_decay)]

@@ -17,6 +17,7 @@ from linattn.linearized import job as linearize_job  # noqa: E402
 from linattn.linearized import load_linearized  # noqa: E402
 from linattn.linearized.budget import plan_steps  # noqa: E402
 from linattn.linearized.card import wilson_interval  # noqa: E402
+from linattn.train.end_to_end import COPY_GAP  # noqa: E402
 from test_linearized import TEXT, save_tiny_llama  # noqa: E402
 
 FAST = ["--fit-steps", "2", "--fit-max-tokens", "128", "--fit-orders", "1", "--end-to-end-steps", "3",
@@ -262,7 +263,8 @@ def test_the_budget_caps_the_fit_at_fit_steps_and_counts_the_training_text(tiny,
         main(command(tiny, tmp_path / "b", "--budget", "10", "--fit-steps", "12", "--end-to-end-corpus-orders", "3",
                      *cache))
     _, tokenizer, _ = load_model(str(tiny), causal_lm=True)
-    options = type("Options", (), {"corpus_orders": 3, "tokens": 30, "copies": True, "repeat_weight": 1.0})()
+    options = type("Options", (), {"corpus_orders": 3, "tokens": 30, "copies": True, "repeat_weight": 1.0,
+                                   "copy_gap": COPY_GAP})()
     wanted = training_text_count(tokenizer, (tiny / "train.txt").read_text(), options)
     # with a split decided on the samples, the fit stage makes them (its estimate counts them)
     assert wanted >= 1 and seen == [{"end_to_end": True, "samples": 4, "most_fit": 12, "corpus": wanted,
@@ -553,3 +555,40 @@ def test_the_training_text_trains_beside_the_samples_by_default(tiny, tmp_path, 
     del plan["options"]["end_to_end_corpus_orders"]
     (alone / "stages" / "plan.json").write_text(json.dumps(plan))
     assert main(with_text(alone, "--end-to-end-corpus-orders", "0")) == 0  # every stage done: nothing refused
+
+
+@pytest.mark.slow  # ~10 s: the pipeline once
+def test_the_copy_gap_reaches_the_training_set_and_is_planned(tiny, tmp_path, monkeypatch, capsys):
+    """--end-to-end-copy-gap LOW HIGH: the end-to-end stage's options carry it, its copies are longer than a sample
+    (samples joined) and trained on whole, the plan keeps it, and a rerun with another gap is refused; a plan from
+    before the option existed meant the default gaps."""
+    from linattn.cli import main
+    from linattn.evaluate import lm_stages
+
+    seen, lengths = [], []
+    real, fit = lm_stages.training_set, lm_stages.fit_end_to_end
+
+    def spy(plain, corpus, options):
+        seen.append(options.copy_gap)
+        return real(plain, corpus, options)
+
+    def fit_spy(model, tokenizer, texts, **kwargs):
+        lengths.append((max(len(ids) for ids in texts), kwargs["max_tokens"]))
+        return fit(model, tokenizer, texts, **kwargs)
+
+    monkeypatch.setattr(lm_stages, "training_set", spy)
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", fit_spy)
+    out = tmp_path / "gap"
+    assert main(command(tiny, out, "--end-to-end-copy-gap", "40", "60")) == 0
+    assert seen == [(40, 60)]
+    longest, max_tokens = lengths[0]
+    assert longest > 30 + lm_stages.PROMPT_TOKENS and max_tokens >= longest  # a joined copy, not cut
+    plan_path = out / "stages" / "plan.json"
+    assert json.loads(plan_path.read_text())["options"]["end_to_end_copy_gap"] == [40, 60]
+    assert main(command(tiny, out, "--end-to-end-copy-gap", "40", "80")) == 2
+    assert "other options (end_to_end_copy_gap)" in capsys.readouterr().err
+    plan = json.loads(plan_path.read_text())
+    plan["options"]["end_to_end_copy_gap"] = [128, 768]  # as a plan from before the option, with its gaps
+    del plan["options"]["end_to_end_copy_gap"]
+    plan_path.write_text(json.dumps(plan))
+    assert main(command(tiny, out)) == 0  # every stage done: the default gaps are what it meant

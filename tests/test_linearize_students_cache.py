@@ -250,7 +250,7 @@ def test_a_budget_times_the_end_to_end_step_at_its_sequences_mean_length(tiny, t
     from linattn.linearized import budget
 
     calibration_calls(monkeypatch)
-    monkeypatch.setattr(budget, "mean_copy_length", lambda: 10.0)
+    monkeypatch.setattr(budget, "mean_copy_length", lambda gap: 10.0)
     lengths = []
     real_forward = torch.nn.Module.__call__
 

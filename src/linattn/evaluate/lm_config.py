@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import feature_maps
 from ..errors import LinearAttentionError
+from ..train.end_to_end import COPY_GAP
 from .arguments import DEFAULT_OUT, LM_SINKS, LM_WINDOW
 
 # fitting sequences as long as the contexts served: maps fitted on 512-token pieces put too much weight on far keys
@@ -77,6 +78,8 @@ class EndToEndOptions:
     # None: sparse_cache pairs for every head
     cache_sizes: tuple[tuple[int, ...], ...] | None = None
     cache_linear_weight: float = 1.0  # the linear part's weight β beside the cache (SparseCache.linear_weight)
+    # the copying sequences' gaps G (uniform draws, tokens): longer than a sample, the samples are joined
+    copy_gap: tuple[int, int] = COPY_GAP
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.samples < HELD_OUT_SAMPLES + 1 or self.tokens < 1:
@@ -89,6 +92,9 @@ class EndToEndOptions:
         if not (0 <= self.cache_linear_weight < math.inf) or (self.cache_linear_weight != 1 and not self.sparse_cache):
             raise LinearAttentionError(f"--sparse-cache-linear-weight: need a finite weight ≥ 0, and --sparse-cache "
                                        f"N ≥ 1 beside it, got {self.cache_linear_weight}")
+        low, high = self.copy_gap
+        if not 1 <= low <= high:
+            raise LinearAttentionError(f"--end-to-end-copy-gap: need 1 ≤ LOW ≤ HIGH tokens, got {low} {high}")
         if self.corpus_orders < 0:
             raise LinearAttentionError(f"--end-to-end-corpus-orders: need ≥ 0, got {self.corpus_orders}")
         self._check_lora()

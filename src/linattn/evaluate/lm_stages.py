@@ -22,9 +22,11 @@ from ..errors import LinearAttentionError
 from ..feature_maps.fitted import FittedFeatureMaps
 from ..train.distill import fit_model_feature_maps
 from ..train.end_to_end import (
+    COPY_PASSAGE,
     copying_sequences,
     copying_weights,
     fit_end_to_end,
+    joined_sources,
     retrieval_scores,
     sample_texts,
     top_heads,
@@ -131,25 +133,33 @@ class TrainingSet:
     corpus: int  # orders of the train text among them
 
 
-def _with_copies(texts: list[torch.Tensor], options: EndToEndOptions, seed: int) -> list[tuple[torch.Tensor, Any]]:
-    """Each copying sequence of ``texts`` with its position weights (the repeat weighted)."""
+def _with_copies(texts: list[torch.Tensor], options: EndToEndOptions, seed: int,
+                 join: bool) -> list[tuple[torch.Tensor, Any]]:
+    """Each copying sequence of ``texts`` with its position weights (the repeat weighted), its gap drawn from
+    ``options.copy_gap``; with ``join``, each text followed by the next ones where a gap needs more than one."""
     if not texts or not options.copies:
         return []
-    return list(zip(copying_sequences(texts, seed=seed), copying_weights(texts, options.repeat_weight, seed=seed),
-                    strict=True))
+    sources = joined_sources(texts, COPY_PASSAGE[1] + options.copy_gap[1]) if join else texts
+    gap = options.copy_gap
+    return list(zip(copying_sequences(sources, gap=gap, seed=seed),
+                    copying_weights(sources, options.repeat_weight, gap=gap, seed=seed), strict=True))
 
 
 def training_set(plain: list[torch.Tensor], corpus: list[torch.Tensor], options: EndToEndOptions) -> TrainingSet:
     """The samples ``plain``, their copying sequences, the train text's orders ``corpus`` and theirs, in training
-    order: the last HELD_OUT_SAMPLES samples and the copying sequence of the last but one are held out."""
-    samples, copies, corpus_copies = [(x, None) for x in plain], _with_copies(plain, options, 0), _with_copies(
-        corpus, options, 1)
+    order. The last HELD_OUT_SAMPLES samples and one copying sequence made from them alone are held out; the
+    training copies come from the other samples alone (samples are joined for gaps longer than one, the train
+    text's orders never: they share its paragraphs)."""
     held = HELD_OUT_SAMPLES
-    ordered = (samples[:-held] + copies[:-1] + [(x, None) for x in corpus] + corpus_copies + samples[-held:]
-               + copies[-1:])
+    training, held_out = (plain[:-held], plain[-held:]) if plain else ([], [])
+    samples, copies = [(x, None) for x in training], _with_copies(training, options, 0, join=True)
+    held_copies = _with_copies(held_out, options, 2, join=True)[-1:]
+    corpus_copies = _with_copies(corpus, options, 1, join=False)
+    ordered = (samples + copies + [(x, None) for x in corpus] + corpus_copies + [(x, None) for x in held_out]
+               + held_copies)
     weights = None if options.repeat_weight == 1 else [marks for _, marks in ordered]
-    return TrainingSet([ids for ids, _ in ordered], weights, held + len(copies[-1:]),
-                       len(copies) + len(corpus_copies), len(corpus))
+    return TrainingSet([ids for ids, _ in ordered], weights, len(held_out) + len(held_copies),
+                       len(copies) + len(held_copies) + len(corpus_copies), len(corpus))
 
 
 def corpus_sequences(tokenizer: Any, train: str, options: EndToEndOptions) -> list[torch.Tensor]:
@@ -187,7 +197,8 @@ def train_end_to_end(model: Any, tokenizer: Any, fitted: FittedFeatureMaps, conf
     if adapters is not None:
         heads = None  # every map stays as it is (the retrieval heads' maps may come from --retrieval-maps)
     try:
-        info = fit_end_to_end(model, tokenizer, data.sequences, max_tokens=options.tokens + PROMPT_TOKENS,
+        longest = max([options.tokens + PROMPT_TOKENS, *(ids.shape[-1] for ids in data.sequences)])
+        info = fit_end_to_end(model, tokenizer, data.sequences, max_tokens=longest,
                               steps=options.steps, held_out=data.held_out, progress=not config.quiet, heads=heads,
                               weights=data.weights, adapters=adapters, adapter_lr=options.lora_lr,
                               train_maps=adapters is None)

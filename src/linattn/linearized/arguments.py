@@ -18,6 +18,7 @@ DELTA_CACHE_TOP = 20  # the heads that share the cache (every head, on a model w
 # the training text beside the samples in the end-to-end stage: on SmolLM2 with the shipped layout, 8 orders moved
 # held-out perplexity from 40.03 to 38.89 at about the same recall (docs/linearize.md, the shipped folder)
 CORPUS_ORDERS = 8
+COPY_GAP_TOKENS = (128, 768)  # linattn.train.end_to_end.COPY_GAP (kept apart so that --help imports no torch)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +93,10 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
     add("--end-to-end-corpus-orders", type=int, default=CORPUS_ORDERS, help="the training text in this many "
         "paragraph orders (each cut as a sample is), and their copying sequences, trained on beside the samples: "
         "the model's own samples are not the kind of text it is measured on (0: the samples alone)")
+    add("--end-to-end-copy-gap", type=int, nargs=2, default=list(COPY_GAP_TOKENS), metavar=("LOW", "HIGH"),
+        help="the copying sequences' gaps: a passage is repeated after LOW to HIGH other tokens (uniform draws); a "
+        "student trained on gaps up to G is measured beyond G by the repeated passage at --repeat-gaps. Gaps longer "
+        "than a sample join the next samples to it (held-out ones apart)")
     add("--lora", type=int, default=0, help="train rank-R LoRA adapters of the attention projections in the "
         "end-to-end stage instead of the maps (fine-tuning: the card says so); 0: none")
     add("--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="passkey filler tokens")

@@ -5,10 +5,10 @@ The fit's cost is measured as one capture, then fits of 1 and 9 steps on it (the
 student's own fit: Hedgehog maps on attention weights, or a delta-rule student layer by layer with its gates), an
 end-to-end step as one softmax forward pass and one forward and backward pass of the student (its maps and gates
 alone taking gradients, as in training; the faster of two passes) on a sequence as long as the mean of the stage's
-(a sample and its copying sequence, 2P + G tokens long: 672 on average), and the measuring stage from one
-forward pass over 256 tokens of the original and one of the linearized model (every row reads about the same
-number of tokens; the softmax window's row is counted as the original's, and with a cache the row of the same
-student with a wider window instead as the linearized model's). With ``--sparse-cache`` the fit, the
+(a sample and its copying sequence, 2P + G tokens long: 672 on average with the default gaps), and the measuring
+stage from one forward pass over 256 tokens of the original and one of the linearized model (every row reads about
+the same number of tokens; the softmax window's row is counted as the original's, and with a cache the row of the
+same student with a wider window instead as the linearized model's). With ``--sparse-cache`` the fit, the
 end-to-end step and the linearized forward pass run with the cache in place, so its decisions and its exact term
 are counted: N pairs for every head, or with ``--sparse-cache-heads retrieval`` a split made on the training text
 (the run's own split, decided later on its samples, gives its heads other budgets; a layer's largest budget sets
@@ -156,10 +156,12 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
     fit_step = max((long - short) / FIT_PROBE_STEPS, 1e-4)
     limit = getattr(model.config, "max_position_embeddings", None) or 4096
     length = min(config.end_to_end.tokens + PROMPT_TOKENS, limit)
-    ids = torch.randint(0, int(model.config.vocab_size), (1, length))
     # a step's sequence is a sample (or the training text) or its copying sequence, as many of each: timed at
-    # their mean length (a step's cost grows with its tokens)
-    step_ids = ids[:, : round((length + min(mean_copy_length(), length)) / 2)] if config.end_to_end.copies else ids
+    # their mean length (a step's cost grows with its tokens; a copy can be longer than a sample)
+    step = round((length + min(mean_copy_length(config.end_to_end.copy_gap), limit)) / 2)
+    step = step if config.end_to_end.copies else length
+    ids = torch.randint(0, int(model.config.vocab_size), (1, max(length, step)))
+    step_ids = ids[:, :step]
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         teacher, _ = _timed(lambda: model(input_ids=step_ids), repeats=2)
@@ -203,7 +205,7 @@ def training_sequences_of(samples: int, corpus: int = 0) -> int:
     """End-to-end training sequences from ``samples`` samples: the samples and their copying sequences, less the
     held-out ones (:func:`~.lm_stages.training_set`), and ``corpus`` sequences of the training text (its orders
     and their copying sequences)."""
-    return 2 * samples - HELD_OUT_SAMPLES - 1 + corpus
+    return 2 * (samples - HELD_OUT_SAMPLES) + corpus
 
 
 def _sample_counts(most: int) -> list[int]:

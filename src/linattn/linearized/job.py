@@ -58,7 +58,7 @@ from ..evaluate.probes import repeats_by_gap
 from ..evaluate.window_softmax import use_window_softmax
 from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
 from ..state import SparseCache
-from ..train.end_to_end import cache_split
+from ..train.end_to_end import COPY_GAP, cache_split
 from .card import WIDER_ROW, perplexity_by_position, write_card
 from .folder import atomic_write, check_disk, prepare_out, save_linearized
 from .students import (
@@ -76,10 +76,11 @@ PROBE_TEXT, PROBE_SOURCE = "heldout_long", "the shipped long held-out text"  # t
 # options that change what a stage makes (a rerun must pass the same); --quiet and --budget's own value do not
 _PLANNED = ("model", "text", "heldout", "student", "window", "sinks", "fit_steps", "num_features", "fit_max_tokens",
             "fit_orders", "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "end_to_end_corpus_orders",
-            "lora", "sparse_cache",
+            "end_to_end_copy_gap", "lora", "sparse_cache",
             "sparse_cache_heads", "sparse_cache_floor", "sparse_cache_top", "sparse_cache_linear_weight", "budget")
 # what a plan saved before an option existed meant
-_EARLIER_DEFAULTS = {"end_to_end_corpus_orders": 0, "sparse_cache": 0, "sparse_cache_heads": "uniform",
+_EARLIER_DEFAULTS = {"end_to_end_corpus_orders": 0, "end_to_end_copy_gap": list(COPY_GAP), "sparse_cache": 0,
+                     "sparse_cache_heads": "uniform",
                      "sparse_cache_floor": None,
                      "sparse_cache_top": None,
                      "sparse_cache_linear_weight": 1.0, "student": "hedgehog"}
@@ -130,11 +131,17 @@ def _config(args: argparse.Namespace, plan: dict[str, Any], samples_file: str) -
         copies=True, corpus_orders=args.end_to_end_corpus_orders, repeat_weight=1.0,
         lora_rank=args.lora if end_to_end_steps else 0, lora_lr=0.0005, retrieval_heads=0, retrieval_maps=None,
         train_other_heads=False,
-        sparse_cache=args.sparse_cache, cache_linear_weight=args.sparse_cache_linear_weight)
+        sparse_cache=args.sparse_cache, cache_linear_weight=args.sparse_cache_linear_weight,
+        copy_gap=_copy_gap(args))
     return LMCompareConfig(model=args.model, text=args.text, heldout=args.heldout, out=args.out,
                            maps=("hedgehog+window",), window=args.window, sinks=args.sinks, max_tokens=0,
                            metrics=False, baselines=True, quiet=args.quiet, probes=probes, fit=fit,
                            end_to_end=end_to_end)
+
+
+def _copy_gap(args: argparse.Namespace) -> tuple[int, int]:
+    low, high = getattr(args, "end_to_end_copy_gap", None) or COPY_GAP
+    return int(low), int(high)
 
 
 class Job:

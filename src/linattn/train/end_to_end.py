@@ -80,9 +80,31 @@ def sample_texts(
 COPY_PASSAGE, COPY_GAP = (32, 192), (128, 768)  # copying sequences' passage P and gap G: uniform draws
 
 
-def mean_copy_length() -> float:
-    """The expected length 2P + G of a copying sequence drawn from :data:`COPY_PASSAGE` and :data:`COPY_GAP`."""
-    return float(sum(COPY_PASSAGE) + sum(COPY_GAP) / 2)
+def mean_copy_length(gap: tuple[int, int] = COPY_GAP) -> float:
+    """The expected length 2P + G of a copying sequence drawn from :data:`COPY_PASSAGE` and ``gap``."""
+    return float(sum(COPY_PASSAGE) + sum(gap) / 2)
+
+
+def joined_sources(sequences: Sequence[torch.Tensor], tokens: int) -> list[torch.Tensor]:
+    """Each token sequence (N,) followed by the ones after it in ``sequences`` (wrapping round to the first) until
+    it is ``tokens`` long, then cut there: sources for copying sequences whose gap is longer than one sequence.
+
+    A sequence is never joined to itself (its passage would recur inside the gap, and the copy be a short one), so
+    a source stays shorter than ``tokens`` when all of ``sequences`` together are; :func:`copying_sequences` then
+    skips it for a draw it cannot hold. Join only sequences that do not share text: orders of one text do."""
+    if tokens < 1:
+        raise LinearAttentionError(f"tokens: need ≥ 1, got {tokens}")
+    out = []
+    for index in range(len(sequences)):
+        parts, length = [], 0
+        for step in range(len(sequences)):
+            if length >= tokens:
+                break
+            part = sequences[(index + step) % len(sequences)].reshape(-1)
+            parts.append(part)
+            length += part.shape[0]
+        out.append(torch.cat(parts)[:tokens])
+    return out
 
 
 def _copy_plans(sequences: Sequence[torch.Tensor], passage: tuple[int, int], gap: tuple[int, int],

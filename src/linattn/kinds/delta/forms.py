@@ -85,11 +85,14 @@ class _Gates(NamedTuple):
     k_decay: torch.Tensor | None  # e^{G_C − G_j}
 
 
-def _gates(log_decay: torch.Tensor | None, dtype: torch.dtype) -> _Gates:
-    """:class:`_Gates` from the chunks' log-decays (..., nc, C) in fp64, the factors in ``dtype``."""
+def _gates(log_decay: torch.Tensor | None, size: int, dtype: torch.dtype) -> _Gates:
+    """:class:`_Gates` from the log-decays (..., N) in fp64, N a multiple of the chunk ``size``, the factors in
+    ``dtype``."""
     if log_decay is None:
         return _Gates(None, None, None, None, None, None)
-    cum = torch.cumsum(log_decay, dim=-1)  # G, summed in fp64: only differences ≤ 0 are cast
+    # G (..., nc, C), summed in fp64: e^G and e^{total − G} lie in (0, 1], and the pairs' factors below are cast
+    # only where G spans ≤ FOLD_SPREAD (else Γ is formed from fp64 differences)
+    cum = torch.cumsum(log_decay.unflatten(-1, (-1, size)), dim=-1)
     total = cum[..., -1:]
     b, last, k_decay = (torch.exp(cum).to(dtype), torch.exp(total).to(dtype).unsqueeze(-1),
                         torch.exp(total - cum).to(dtype))
@@ -107,8 +110,7 @@ def _pair_gates(cum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     |d|·e^{d}·2⁻²⁴ ≤ 2.2e-8 absolute. In fp32 no pair weight is below e^-87 (≈ 1.6e-38, fp32's smallest normal
     number is 1.2e-38) but the zeros above the diagonal: a subnormal result would make the exponential and every
     product with it run on the processor's slow path, for a weight that changes nothing."""
-    size = cum.shape[-1]
-    upper = torch.ones(size, size, dtype=torch.bool, device=cum.device).triu(1)
+    upper = ~_masks(cum.shape[-1], cum.device)[0]
     diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)
     if dtype != torch.float64:
         diff = diff.to(torch.float32).clamp_(min=FP32_EXP_FLOOR)
@@ -240,8 +242,7 @@ class _DeltaChunks(torch.autograd.Function):
         size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         qc, kc = _chunked(q, size), _chunked(k, size)
-        gamma, left, right, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None
-                                                    else None, q.dtype)
+        gamma, left, right, b, last, k_decay = _gates(log_decay, size, q.dtype)
         lower, _ = _masks(size, q.device)
         lead = q.dim() - 1  # the batch dimensions and the chunks'
         w_v, w_k, inverse = _by_tiles(_chunk_solution, [kc, _chunked(v, size), beta.unflatten(-1, (-1, size)),
@@ -327,8 +328,7 @@ def chunk_backward(
     assert states is not None and w_k is not None and written is not None
     qc, kc, vc, d_o = _chunked(q, size), _chunked(k, size), _chunked(v, size), _chunked(d_out, size)
     bc = beta.unflatten(-1, (-1, size))
-    gamma, left, right, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None
-                                                else None, q.dtype)
+    gamma, left, right, b, last, k_decay = _gates(log_decay, size, q.dtype)
     lower, strict = _masks(size, q.device)
     if scores is None:
         scores = _pair_products(qc, kc, gamma, left, right).masked_fill_(~lower, 0)
@@ -457,8 +457,7 @@ def delta_transition(
         kf, v = F.pad(kf, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
         beta = F.pad(beta, (0, pad))
         log_decay = F.pad(log_decay, (0, pad)) if log_decay is not None else None
-    gamma, left, right, b, last, k_decay = _gates(log_decay.unflatten(-1, (-1, size)) if log_decay is not None
-                                                else None, kf.dtype)
+    gamma, left, right, b, last, k_decay = _gates(log_decay, size, kf.dtype)
     kc = _chunked(kf, size)
     w_v, w_k, _ = _chunk_solution(kc, _chunked(v, size), beta.unflatten(-1, (-1, size)), gamma, left, right, b)
     k_out = _row_scaled(kc, k_decay).mT
