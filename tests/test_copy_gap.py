@@ -67,7 +67,8 @@ def test_gaps_longer_than_a_sample_copy_from_joined_training_samples_only():
 def test_the_default_gaps_keep_each_training_copy_as_drawn_from_its_own_sample():
     plain = samples(6)
     data = training_set(plain, [], options())
-    assert options().copy_gap == COPY_GAP == COPY_GAP_TOKENS
+    assert options().copy_gap == COPY_GAP == (128, 768)  # linattn compare's; linattn linearize draws out to 3,072
+    assert COPY_GAP_TOKENS == (128, 3072)
     expected = copying_sequences(plain[:-HELD_OUT_SAMPLES], seed=0)
     copies = data.sequences[len(plain) - HELD_OUT_SAMPLES:][: len(expected)]
     assert len(expected) == len(plain) - HELD_OUT_SAMPLES

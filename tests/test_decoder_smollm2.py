@@ -61,8 +61,8 @@ def test_smollm2_linearized_generation_with_the_state_cache_equals_recompute(smo
 
 
 def test_the_shipped_linearized_smollm2_loads_and_predicts_the_held_out_text():
-    """The maps and gates shipped in the package (written by `linattn linearize smollm2 --student gated-delta`, their
-    cache added by scripts/add_cache.py) load on the base model (its fingerprint checked) with the per-layer cache the
+    """The maps and gates shipped in the package (written by `linattn linearize smollm2`, the gated delta-rule student
+    with its cache) load on the base model (its fingerprint checked) with the per-layer cache the
     folder records, and predict held-out text better than the untrained hybrid (elu + 1 beside the same window),
     about as well as their card says."""
     import json

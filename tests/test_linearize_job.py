@@ -561,7 +561,7 @@ def test_the_training_text_trains_beside_the_samples_by_default(tiny, tmp_path, 
 def test_the_copy_gap_reaches_the_training_set_and_is_planned(tiny, tmp_path, monkeypatch, capsys):
     """--end-to-end-copy-gap LOW HIGH: the end-to-end stage's options carry it, its copies are longer than a sample
     (samples joined) and trained on whole, the plan keeps it, and a rerun with another gap is refused; a plan from
-    before the option existed meant the default gaps."""
+    before the option existed meant 128-768, the gaps of that time, not today's default."""
     from linattn.cli import main
     from linattn.evaluate import lm_stages
 
@@ -588,7 +588,8 @@ def test_the_copy_gap_reaches_the_training_set_and_is_planned(tiny, tmp_path, mo
     assert main(command(tiny, out, "--end-to-end-copy-gap", "40", "80")) == 2
     assert "other options (end_to_end_copy_gap)" in capsys.readouterr().err
     plan = json.loads(plan_path.read_text())
-    plan["options"]["end_to_end_copy_gap"] = [128, 768]  # as a plan from before the option, with its gaps
-    del plan["options"]["end_to_end_copy_gap"]
+    del plan["options"]["end_to_end_copy_gap"]  # as a plan from before the option (when the gaps were 128-768) ...
     plan_path.write_text(json.dumps(plan))
-    assert main(command(tiny, out)) == 0  # every stage done: the default gaps are what it meant
+    assert main(command(tiny, out)) == 2  # ... is not one of today's default gaps (128-3,072)
+    assert "other options (end_to_end_copy_gap)" in capsys.readouterr().err
+    assert main(command(tiny, out, "--end-to-end-copy-gap", "128", "768")) == 0  # every stage done: continued

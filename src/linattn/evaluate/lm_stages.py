@@ -209,6 +209,7 @@ def train_end_to_end(model: Any, tokenizer: Any, fitted: FittedFeatureMaps, conf
     return tuned, adapters, {"samples": len(plain), "copying_sequences": data.copying,
                              "corpus_sequences": data.corpus, "tokens": options.tokens, "steps": options.steps,
                              "heads": None if heads is None else int(heads.sum()),
-                             "repeat_weight": options.repeat_weight, "lora_rank": options.lora_rank,
+                             "repeat_weight": options.repeat_weight, "copy_gap": list(options.copy_gap),
+                             "lora_rank": options.lora_rank,
                              "sparse_cache": options.sparse_cache,
                              "best_held_out_kl": info["best_held_out"], "history": info["history"]}

@@ -59,6 +59,7 @@ from ..evaluate.window_softmax import use_window_softmax
 from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
 from ..state import SparseCache
 from ..train.end_to_end import COPY_GAP, cache_split
+from .arguments import COPY_GAP_TOKENS
 from .card import WIDER_ROW, perplexity_by_position, write_card
 from .folder import atomic_write, check_disk, prepare_out, save_linearized
 from .students import (
@@ -140,7 +141,7 @@ def _config(args: argparse.Namespace, plan: dict[str, Any], samples_file: str) -
 
 
 def _copy_gap(args: argparse.Namespace) -> tuple[int, int]:
-    low, high = getattr(args, "end_to_end_copy_gap", None) or COPY_GAP
+    low, high = getattr(args, "end_to_end_copy_gap", None) or COPY_GAP_TOKENS
     return int(low), int(high)
 
 
@@ -331,8 +332,8 @@ class Job:
             "summary": f"{what} trained end to end, {options.steps} steps on {len(plain)} samples of "
                        f"{options.tokens} tokens"
                        + (f" and the training text in {options.corpus_orders} orders" if options.corpus_orders else "")
-                       + " and their copying sequences (best held-out KL "
-                       f"{info['best_held_out_kl']:.3f})"})
+                       + f" and their copying sequences (gaps of {options.copy_gap[0]:,}–{options.copy_gap[1]:,} "
+                       f"tokens; best held-out KL {info['best_held_out_kl']:.3f})"})
         return tuned, adapters
 
     def _ensure_split(self) -> None:
