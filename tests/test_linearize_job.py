@@ -593,3 +593,13 @@ def test_the_copy_gap_reaches_the_training_set_and_is_planned(tiny, tmp_path, mo
     assert main(command(tiny, out)) == 2  # ... is not one of today's default gaps (128-3,072)
     assert "other options (end_to_end_copy_gap)" in capsys.readouterr().err
     assert main(command(tiny, out, "--end-to-end-copy-gap", "128", "768")) == 0  # every stage done: continued
+
+
+def test_a_bad_copy_gap_is_refused_before_the_folder_is_made(tiny, tmp_path, monkeypatch, capsys):
+    from linattn.cli import main
+
+    monkeypatch.setattr(linearize_job, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / "bad"
+    assert main(command(tiny, out, "--end-to-end-copy-gap", "60", "40")) == 2
+    assert "--end-to-end-copy-gap: need 1 ≤ LOW ≤ HIGH tokens, got 60 40" in capsys.readouterr().err
+    assert not out.exists()

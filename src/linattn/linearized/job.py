@@ -163,6 +163,8 @@ class Job:
         # is saved in the plan)
         self.default_top = resolve_exact_part(args, self.student)
         _check_cache_heads(args)
+        # every option checked before the output folder is made and the model loaded
+        _config(args, {"fit_steps": args.fit_steps, "end_to_end_steps": args.end_to_end_steps}, "")
         self.gates: list[Any] | None = None  # a delta-rule student's KeyGates, one per layer
         self.args, self.folder = args, prepare_out(args.out)
         self.stages = Stages(self.folder, args.quiet)
