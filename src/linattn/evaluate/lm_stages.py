@@ -139,8 +139,8 @@ def _with_copies(texts: list[torch.Tensor], options: EndToEndOptions, seed: int,
     ``options.copy_gap``; with ``join``, each text followed by the next ones where a gap needs more than one."""
     if not texts or not options.copies:
         return []
-    sources = joined_sources(texts, COPY_PASSAGE[1] + options.copy_gap[1]) if join else texts
     gap = options.copy_gap
+    sources = joined_sources(texts, COPY_PASSAGE[1] + gap[1]) if join else texts
     return list(zip(copying_sequences(sources, gap=gap, seed=seed),
                     copying_weights(sources, options.repeat_weight, gap=gap, seed=seed), strict=True))
 

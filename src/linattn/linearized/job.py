@@ -59,7 +59,6 @@ from ..evaluate.window_softmax import use_window_softmax
 from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
 from ..state import SparseCache
 from ..train.end_to_end import COPY_GAP, cache_split
-from .arguments import COPY_GAP_TOKENS
 from .card import WIDER_ROW, perplexity_by_position, write_card
 from .folder import atomic_write, check_disk, prepare_out, save_linearized
 from .students import (
@@ -133,16 +132,11 @@ def _config(args: argparse.Namespace, plan: dict[str, Any], samples_file: str) -
         lora_rank=args.lora if end_to_end_steps else 0, lora_lr=0.0005, retrieval_heads=0, retrieval_maps=None,
         train_other_heads=False,
         sparse_cache=args.sparse_cache, cache_linear_weight=args.sparse_cache_linear_weight,
-        copy_gap=_copy_gap(args))
+        copy_gap=tuple(args.end_to_end_copy_gap))
     return LMCompareConfig(model=args.model, text=args.text, heldout=args.heldout, out=args.out,
                            maps=("hedgehog+window",), window=args.window, sinks=args.sinks, max_tokens=0,
                            metrics=False, baselines=True, quiet=args.quiet, probes=probes, fit=fit,
                            end_to_end=end_to_end)
-
-
-def _copy_gap(args: argparse.Namespace) -> tuple[int, int]:
-    low, high = getattr(args, "end_to_end_copy_gap", None) or COPY_GAP_TOKENS
-    return int(low), int(high)
 
 
 class Job:
