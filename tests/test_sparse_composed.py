@@ -780,11 +780,14 @@ def test_the_native_decoding_token_beside_the_cache(kind, factor, score):
     assert results[False]._kernels.calls == 0
 
 
+@pytest.mark.parametrize("decide", [True, False])
 @pytest.mark.parametrize("kind", DELTA_KINDS)
-def test_the_native_carry_between_boundaries(kind, monkeypatch):
-    """backend="native" beside the delta family: the heads that keep pairs carry the memory between boundaries in
-    C++ (the recall score reads it); in three calls with padding and grouped heads, the definition's outputs and
-    the state of one call of the definition's form, field by field."""
+def test_the_native_carry_between_boundaries(kind, decide, monkeypatch):
+    """backend="native" beside the delta family: the heads that keep pairs make their boundary decisions in one C++
+    call (the memory carried between boundaries, the recall scores, the choice and the write stream), or, where
+    that call does not take them, carry the memory between boundaries in C++; either way, in three calls with
+    padding and grouped heads, the definition's outputs and the state of one call of the definition's form, field
+    by field."""
     from linattn.backends import native
     from linattn.backends.native import forms as native_forms
 
@@ -796,15 +799,21 @@ def test_the_native_carry_between_boundaries(kind, monkeypatch):
     sizes = (0, 3, 0, 6)
     common = {"causal": True, "window": 5, "sinks": 2, "return_state": True,
               "sparse_cache": SparseCache(size=sizes, block=4)}
-    carried = []
-    taken = native_forms.delta_carry
+    carried, decided = [], []
+    taken, deciding = native_forms.delta_carry, native_forms.sparse_delta_decide
 
     def counted(*args, **kwargs):
         result = taken(*args, **kwargs)
         carried.append(result is not None)
         return result
 
+    def counted_decision(*args, **kwargs):
+        result = deciding(*args, **kwargs) if decide else None
+        decided.append(result is not None)
+        return result
+
     monkeypatch.setattr(native_forms, "delta_carry", counted)
+    monkeypatch.setattr(native_forms, "sparse_delta_decide", counted_decision)
     state, pieces = None, []
     for start, end in ((0, 13), (13, 14), (14, 40)):
         out, state = linattn.linear_attention(
@@ -812,7 +821,10 @@ def test_the_native_carry_between_boundaries(kind, monkeypatch):
             backend="native", key_padding_mask=keep[:, start:end], initial_state=state, **common,
             **sliced(options, start, end))
         pieces.append(out)
-    assert len(carried) == 40 // 4 - 1 and all(carried)  # every boundary after the first token, in C++
+    if decide:  # each call's decisions in one C++ call, the carry never needed
+        assert len(decided) == 3 and all(decided) and not carried
+    else:  # every boundary after the first token carried in C++
+        assert len(carried) == 40 // 4 - 1 and all(carried) and len(decided) == 3
     k4, v4 = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     keep4 = keep[:, None, :].expand(2, 4, 40)
     want = definition(q, k4, v4.masked_fill(~keep4.unsqueeze(-1), 0), window=5, sinks=2, size=sizes, block=4,
@@ -820,3 +832,113 @@ def test_the_native_carry_between_boundaries(kind, monkeypatch):
     torch.testing.assert_close(torch.cat(pieces, dim=-2), want, rtol=0, atol=1e-10)
     _, whole = linattn.linear_attention(q, k, v, form="parallel", key_padding_mask=keep, **common, **options)
     _states_equal(state, whole, atol=1e-10)
+
+
+def _native_calls(q, k, v, options, keep, common, cuts, decide, monkeypatch):
+    """The outputs and final state of backend="native" over the calls ``cuts``, with the C++ decisions on or off."""
+    from linattn.backends.native import forms as native_forms
+
+    taken = native_forms.sparse_delta_decide
+    monkeypatch.setattr(native_forms, "sparse_delta_decide", taken if decide else lambda *a, **kw: None)
+    state, pieces = None, []
+    for start, end in cuts:
+        out, state = linattn.linear_attention(
+            q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], form="chunked", chunk_size=16,
+            backend="native", key_padding_mask=None if keep is None else keep[:, start:end], initial_state=state,
+            **common, **sliced(options, start, end))
+        pieces.append(out)
+    monkeypatch.setattr(native_forms, "sparse_delta_decide", taken)
+    return torch.cat(pieces, dim=-2), state
+
+
+@pytest.mark.parametrize("threads", [1, 8])
+@pytest.mark.parametrize("kind", DELTA_KINDS)
+def test_the_native_decisions_equal_the_torch_ones(kind, threads, monkeypatch):
+    """The C++ decisions against the torch loop they replace, over many boundaries (300 tokens, window 16, block
+    8, per-head budgets 0 … 40 so some heads evict at every boundary), with padding, a carried state and the value
+    width the model uses (64): in float64 the same caches at the end (positions exactly) and the same outputs (to
+    1e-12: the memory's arithmetic differs in order only). With 8 threads for the 3 heads that keep pairs, each
+    boundary's scores are shared among the threads."""
+    from linattn.backends import native
+
+    if native.module("causal") is None:
+        pytest.skip(f"the native kernels are not built here: {native.status()}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _decisions_against_torch(kind, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _decisions_against_torch(kind, monkeypatch):
+    q, k, v, gen = inputs(b=1, h=4, n=300, d=8, dv=64, seed=21)
+    options = linear_options(kind, q, gen, features=8)
+    keep = torch.rand(1, 300, generator=gen) > 0.1
+    common = {"causal": True, "window": 16, "sinks": 3, "return_state": True,
+              "sparse_cache": SparseCache(size=(0, 5, 17, 40), block=8)}
+    cuts = ((0, 123), (123, 124), (124, 300))
+    got, got_state = _native_calls(q, k, v, options, keep, common, cuts, True, monkeypatch)
+    want, want_state = _native_calls(q, k, v, options, keep, common, cuts, False, monkeypatch)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    _states_equal(got_state, want_state, atol=1e-12)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("front", [0, 3])
+def test_the_native_cache_term_equals_the_torch_one(dtype, front):
+    """The cache's exact term in C++ (inference) against the autograd Function it stands in for: random caches with
+    empty slots, pairs still in the window for some queries of their block (p + W > t), queries with no exact pair
+    and no window key (top read as 0), a call that starts inside a block, and a key width that is not a vector's.
+    Float64 to 1e-12; float32 to 2e-6 relative (the sums' order differs)."""
+    from linattn.backends import native
+    from linattn.backends.native import forms as native_forms
+    from linattn.exact.forms.cache_term import CacheTerm, Geometry
+
+    if native.module("causal") is None:
+        pytest.skip(f"the native kernels are not built here: {native.status()}")
+    gen = torch.Generator().manual_seed(5)
+    rows, blocks, block, slots, xs, d, dv, window, n0 = 3, 5, 8, 37, 90, 12, 32, 6, 40 + front
+    q = torch.randn(rows, blocks * block, d, generator=gen, dtype=dtype)
+    keys = torch.randn(rows, xs, d, generator=gen, dtype=dtype) * 2
+    values = torch.randn(rows, xs, dv, generator=gen, dtype=dtype)
+    ls = torch.randn(rows, blocks * block, generator=gen, dtype=dtype) * 3
+    ls[:, ::7] = float("-inf")
+    first = n0 - front
+    positions = torch.randint(0, first + blocks * block, (rows, blocks, slots), generator=gen)
+    positions[torch.rand(rows, blocks, slots, generator=gen) < 0.3] = -1
+    positions[0, 1] = -1  # a block with an empty cache
+    at = torch.randint(0, xs, positions.shape, generator=gen).masked_fill(positions < 0, -1)
+    geo = Geometry(n0, front, block, window, slots, d ** -0.5, False, linear=False)
+    with torch.no_grad():
+        want = CacheTerm.apply(q, torch.zeros(rows, blocks * block, 4, dtype=dtype), keys, values,
+                               torch.zeros(rows, xs, 4, dtype=dtype), ls, at, positions, None, geo)
+        got = native_forms.cache_exact(q, keys, values, ls, at, positions, first=first, block=block, window=window,
+                                       scale=d ** -0.5)
+    assert got is not None
+    tolerance = {"rtol": 0, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 2e-6, "atol": 1e-6}
+    for name, x, y in zip(("ex_num", "ex_den", "top"), got, want[2:4] + want[5:], strict=True):
+        torch.testing.assert_close(x, y, **tolerance, msg=name)
+    assert bool((got[1] == 0).any()) and bool((got[1] > 0).any())  # queries with and without an exact pair
+
+
+def test_the_native_decisions_break_ties_for_the_newer_pair(monkeypatch):
+    """Every candidate with the same score (no write strength, so the memory stays empty, and equal values: each
+    score is ‖v‖): the C++ choice keeps the newest pairs, as the torch one does and the definition says."""
+    from linattn.backends import native
+
+    if native.module("causal") is None:
+        pytest.skip(f"the native kernels are not built here: {native.status()}")
+    q, k, _, _ = inputs(b=1, h=3, n=90, d=8, dv=16, seed=4)
+    v = torch.ones(1, 3, 90, 16, dtype=torch.float64)
+    options = {"update": "delta", "beta": torch.zeros(1, 3, 90, dtype=torch.float64)}
+    common = {"causal": True, "window": 8, "sinks": 2, "return_state": True,
+              "sparse_cache": SparseCache(size=(0, 3, 6), block=4)}  # (the native route needs a head with none)
+    got, got_state = _native_calls(q, k, v, options, None, common, ((0, 90),), True, monkeypatch)
+    want, want_state = _native_calls(q, k, v, options, None, common, ((0, 90),), False, monkeypatch)
+    _states_equal(got_state, want_state, atol=0)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    # at the last boundary (88) the candidates are the cache and 80 … 83: the newest pairs stay
+    positions = got_state.cache.packed_positions.tolist()
+    assert positions == [81, 82, 83, 78, 79, 80, 81, 82, 83]

@@ -242,8 +242,9 @@ def run_sparse(job: Job, form: str, native: bool = False) -> Result:
     linear part exact/forms/sparse_composed.py); causal. Log-space maps: the scales of exact/forms/sparse_scales.py.
     ``native``: the composed route's linear part on the native kernels, for the heads that run on it (beside the
     delta family, the heads that keep no pair, and in a first call those that keep every pair:
-    exact/forms/sparse_heads.py, exact/forms/sparse_kept.py), and the delta rule's carry between the boundaries of
-    the heads that keep pairs."""
+    exact/forms/sparse_heads.py, exact/forms/sparse_kept.py); for the heads that keep pairs, beside the delta
+    family, a call's boundary decisions under the recall score (the memory carried between them, the scores, the
+    choice, the write stream), the delta rule over that stream and the cache's exact term, each in one C++ call."""
     state, cache = job.state, job.sparse_cache
     assert (state is None or isinstance(state, WindowAttentionState)) and cache is not None
     if job.beta is not None or job.log_decay is not None or job.feature_gate is not None:
@@ -291,10 +292,15 @@ def _run_sparse_composed(job: Job, form: str, native: bool = False) -> Result:
         _validate.check_gate_features(job.feature_gate, features)
     _validate.check_state_features(state.linear if state is not None else None, features, job.map_name)
     beta = job.beta if job.beta is None or job.keep is None else job.beta * job.keep.to(job.beta.dtype)
-    # native: the boundaries' carry of the delta rule's state in C++ (the choice is discrete: no gradient)
+    # native (no gradient): the boundaries' decisions and the carry between them, the delta rule over the call's
+    # write stream, and (below) the cache's exact term, in C++; each falls back to torch where the kernels do not
+    # take it
     part = LinearPart(job.log_decay, job.feature_gate, beta, job.eps, job.min_denom,
-                      native_forms.delta_carry if native and beta is not None else None)
-    return sparse_composed(hybrid, cache, part, job.q, job.k, job.v, job.keep, state, form, job.chunk_size or 64)
+                      native_forms.delta_carry if native and beta is not None else None,
+                      native_forms.sparse_delta_decide if native and beta is not None else None,
+                      native_forms.delta_stream if native and beta is not None else None)
+    return sparse_composed(hybrid, cache, part, job.q, job.k, job.v, job.keep, state, form, job.chunk_size or 64,
+                           native_forms.cache_exact if native else None)
 
 
 def _sparse_route(job: Job, form: str) -> str | None:

@@ -15,7 +15,9 @@ Hedgehog map of one token, normalised) and ``key_gates`` (:meth:`linattn.nn.KeyG
 What ``causal`` is for: a causal forward without gradients (inference, a prompt's prefill) spends most of its time
 in the chunked forms' passes over whole tensors; causal.cpp runs the recurrence token by token with each (batch,
 head) row's state in the first-level cache, block by block of features made in torch (:mod:`.forms`, the
-``"native"`` backend of ``linear_attention``).
+``"native"`` backend of ``linear_attention``). Beside the sparse exact cache and the delta family it also takes
+what the torch forms do one boundary or one query block at a time: a call's boundary decisions under the recall
+score (``sparse_delta_decide``) and the cache's exact term (``cache_exact``).
 
 Where the build cannot run (no compiler, no ninja, a platform torch cannot build for) the steps run their torch
 code, with the same results up to rounding; :func:`status` says which and why. ``LINATTN_NATIVE=0`` turns the

@@ -12,6 +12,9 @@
 //   delta_block:     S <- diag(a_t) S,  u = beta_t (v_t - S^T k_t),  S <- S + k_t u^T,  out_t = S^T q_t
 //                    (kinds/delta/forms.py and kinds/kda/forms.py; a_t = exp(g_t), one g per token or per feature)
 //
+// and, beside the sparse exact cache (exact/forms/sparse_composed.py), its boundary decisions under the recall score
+// (sparse_delta_decide) and its exact term (cache_exact), near the end of the file.
+//
 // The value rows are held in vectors of 64 bytes (GCC's vector extension: zmm registers where the build targets
 // AVX-512, pairs or quads of narrower registers elsewhere), so Dv must be a multiple of 16 (fp32) or 8 (fp64) and
 // at most 16 such vectors: the Python side checks it and leaves other sizes to the torch forms. Rows (batch x
@@ -20,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <torch/python.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -675,6 +679,399 @@ at::Tensor hedgehog_activation(const at::Tensor& z, const std::optional<at::Tens
   return out;
 }
 
+
+// The sparse exact cache's boundaries beside the delta rule, scored by the memory's recall error ||v - S^T k||
+// (linattn/exact/forms/sparse_composed.py, _decide, is the reference; its docstring and sparse_stream.py's define
+// the rows X, the entry times and the write stream). Each (batch, head) row runs alone in torch's OpenMP pool: the
+// memory carried from boundary to boundary (each step decays it, then writes the pairs leaving the cache there in
+// ascending position, then key t - W if it enters at t), the candidates (the cache and the pairs leaving the
+// window before the next boundary, neither sinks nor padding) scored in register tiles against the memory as query
+// t0 - 1 read it, the `size` best kept (ties: the newer; a NaN score ranks first, as torch's sort puts it), the
+// entry times updated. Then the call's write stream is written from the final entry times, piece by piece as
+// stream_piece makes it.
+constexpr int64_t kNever = int64_t(1) << 62;  // linattn.exact.forms.boundary.NEVER
+
+struct Geometry {
+  int64_t X, F, L, n0, end, window, sinks, block, base, ring_start, first, boundaries, gates;
+};
+
+// the row of X that holds position p (-1 for none): the window buffer and the call by offset, an older position
+// by binary search among the row's carried cache positions (`table`: ascending, kNever in unused slots)
+inline int64_t row_of(int64_t p, const Geometry& g, const std::vector<int64_t>& table) {
+  if (p < 0) return -1;
+  if (p >= g.ring_start) return g.base + p - g.ring_start;
+  const auto at = std::lower_bound(table.begin(), table.end(), p);
+  return at != table.end() && *at == p ? static_cast<int64_t>(at - table.begin()) : -1;
+}
+
+template <typename T, int NV>
+void sparse_decide_rows(const T* lin, const T* values, const T* beta, const bool* valid, const int64_t* pos,
+                        const int64_t* carried, int64_t* entry, const double* gate, T* kv, const int64_t* sizes,
+                        int64_t* chosen_out, std::vector<int64_t>* leaving, int64_t rows,
+                        const Geometry g) {
+  using V = typename Lanes<T>::vec;
+  constexpr int dv = NV * Lanes<T>::count;
+  constexpr int TQ = tile_rows<NV>();
+  const int64_t F = g.F, L = g.L;
+  // rows that do not share out evenly among the threads (one row on two threads, three on two): each boundary's
+  // scores shared among the threads instead, the rows one after another
+  const bool inner = rows % at::get_num_threads() != 0;
+  auto run_rows = [&](int64_t begin, int64_t end) {
+    std::vector<V> state(F * NV);
+    std::vector<T> a(F), scores;
+    std::vector<int64_t> table(L), members(L), cand_pos, cand_row, order;
+    std::vector<char> ok, kept;
+    for (int64_t r = begin; r < end; ++r) {
+      V* S = state.data();
+      T* row_kv = kv + r * F * dv;
+      for (int64_t f = 0; f < F; ++f) load_row<T, NV>(S + f * NV, row_kv + f * dv);
+      const T* k_rows = lin + r * g.X * F;
+      const T* v_rows = values + r * g.X * dv;
+      const T* b_row = beta + r * g.X;
+      const bool* valid_row = valid + r * g.X;
+      int64_t* e = entry + r * g.X;
+      const double* gate_row = gate != nullptr ? gate + r * (g.end - g.n0) * g.gates : nullptr;
+      for (int64_t i = 0; i < L; ++i) {
+        members[i] = carried[r * L + i];
+        table[i] = members[i] >= 0 ? members[i] : kNever;
+      }
+      // S <- S + k u^T with u = beta (v - S^T k): the write of row j (none where beta is 0, as the kernel above)
+      auto write = [&](int64_t j) {
+        const T strength = b_row[j];
+        if (strength == T(0)) return;
+        const T* k = k_rows + j * F;
+        V u[NV];
+        load_row<T, NV>(u, v_rows + j * dv);
+        V recalled[NV];
+#pragma GCC unroll 16
+        for (int q = 0; q < NV; ++q) recalled[q] = V{};
+        for (int64_t f = 0; f < F; ++f)
+#pragma GCC unroll 16
+          for (int q = 0; q < NV; ++q) recalled[q] += k[f] * S[f * NV + q];
+#pragma GCC unroll 16
+        for (int q = 0; q < NV; ++q) u[q] = strength * (u[q] - recalled[q]);
+        for (int64_t f = 0; f < F; ++f)
+#pragma GCC unroll 16
+          for (int q = 0; q < NV; ++q) S[f * NV + q] += k[f] * u[q];
+      };
+      int64_t cursor = g.n0;
+      const std::vector<int64_t>* extras = nullptr;  // the rows leaving the cache at the boundary `cursor`
+      for (int64_t b = 0; b < g.boundaries; ++b) {
+        const int64_t t0 = g.first + b * g.block;
+        for (int64_t t = cursor; t < t0; ++t) {  // the memory to the end of step t0 - 1
+          if (gate_row != nullptr) {
+            factors(a.data(), gate_row + (t - g.n0) * g.gates, g.gates, F);
+            for (int64_t f = 0; f < F; ++f)
+#pragma GCC unroll 16
+              for (int q = 0; q < NV; ++q) S[f * NV + q] *= a[f];
+          }
+          if (extras != nullptr && t == cursor)
+            for (const int64_t j : *extras) write(j);
+          const int64_t key = row_of(t - g.window, g, table);
+          if (key >= 0 && e[key] == t) write(key);
+        }
+        // the candidates: the cache, then the pairs leaving the window before the next boundary
+        const int64_t lo = std::max<int64_t>(t0 - g.window, 0), hi = std::max(lo, t0 - g.window + g.block);
+        const int64_t count = L + hi - lo;
+        cand_pos.resize(count);
+        cand_row.resize(count);
+        ok.assign(count, 0);
+        kept.assign(count, 0);
+        scores.assign(count, T(0));
+        order.clear();
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t p = i < L ? members[i] : lo + (i - L);
+          const int64_t j = row_of(p, g, table);
+          cand_pos[i] = p;
+          cand_row[i] = j;
+          ok[i] = j >= 0 && valid_row[j] && p >= g.sinks;
+          if (ok[i]) order.push_back(i);
+        }
+        // scores of the valid candidates, TQ rows of S^T k at a time; with fewer rows than threads, the tiles of
+        // one boundary shared among the threads (a row's boundaries follow one another)
+        const int64_t valid_count = static_cast<int64_t>(order.size());
+        const int64_t tiles = (valid_count + TQ - 1) / TQ;
+        auto score_tiles = [&](int64_t tile_begin, int64_t tile_end) {
+          for (int64_t i0 = tile_begin * TQ; i0 < std::min(valid_count, tile_end * TQ); i0 += TQ) {
+            const int tile = static_cast<int>(std::min<int64_t>(TQ, valid_count - i0));
+            V acc[TQ][NV];
+            const T* tile_rows_in[TQ];
+#pragma GCC unroll 16
+            for (int i = 0; i < TQ; ++i)
+#pragma GCC unroll 16
+              for (int q = 0; q < NV; ++q) acc[i][q] = V{};
+            for (int i = 0; i < TQ; ++i) tile_rows_in[i] = k_rows + cand_row[order[i0 + (i < tile ? i : 0)]] * F;
+            tile_product<T, NV, TQ>(acc, tile_rows_in, reinterpret_cast<const T*>(S), F);
+            for (int i = 0; i < tile; ++i) {
+              V value[NV];
+              load_row<T, NV>(value, v_rows + cand_row[order[i0 + i]] * dv);
+              V sum{};
+#pragma GCC unroll 16
+              for (int q = 0; q < NV; ++q) {
+                const V d = value[q] - acc[i][q];
+                sum += d * d;
+              }
+              T total = 0;
+              for (int lane = 0; lane < Lanes<T>::count; ++lane) total += sum[lane];
+              scores[order[i0 + i]] = std::sqrt(total);
+            }
+          }
+        };
+        if (inner) {
+          at::parallel_for(0, tiles, 8, score_tiles);
+        } else {
+          score_tiles(0, tiles);
+        }
+        // the `size` best: score descending (NaN first), ties the newer
+        std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+          const T sx = scores[x], sy = scores[y];
+          const bool nx = std::isnan(sx), ny = std::isnan(sy);
+          if (nx != ny) return nx;
+          if (!nx && sx != sy) return sx > sy;
+          return cand_pos[x] > cand_pos[y];
+        });
+        const int64_t take = std::min<int64_t>(sizes[r], valid_count);
+        for (int64_t i = 0; i < take; ++i) kept[order[i]] = 1;
+        std::vector<int64_t>& out_rows = leaving[r * g.boundaries + b];
+        out_rows.clear();
+        for (int64_t i = 0; i < count; ++i) {
+          if (!ok[i]) continue;
+          if (kept[i]) {
+            e[cand_row[i]] = kNever;
+          } else if (i < L) {  // dropped from the cache: it enters the memory at t0
+            e[cand_row[i]] = t0;
+            out_rows.push_back(cand_row[i]);
+          }
+        }
+        std::sort(out_rows.begin(), out_rows.end());
+        std::vector<int64_t> now;
+        for (int64_t i = 0; i < count; ++i)
+          if (kept[i]) now.push_back(cand_pos[i]);
+        std::sort(now.begin(), now.end());
+        int64_t* chosen = chosen_out + (r * g.boundaries + b) * L;
+        for (int64_t i = 0; i < L; ++i) {
+          members[i] = i < static_cast<int64_t>(now.size()) ? now[i] : -1;
+          chosen[i] = members[i];
+        }
+        cursor = t0;
+        extras = &out_rows;
+      }
+    }
+  };
+  if (inner) {
+    run_rows(0, rows);
+  } else {
+    at::parallel_for(0, rows, 1, run_rows);
+  }
+}
+
+// lin (R, X, F) the rows' unit key features (0 where not valid), values (R, X, Dv), beta (R, X) (0 where not
+// valid), valid (R, X) bool, pos (R, X), carried (R, L) the carried cache's positions (ascending, -1 unused), entry
+// (R, X) the entry times before the call's decisions (updated in place), log_gate (R, N, G) fp64 per call token or
+// none, kv (R, F, Dv) the memory at the call's start (updated in place: at the last boundary), sizes (R,); all
+// contiguous. Returns the caches chosen at the call's boundaries (R, boundaries, L) and the write stream: the rows
+// written (R, M) (-1 none), and per slot the call token whose decay applies (M,), the token read, the step's token.
+std::vector<at::Tensor> sparse_delta_decide(const at::Tensor& lin, const at::Tensor& values, const at::Tensor& beta,
+                                            const at::Tensor& valid, const at::Tensor& pos, const at::Tensor& carried,
+                                            at::Tensor entry, const std::optional<at::Tensor>& log_gate, at::Tensor kv,
+                                            const at::Tensor& sizes, int64_t n0, int64_t end, int64_t window,
+                                            int64_t sinks, int64_t block, int64_t base, int64_t ring_start) {
+  const int64_t rows = lin.size(0);
+  const int64_t first = std::max(((n0 + block - 1) / block) * block, block);
+  const int64_t boundaries = first < end ? (end - first + block - 1) / block : 0;
+  const Geometry g{lin.size(1), lin.size(2), carried.size(1), n0, end, window, sinks, block, base, ring_start,
+                   first, boundaries, log_gate ? log_gate->size(2) : 0};
+  at::Tensor chosen = at::full({rows, boundaries, g.L}, -1, pos.options());
+  std::vector<std::vector<int64_t>> leaving(rows * boundaries);
+  AT_DISPATCH_FLOATING_TYPES(lin.scalar_type(), "sparse_delta_decide", [&] {
+    const int vectors = static_cast<int>(values.size(2) / Lanes<scalar_t>::count);
+    LINATTN_VECTORS(vectors, sparse_decide_rows<scalar_t, NV>(
+        lin.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(), beta.data_ptr<scalar_t>(), valid.data_ptr<bool>(),
+        pos.data_ptr<int64_t>(), carried.data_ptr<int64_t>(), entry.data_ptr<int64_t>(),
+        log_gate ? log_gate->data_ptr<double>() : nullptr, kv.data_ptr<scalar_t>(), sizes.data_ptr<int64_t>(),
+        chosen.data_ptr<int64_t>(), leaving.data(), rows, g));
+  });
+  // the stream: piece 0 the steps n0 ... first - 1, piece b + 1 from boundary b (its leaving rows first)
+  std::vector<int64_t> width(boundaries, 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < boundaries; ++b)
+      width[b] = std::max<int64_t>(width[b], static_cast<int64_t>(leaving[r * boundaries + b].size()));
+  int64_t slots = end - n0;
+  for (const int64_t w : width) slots += w;
+  at::Tensor stream_rows = at::full({rows, slots}, -1, pos.options());
+  at::Tensor gate_at = at::empty({slots}, pos.options()), read = at::empty({slots}, pos.options());
+  at::Tensor step = at::empty({slots}, pos.options());
+  int64_t* gate_data = gate_at.data_ptr<int64_t>();
+  int64_t* read_data = read.data_ptr<int64_t>();
+  int64_t* step_data = step.data_ptr<int64_t>();
+  std::vector<int64_t> piece_start(boundaries + 1);  // each piece's first slot
+  {
+    int64_t slot = 0;
+    for (int64_t piece = 0; piece <= boundaries; ++piece) {
+      piece_start[piece] = slot;
+      const int64_t lo = piece == 0 ? n0 : first + (piece - 1) * block;
+      const int64_t hi = piece < boundaries ? first + piece * block : end;
+      const int64_t extra = piece == 0 ? 0 : width[piece - 1];
+      for (int64_t i = 0; i < extra; ++i, ++slot) {
+        gate_data[slot] = i == 0 ? lo - n0 : -1;
+        read_data[slot] = -1;
+        step_data[slot] = lo - n0;
+      }
+      for (int64_t t = lo; t < hi; ++t, ++slot) {
+        gate_data[slot] = extra > 0 && t == lo ? -1 : t - n0;
+        read_data[slot] = t - n0;
+        step_data[slot] = t - n0;
+      }
+    }
+  }
+  int64_t* out = stream_rows.data_ptr<int64_t>();
+  const int64_t* entries = entry.data_ptr<int64_t>();
+  const int64_t* carried_data = carried.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<int64_t> table(g.L);
+    for (int64_t r = begin; r < stop; ++r) {
+      for (int64_t i = 0; i < g.L; ++i) table[i] = carried_data[r * g.L + i] >= 0 ? carried_data[r * g.L + i] : kNever;
+      const int64_t* e = entries + r * g.X;
+      int64_t* row_out = out + r * slots;
+      for (int64_t piece = 0; piece <= boundaries; ++piece) {
+        const int64_t lo = piece == 0 ? n0 : first + (piece - 1) * block;
+        const int64_t hi = piece < boundaries ? first + piece * block : end;
+        int64_t slot = piece_start[piece];
+        if (piece > 0) {
+          const std::vector<int64_t>& extra = leaving[r * boundaries + piece - 1];
+          for (size_t i = 0; i < extra.size(); ++i) row_out[slot + i] = extra[i];
+          slot += width[piece - 1];
+        }
+        for (int64_t t = lo; t < hi; ++t, ++slot) {
+          const int64_t key = row_of(t - window, g, table);
+          if (key >= 0 && e[key] == t) row_out[slot] = key;
+        }
+      }
+    }
+  });
+  return {chosen, stream_rows, gate_at, read, step};
+}
+
+
+// The sparse cache's exact term in inference (exact/forms/cache_term.py's CacheTerm.forward without the linear
+// additions is the reference): query block g of a padded call (queries g B ... g B + B - 1) scores the pairs its
+// cache names, exactly where a pair has left the window (p + W <= t), against one shift per query, the larger of
+// the window's own row max and the block's; returns sum e^{s - top} v, sum e^{s - top} and top. Each (row, block)
+// gathers its cache's keys (transposed, in chunks of Dv) and values once, then runs register tiles of TQ queries:
+// the scores as Q K^T, the weights, and the weighted values as P V.
+template <typename T, int NV>
+void cache_exact_blocks(const T* q, const T* keys, const T* values, const T* ls, const int64_t* rows_at,
+                        const int64_t* positions, T* ex_num, T* ex_den, T* top, int64_t rows, int64_t padded,
+                        int64_t xs, int64_t d, int64_t blocks, int64_t slots, int64_t first, int64_t block,
+                        int64_t window, T scale) {
+  using V = typename Lanes<T>::vec;
+  constexpr int dv = NV * Lanes<T>::count;
+  constexpr int TQ = tile_rows<NV>();
+  const T minus_infinity = -std::numeric_limits<T>::infinity();
+  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> kt, vals, weights;
+    std::vector<int64_t> used_row, used_pos;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / blocks, g = item % blocks;
+      const int64_t* index = rows_at + item * slots;
+      const int64_t* where = positions + item * slots;
+      used_row.clear();
+      used_pos.clear();
+      for (int64_t j = 0; j < slots; ++j)
+        if (index[j] >= 0 && where[j] >= 0) {
+          used_row.push_back(index[j]);
+          used_pos.push_back(where[j]);
+        }
+      const int64_t used = static_cast<int64_t>(used_row.size());
+      if (!std::is_sorted(used_pos.begin(), used_pos.end())) {  // (a cache's positions ascend: never, in the op)
+        std::vector<int64_t> by(used);
+        for (int64_t u = 0; u < used; ++u) by[u] = u;
+        std::sort(by.begin(), by.end(), [&](int64_t x, int64_t y) { return used_pos[x] < used_pos[y]; });
+        std::vector<int64_t> row_sorted(used), pos_sorted(used);
+        for (int64_t u = 0; u < used; ++u) {
+          row_sorted[u] = used_row[by[u]];
+          pos_sorted[u] = used_pos[by[u]];
+        }
+        used_row.swap(row_sorted);
+        used_pos.swap(pos_sorted);
+      }
+      const int64_t chunks = (used + dv - 1) / dv, width = chunks * dv;
+      kt.assign(chunks * d * dv, T(0));
+      vals.assign(width * dv, T(0));
+      for (int64_t u = 0; u < used; ++u) {
+        const T* key = keys + (r * xs + used_row[u]) * d;
+        T* into = kt.data() + (u / dv) * d * dv + u % dv;
+        for (int64_t i = 0; i < d; ++i) into[i * dv] = key[i];
+        std::memcpy(vals.data() + u * dv, values + (r * xs + used_row[u]) * dv, sizeof(T) * dv);
+      }
+      weights.resize(TQ * std::max<int64_t>(width, 1));
+      for (int64_t i0 = 0; i0 < block; i0 += TQ) {
+        const int tile = static_cast<int>(std::min<int64_t>(TQ, block - i0));
+        const T* query_rows[TQ];
+        for (int i = 0; i < TQ; ++i) query_rows[i] = q + (r * padded + g * block + i0 + (i < tile ? i : 0)) * d;
+        for (int64_t c = 0; c < chunks; ++c) {  // scores, dv keys at a time
+          V acc[TQ][NV];
+#pragma GCC unroll 16
+          for (int i = 0; i < TQ; ++i)
+#pragma GCC unroll 16
+            for (int j = 0; j < NV; ++j) acc[i][j] = V{};
+          tile_product<T, NV, TQ>(acc, query_rows, kt.data() + c * d * dv, d);
+          for (int i = 0; i < tile; ++i) store_row<T, NV>(weights.data() + i * width + c * dv, acc[i], scale);
+        }
+        for (int i = 0; i < tile; ++i) {
+          const int64_t flat = g * block + i0 + i, t = first + flat;
+          T* w = weights.data() + i * width;
+          // the cache's positions ascend, so the pairs that have left query t's window are a prefix
+          const int64_t seen = std::upper_bound(used_pos.begin(), used_pos.end(), t - window) - used_pos.begin();
+          T best = ls[r * padded + flat];
+#pragma omp simd reduction(max : best)
+          for (int64_t u = 0; u < seen; ++u) best = w[u] > best ? w[u] : best;
+          const T shift = best == minus_infinity ? T(0) : best;
+          T total = 0;
+#pragma omp simd reduction(+ : total)
+          for (int64_t u = 0; u < seen; ++u) {
+            w[u] = exp_nonpositive<T, false>(w[u] - shift);
+            total += w[u];
+          }
+          for (int64_t u = seen; u < width; ++u) w[u] = T(0);
+          ex_den[r * padded + flat] = total;
+          top[r * padded + flat] = shift;
+        }
+        V acc[TQ][NV];
+#pragma GCC unroll 16
+        for (int i = 0; i < TQ; ++i)
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) acc[i][j] = V{};
+        const T* weight_rows[TQ];
+        for (int i = 0; i < TQ; ++i) weight_rows[i] = weights.data() + (i < tile ? i : 0) * width;
+        tile_product<T, NV, TQ>(acc, weight_rows, vals.data(), width);
+        for (int i = 0; i < tile; ++i) store_row<T, NV>(ex_num + (r * padded + g * block + i0 + i) * dv, acc[i], T(1));
+      }
+    }
+  });
+}
+
+// q (R, P, D) the queries padded to P = blocks x B; keys (R, X, D), values (R, X, Dv) the rows X; ls (R, P) the
+// window's row max (-inf: none); rows, positions (R, blocks, L) each block's cache (-1: none); first: the position
+// of padded query 0. Returns (ex_num (R, P, Dv), ex_den (R, P), top (R, P)). All contiguous; Dv a compiled width,
+// D any.
+std::vector<at::Tensor> cache_exact(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                    const at::Tensor& ls, const at::Tensor& rows_at, const at::Tensor& positions,
+                                    int64_t first, int64_t block, int64_t window, double scale) {
+  const int64_t rows = q.size(0), padded = q.size(1), d = q.size(2), dv = values.size(2);
+  at::Tensor ex_num = at::empty({rows, padded, dv}, q.options());
+  at::Tensor ex_den = at::empty({rows, padded}, q.options()), top = at::empty({rows, padded}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cache_exact", [&] {
+    const int vectors = static_cast<int>(dv / Lanes<scalar_t>::count);
+    LINATTN_VECTORS(vectors, cache_exact_blocks<scalar_t, NV>(
+        q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(), ls.data_ptr<scalar_t>(),
+        rows_at.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), ex_num.data_ptr<scalar_t>(),
+        ex_den.data_ptr<scalar_t>(), top.data_ptr<scalar_t>(), rows, padded, keys.size(1), d, rows_at.size(1),
+        rows_at.size(2), first, block, window, static_cast<scalar_t>(scale)));
+  });
+  return {ex_num, ex_den, top};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -690,6 +1087,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hedgehog_activation", &hedgehog_activation, "the Hedgehog map from z = Wx + b (keys: with their weight)");
   m.def("hedgehog_map", &hedgehog_map, "the Hedgehog map of x: projection and activation (keys: with their weight)");
   m.def("delta_block", &delta_block, "the (gated, per-feature gated) delta rule over a block of tokens");
+  m.def("cache_exact", &cache_exact, "the sparse cache's exact term of a call's query blocks, in inference");
+  m.def("sparse_delta_decide", &sparse_delta_decide,
+        "the sparse cache's boundaries beside the delta rule (recall score) and the call's write stream");
   m.def("noncausal_accumulate", &noncausal_accumulate, "non-causal: S += sum phi(k) v^T, z += sum phi(k) over a block");
   m.def("noncausal_read", &noncausal_read, "non-causal: out = S^T phi(q) / phi(q).z over a block of queries");
 }

@@ -183,19 +183,31 @@ def delta_carry(kf: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, log_gates
     kf (..., M, F) unit rows (0 where nothing is written), v (..., M, Dv), beta (..., M), log_gates (..., M, 1 | F)
     fp64 or None, from ``state``; each slot decays, then writes, as ``delta_recurrent`` steps. None where the kernels
     do not take it (no build, the dtype or value width, gradients)."""
+    found = delta_stream(kf, kf, v, beta, log_gates, state)  # the kernel reads every slot; nothing keeps it
+    return found[1] if found is not None else None
+
+
+def delta_stream(qf: torch.Tensor, kf: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                 log_gates: torch.Tensor | None, state: DeltaRuleState) -> tuple[torch.Tensor, DeltaRuleState] | None:
+    """The delta rule over M slots of a write stream from ``state`` (the sparse cache's linear part): qf (..., M, F)
+    unit query rows read at each slot after its write, kf (..., M, F) unit rows (0 where nothing is written),
+    v (..., M, Dv), beta (..., M), log_gates (..., M, 1 | F) fp64 or None; as ``delta_recurrent``. Returns the read-outs
+    (..., M, Dv) and the state after the slots; None where the kernels do not take it (no build, the dtype or value
+    width, gradients)."""
     kernels = module("causal")
-    if kernels is None or value_reasons(v.shape[-1], v.dtype) or kf.dtype != v.dtype \
-            or grad_reasons(kf, v, beta, state.kv):
+    if kernels is None or value_reasons(v.shape[-1], v.dtype) or len({qf.dtype, kf.dtype, v.dtype}) > 1 \
+            or grad_reasons(qf, kf, v, beta, state.kv):
         return None
     batch, m, dv = kf.shape[:-2], kf.shape[-2], v.shape[-1]
     kv = state.kv.to(v.dtype).expand(*batch, *state.kv.shape[-2:]).clone(memory_format=torch.contiguous_format)
-    out = v.new_empty(*batch, m, dv)  # the kernel reads every slot; nothing here keeps it
+    out = v.new_empty(*batch, m, dv)
     gates = None
     if log_gates is not None:
         gates = _rows(log_gates.to(torch.float64).expand(*batch, m, log_gates.shape[-1]))
-    kernels.delta_block(_rows(kf), _rows(kf), _rows(v), beta.to(v.dtype).expand(*batch, m).reshape(-1, m), gates,
-                        kv.view(-1, *kv.shape[-2:]), out.view(-1, m, dv), False, False)
-    return DeltaRuleState(kv, state.num_tokens + m)
+    kernels.delta_block(_rows(qf.expand(*batch, m, qf.shape[-1])), _rows(kf), _rows(v),
+                        beta.to(v.dtype).expand(*batch, m).reshape(-1, m), gates, kv.view(-1, *kv.shape[-2:]),
+                        out.view(-1, m, dv), False, False)
+    return out, DeltaRuleState(kv, state.num_tokens + m)
 
 
 def hedgehog_features(fmap: HedgehogFeatureMap, x: torch.Tensor, is_query: bool) -> torch.Tensor | None:
@@ -220,3 +232,53 @@ def hedgehog_features(fmap: HedgehogFeatureMap, x: torch.Tensor, is_query: bool)
         return kernels.hedgehog_map(rows, weight_t, bias, keys, floor).view(*x.shape[:-1], 2 * fmap.num_features)
     z = fmap.project(x, is_query=is_query, mirror=False).contiguous()  # (..., m): Wx + b; the kernel makes −z
     return kernels.hedgehog_activation(z, weight, floor)
+
+
+def sparse_delta_decide(lin: torch.Tensor, values: torch.Tensor, beta: torch.Tensor, valid: torch.Tensor,
+                        pos: torch.Tensor, carried: torch.Tensor, entry: torch.Tensor, log_gates: torch.Tensor | None,
+                        state: DeltaRuleState, sizes: torch.Tensor, *, n0: int, end: int, window: int, sinks: int,
+                        block: int, base: int, ring_start: int) -> tuple[torch.Tensor, ...] | None:
+    """The sparse cache's boundaries of one call beside the delta rule, scored by the memory's recall error, in one
+    C++ call (causal.cpp, ``sparse_delta_decide``; exact/forms/sparse_composed.py's ``_decide`` is the reference):
+    the rows X of the call (:class:`~linattn.exact.forms.sparse_stream.Pairs`: lin (..., X, F) unit rows, values
+    (..., X, Dv), beta and valid (..., X), positions (..., X)), the carried cache's positions (..., L), the entry
+    times before the call's decisions (..., X), log_gates (..., N, 1 | F) fp64 per call token or None, the memory at
+    the call's start and the budgets (...). Returns the caches chosen at the boundaries (..., b, L), the entry times
+    after them (..., X) and the write stream's rows (..., M), gate token, read token and step token (M,); None where
+    the kernels do not take it (no build, the dtype or value width)."""
+    kernels = module("causal")
+    if kernels is None or value_reasons(values.shape[-1], values.dtype) or lin.dtype != values.dtype:
+        return None
+    batch = pos.shape[:-1]
+
+    def flat(x: torch.Tensor, tail: int) -> torch.Tensor:
+        """x (..., *t) with ``tail`` trailing dims t, broadcast to the call's batch dims → (R, *t) contiguous."""
+        shape = x.shape[x.dim() - tail:] if tail else ()
+        return x.expand(*batch, *shape).reshape(-1, *shape).contiguous()
+
+    entry = flat(entry, 1).clone()
+    kv = flat(state.kv.to(values.dtype), 2).clone()
+    gates = flat(log_gates.to(torch.float64), 2) if log_gates is not None else None
+    chosen, stream, gate_at, read, step = kernels.sparse_delta_decide(
+        flat(lin, 2), flat(values, 2), flat(beta.to(values.dtype), 1), flat(valid, 1), flat(pos, 1),
+        flat(carried, 1), entry, gates, kv, flat(sizes, 0), n0, end, window, sinks, block, base, ring_start)
+    return (chosen.view(*batch, *chosen.shape[1:]), entry.view(*batch, entry.shape[-1]),
+            stream.view(*batch, stream.shape[-1]), gate_at, read, step)
+
+
+def cache_exact(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ls: torch.Tensor, rows: torch.Tensor,
+                positions: torch.Tensor, *, first: int, block: int, window: int,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The sparse cache's exact term of a call's query blocks in one C++ call (causal.cpp, ``cache_exact``;
+    exact/forms/cache_term.py's ``CacheTerm`` is the reference): q (R, P, D) padded to whole blocks, the rows X'
+    keys (R, X, D) and values (R, X, Dv), the window's row max ls (R, P), each block's cache as rows and positions
+    (R, blocks, L) (−1: none), ``first`` the position of padded query 0. Returns (Σ e^{s−top} v (R, P, Dv),
+    Σ e^{s−top} (R, P), top (R, P)); None where the kernels do not take it (no build, the dtype or value width,
+    gradients)."""
+    kernels = module("causal")
+    if kernels is None or value_reasons(values.shape[-1], values.dtype) or \
+            len({q.dtype, keys.dtype, values.dtype, ls.dtype}) > 1 or grad_reasons(q, keys, values, ls):
+        return None
+    num, den, top = kernels.cache_exact(q.contiguous(), keys.contiguous(), values.contiguous(), ls.contiguous(),
+                                        rows.contiguous(), positions.contiguous(), first, block, window, scale)
+    return num, den, top

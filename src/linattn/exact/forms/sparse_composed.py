@@ -41,6 +41,7 @@ its step's R and the decayed sums run on ρ − G (:mod:`.sparse_scales`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -114,6 +115,10 @@ def _decide(hybrid: Hybrid, cache: SparseCache, part: LinearPart, pairs: Pairs, 
     window, block = hybrid.window, cache.block_for(hybrid.window)
     batch, device = pairs.pos.shape[:-1], pairs.pos.device
     sizes, slots = cache.sizes_for(batch, device), pairs.carried.shape[-1]
+    if part.decide is not None and part.delta and cache.score == "recall" and isinstance(linear, DeltaRuleState):
+        found = _decided_natively(hybrid, cache, part, pairs, linear, sizes, n0, end)
+        if found is not None:
+            return found
     entry = torch.cat([first_entries(pairs, window, hybrid.sinks), pairs.pos.new_full((*batch, 1), NEVER)], -1)
     spare = entry.shape[-1] - 1
     members, by_block, pieces = pairs.carried, {}, []
@@ -156,11 +161,35 @@ def _decide(hybrid: Hybrid, cache: SparseCache, part: LinearPart, pairs: Pairs, 
     return by_block, Stream.join(pieces)
 
 
+def _decided_natively(hybrid: Hybrid, cache: SparseCache, part: LinearPart, pairs: Pairs, linear: DeltaRuleState,
+                      sizes: torch.Tensor, n0: int, end: int) -> tuple[dict[int, torch.Tensor], Stream] | None:
+    """:func:`_decide` in one call of ``part.decide`` (the native kernels; None where it does not take the call)."""
+    assert part.decide is not None and pairs.beta is not None
+    window, block = hybrid.window, cache.block_for(hybrid.window)
+    gate = part.gate()
+    if gate is None and part.log_decay is not None:
+        gate = part.log_decay.unsqueeze(-1)
+    found = part.decide(pairs.lin.detach(), pairs.values.detach(), pairs.beta.detach(), pairs.valid, pairs.pos,
+                        pairs.carried, first_entries(pairs, window, hybrid.sinks),
+                        gate.detach() if gate is not None else None, linear, sizes, n0=n0, end=end, window=window,
+                        sinks=hybrid.sinks, block=block, base=pairs.base, ring_start=pairs.ring_start)
+    if found is None:
+        return None
+    chosen, _, rows, gate_at, read, step = found
+    first = max(-(-n0 // block) * block, block)
+    by_block = {(first + b * block) // block: chosen[..., b, :] for b in range(chosen.shape[-2])}
+    return by_block, Stream(rows, gate_at, read, step)
+
+
 def sparse_composed(
     hybrid: Hybrid, cache: SparseCache, part: LinearPart, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     keep: torch.Tensor | None, state: WindowAttentionState | None, form: str, chunk_size: int,
+    exact_term: Callable[..., tuple[torch.Tensor, ...] | None] | None = None,
 ) -> tuple[torch.Tensor, WindowAttentionState]:
-    """The op in ``form`` ("parallel", "recurrent" or "chunked"); keep (..., N) bool or None (no padding)."""
+    """The op in ``form`` ("parallel", "recurrent" or "chunked"); keep (..., N) bool or None (no padding).
+    ``exact_term``: None, or a faster way (the native kernels) to the chunked form's cache term where nothing needs
+    its gradient (:func:`linattn.backends.native.forms.cache_exact`'s arguments and results; None where it does
+    not take them)."""
     if form == "recurrent":
         outs = []
         for t in range(q.shape[-2]):
@@ -191,7 +220,7 @@ def sparse_composed(
     assert lin_out is not None
     selections = [by_block.get(b, carried.positions) for b in range(n0 // block, (end - 1) // block + 1)]
     if form == "chunked":
-        exact = _exact_chunked(hybrid, cache, pairs, q, k, v, keep, state, selections, chunk_size)
+        exact = _exact_chunked(hybrid, cache, pairs, q, k, v, keep, state, selections, chunk_size, exact_term)
     else:
         exact = _exact_parallel(hybrid, pairs, q, phi_q, selections, n0, block, r)
     if part.delta:
@@ -242,7 +271,9 @@ def _exact_parallel(hybrid: Hybrid, pairs: Pairs, q: torch.Tensor, phi_q: torch.
 
 def _exact_chunked(hybrid: Hybrid, cache: SparseCache, pairs: Pairs, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, keep: torch.Tensor | None, state: WindowAttentionState,
-                   selections: list[torch.Tensor], chunk_size: int) -> tuple[torch.Tensor | None, ...]:
+                   selections: list[torch.Tensor], chunk_size: int,
+                   exact_term: Callable[..., tuple[torch.Tensor, ...] | None] | None = None
+                   ) -> tuple[torch.Tensor | None, ...]:
     """The window's banded exact part and the cache's per-block term (:mod:`.cache_term`), on one shift per query:
     (Σ e^{s−top} v, Σ e^{s−top}, mass) — in the mass form already divided: (A, None, mass)."""
     n0, n, block, window = state.num_tokens, q.shape[-2], cache.block_for(hybrid.window), hybrid.window
@@ -266,21 +297,30 @@ def _exact_chunked(hybrid: Hybrid, cache: SparseCache, pairs: Pairs, q: torch.Te
     shape_only = hybrid.factor is None
     # the linear part is the linear op's own (run on the write stream): the term's additions are not read
     geo = Geometry(n0, front, block, window, chosen.shape[-1], hybrid.scale, shape_only, linear=shape_only)
-    terms = CacheTerm.apply(padded(q), padded(parts.qf), rows_of(pairs.keys), rows_of(pairs.values),
-                            rows_of(pairs.phi), padded(ls.detach() if shape_only else ls, NEG_INF),
-                            rows_of(pairs.row_of(chosen)), rows_of(chosen), None, geo,
-                            None if pairs.scale is None or parts.r is None else (
-                                rows_of(pairs.scale), padded(parts.r.detach(), float("inf"))))
-    _, _, ex_num, ex_den, cache_mass, top = (x[:, front : front + n].reshape(*batch, n, *x.shape[2:])
-                                             for x in terms)
-    if pairs.scale is not None and parts.r is not None:  # R_t held constant in the term: its gradient restored
-        cache_mass = cache_mass * torch.exp(parts.r.detach() - parts.r)
+    found = None
+    if exact_term is not None and not shape_only and pairs.scale is None:  # the exact sums alone, no gradient
+        found = exact_term(padded(q), rows_of(pairs.keys), rows_of(pairs.values), padded(ls, NEG_INF),
+                           rows_of(pairs.row_of(chosen)), rows_of(chosen), first=n0 - front, block=block,
+                           window=window, scale=hybrid.scale)
+    if found is not None:
+        ex_num, ex_den, top = (x[:, front : front + n].reshape(*batch, n, *x.shape[2:]) for x in found)
+        cache_mass = None
+    else:
+        terms = CacheTerm.apply(padded(q), padded(parts.qf), rows_of(pairs.keys), rows_of(pairs.values),
+                                rows_of(pairs.phi), padded(ls.detach() if shape_only else ls, NEG_INF),
+                                rows_of(pairs.row_of(chosen)), rows_of(chosen), None, geo,
+                                None if pairs.scale is None or parts.r is None else (
+                                    rows_of(pairs.scale), padded(parts.r.detach(), float("inf"))))
+        _, _, ex_num, ex_den, cache_mass, top = (x[:, front : front + n].reshape(*batch, n, *x.shape[2:])
+                                                 for x in terms)
+        if pairs.scale is not None and parts.r is not None:  # R_t held constant in the term: its gradient restored
+            cache_mass = cache_mass * torch.exp(parts.r.detach() - parts.r)
     if win_den is None:  # the fused window part: already its softmax average, at the log-scale ls
         win_den = torch.ones_like(ls)
     weight = torch.exp(ls - top)  # 0 where the window has no exact key (ls = −inf)
     num = torch.addcmul(ex_num, win_num, weight.unsqueeze(-1))
     den = torch.addcmul(ex_den, win_den, weight)
     if shape_only:
-        assert win_mass is not None
+        assert win_mass is not None and cache_mass is not None
         return num / torch.where(den > 0, den, torch.ones_like(den)).unsqueeze(-1), None, win_mass + cache_mass
     return num, den, None

@@ -43,7 +43,12 @@ class LinearPart:
     (masked tokens 0) or None for the additive update. ``carry``: None, or a faster way (the native kernels, given
     by the caller) to the delta rule's state after a stream that nothing reads, the boundaries' carry:
     ``carry(kf (..., M, F) unit rows, values (..., M, Dv), beta (..., M), log_gates (..., M, 1 | F) fp64 or None,
-    state)`` → the state after the M slots, or None where it does not take them."""
+    state)`` → the state after the M slots, or None where it does not take them. ``decide``: None, or a faster way
+    (the native kernels) to a call's boundary decisions beside the delta rule under the recall score
+    (:func:`linattn.backends.native.forms.sparse_delta_decide`'s arguments and results, None where it does not
+    take them). ``read``: None, or a faster way (the native kernels) to the delta rule over a stream that is read:
+    ``read(qf, kf, values, beta, log_gates, state)`` → (the read-outs, the state), or None where it does not take
+    them."""
 
     log_decay: torch.Tensor | None
     feature_gate: torch.Tensor | None
@@ -51,6 +56,8 @@ class LinearPart:
     eps: float
     min_denom: float | None
     carry: Callable[..., DeltaRuleState | None] | None = None
+    decide: Callable[..., tuple[torch.Tensor, ...] | None] | None = None
+    read: Callable[..., tuple[torch.Tensor, DeltaRuleState] | None] | None = None
 
     @property
     def delta(self) -> bool:
@@ -217,11 +224,15 @@ def run_stream(part: LinearPart, pairs: Pairs, stream: Stream, qf: torch.Tensor 
     if part.delta:
         assert pairs.beta is not None and isinstance(state, DeltaRuleState)
         beta = pairs.beta.gather(-1, stream.rows.clamp(min=0)) * written.squeeze(-1)
+        logs = gate if gate is not None else decay.unsqueeze(-1) if decay is not None else None
         if qf is None and part.carry is not None:  # the state alone: decays and writes, nothing read
-            logs = gate if gate is not None else decay.unsqueeze(-1) if decay is not None else None
             carried = part.carry(kf, values, beta, logs, state)
             if carried is not None:
                 return None, carried
+        if qf is not None and part.read is not None:
+            found = part.read(queries, kf, values, beta, logs, state)
+            if found is not None:
+                return found[0].index_select(-2, (stream.read >= 0).nonzero().squeeze(-1)), found[1]
         if gate is not None:
             run_kda = kda_recurrent if chunk_size is None else kda_chunked
             extra = {} if chunk_size is None else {"chunk_size": chunk_size}
