@@ -15,7 +15,8 @@ SMOLLM2_VERSION ?= 0.1.2
 EXACTNESS_TESTS := tests/test_forms.py tests/test_feature_maps.py tests/test_state.py tests/test_speed_paths.py \
 	tests/test_numerics.py tests/test_seed.py tests/test_properties.py tests/test_learned_maps.py tests/test_nn.py \
 	tests/test_errors.py tests/test_window.py tests/test_window_fast.py tests/test_decay.py tests/test_decay_gla.py tests/test_packed.py \
-	tests/test_delta.py tests/test_kda.py tests/test_composed.py tests/test_sparse_composed.py tests/test_composed_log_space.py
+	tests/test_delta.py tests/test_kda.py tests/test_composed.py tests/test_sparse_composed.py tests/test_composed_log_space.py \
+	tests/test_native_sweeps.py
 # NO_MKDOCS_2_WARNING silences the theme's notice about MkDocs 2.0 (mkdocs is pinned below 2 in the docs extra)
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 OTHER_KERNELS := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2

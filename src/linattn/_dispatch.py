@@ -57,7 +57,7 @@ from .forms import (
     recurrent_attention,
 )
 from .kinds.additive.forms._common import decayed_ref, empty_state
-from .kinds.delta.forms import delta_chunked, delta_recurrent
+from .kinds.delta.forms import Sweeps, delta_chunked, delta_recurrent
 from .kinds.gated.forms import gated_chunked_attention, gated_parallel_attention, gated_recurrent_attention
 from .kinds.kda.forms import kda_chunked, kda_recurrent
 from .state import DeltaRuleState, LinearAttentionState, SparseCache, WindowAttentionState
@@ -97,6 +97,7 @@ class Job:
     nonnegative: bool = False  # a map of unknown positivity under normalize=True: refuse negative features
     beta: torch.Tensor | None = None  # the delta rule's write strengths (..., N), in the compute dtype
     key_scales: torch.Tensor | None = None  # k given as features stored at these log-scales (..., N) (composed)
+    sweeps: Sweeps | None = None  # the chunked delta family's loops over the chunks (None: the torch ones)
 
     @property
     def map_name(self) -> str:
@@ -298,7 +299,7 @@ def _run_sparse_composed(job: Job, form: str, native: bool = False) -> Result:
     part = LinearPart(job.log_decay, job.feature_gate, beta, job.eps, job.min_denom,
                       native_forms.delta_carry if native and beta is not None else None,
                       native_forms.sparse_delta_decide if native and beta is not None else None,
-                      native_forms.delta_stream if native and beta is not None else None)
+                      native_forms.delta_stream if native and beta is not None else None, job.sweeps)
     return sparse_composed(hybrid, cache, part, job.q, job.k, job.v, job.keep, state, form, job.chunk_size or 64,
                            native_forms.cache_exact if native else None)
 
@@ -396,11 +397,12 @@ def run_delta(job: Job, form: str, native: bool = False) -> Result:
         if form == "recurrent":
             return kda_recurrent(qf, kf, job.v, beta=beta, log_gate=gate, state=state)
         assert size is not None
-        return kda_chunked(qf, kf, job.v, beta=beta, log_gate=gate, state=state, chunk_size=size)
+        return kda_chunked(qf, kf, job.v, beta=beta, log_gate=gate, state=state, chunk_size=size, sweeps=job.sweeps)
     if form == "recurrent":
         return delta_recurrent(qf, kf, job.v, beta=beta, log_decay=job.log_decay, state=state)
     assert size is not None
-    return delta_chunked(qf, kf, job.v, beta=beta, log_decay=job.log_decay, state=state, chunk_size=size)
+    return delta_chunked(qf, kf, job.v, beta=beta, log_decay=job.log_decay, state=state, chunk_size=size,
+                         sweeps=job.sweeps)
 
 
 def run_composed(job: Job, form: str, native: bool = False) -> Result:
@@ -556,7 +558,9 @@ def native_runner(route: Route, causal: bool, forced: bool) -> Runner:
     """The runner of ``route`` on the native CPU kernels (:mod:`linattn.backends.native`): plain attention (causal
     or not) and the delta rule whole, the window's composition with the delta rule with its linear part native (the
     exact part on the torch forms). A job the kernels do not take (gradients needed, a value width they lack) runs
-    on the torch forms, or raises when the backend was asked for by name."""
+    on the torch forms, or raises when the backend was asked for by name; on the torch forms the chunked delta
+    family's loops over the chunks still run in C++ (:data:`linattn.backends.native.forms.SWEEPS`, which fall back
+    to torch where they cannot)."""
     torch_run = torch_runner(route, causal)
 
     def run(job: Job) -> Result:
@@ -564,7 +568,7 @@ def native_runner(route: Route, causal: bool, forced: bool) -> Runner:
         if found and forced:
             raise native_refusal(found)
         if found:
-            return torch_run(job)
+            return torch_run(replace(job, sweeps=native_forms.SWEEPS))
         if route.kind == "plain":
             return native_forms.additive(job) if causal else native_forms.noncausal(job)
         if route.kind == "delta":

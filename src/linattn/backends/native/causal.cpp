@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -334,7 +335,7 @@ void delta(View<T> q, View<T> k, View<T> v, View<T> beta, const double* gate, in
 // phi(k_t) broadcast); the read takes 24/NV query tokens and sums the F rows of S (in the first-level cache) into
 // them. A block of 64 keys'
 // features (elu made here, or given) is read by every strip while it is in cache.
-template <typename T, int NV, int FR>
+template <typename T, int NV, int FR, bool NEG = false>
 inline void rank_strip(T* S, const T* k, int64_t k_token, const T* v, int64_t v_token, int64_t tokens) {
   using V = typename Lanes<T>::vec;
   constexpr int dv = NV * Lanes<T>::count;
@@ -347,7 +348,7 @@ inline void rank_strip(T* S, const T* k, int64_t k_token, const T* v, int64_t v_
     const T* kt = k + t * k_token;
 #pragma GCC unroll 16
     for (int i = 0; i < FR; ++i) {
-      const T a = kt[i];
+      const T a = NEG ? -kt[i] : kt[i];
 #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) acc[i][j] += a * x[j];
     }
@@ -357,13 +358,13 @@ inline void rank_strip(T* S, const T* k, int64_t k_token, const T* v, int64_t v_
 }
 
 // rank_strip over the last `rest` (< FR) feature rows, compiled for each count
-template <typename T, int NV, int FR>
+template <typename T, int NV, int FR, bool NEG = false>
 inline void rank_rest(int rest, T* S, const T* k, int64_t k_token, const T* v, int64_t v_token, int64_t tokens) {
   if constexpr (FR > 1) {
     if (rest == FR - 1) {
-      rank_strip<T, NV, FR - 1>(S, k, k_token, v, v_token, tokens);
+      rank_strip<T, NV, FR - 1, NEG>(S, k, k_token, v, v_token, tokens);
     } else {
-      rank_rest<T, NV, FR - 1>(rest, S, k, k_token, v, v_token, tokens);
+      rank_rest<T, NV, FR - 1, NEG>(rest, S, k, k_token, v, v_token, tokens);
     }
   }
 }
@@ -1072,6 +1073,144 @@ std::vector<at::Tensor> cache_exact(const at::Tensor& q, const at::Tensor& keys,
   return {ex_num, ex_den, top};
 }
 
+// The chunked delta rule's two sequential sweeps, for the torch autograd form (kinds/delta/forms.py: _state_sweep
+// and adjoint_sweep are the reference; kinds/kda/forms.py shares them). Everything chunk-local is computed there in
+// batched products; what is left is a loop over the chunks of each (batch, head) row in which every step is three
+// 64-sized products on the running F x Dv state. Here one thread carries one row through all its chunks with the
+// state in the first-level cache (rows in parallel), the products register-blocked as above, and nothing is copied
+// but the states the backward pass keeps. Every tensor is contiguous; `last` is each chunk's decay of the state,
+// (R, nc, L) with L = 1 (one per chunk) or F (one per feature), or absent.
+//
+//   forward:  states[c] = S;  U_c = W_v,c - W_k,c S  (over W_v, in place);  S <- last_c * S + K_out,c^T U_c
+//   backward: leaving[c] = dS;  dU_c = P_do,c + K_out,c dS  (over P_do, in place);
+//             dS <- last_c * dS + (bQ)_c^T dO_c - W_k,c^T dU_c
+template <typename T>
+inline void scale_state(T* S, const T* factor, int64_t gates, int64_t features, int64_t width) {
+  if (factor == nullptr) return;
+  for (int64_t f = 0; f < features; ++f) {
+    const T a = factor[gates == 1 ? 0 : f];
+    for (int64_t j = 0; j < width; ++j) S[f * width + j] *= a;
+  }
+}
+
+// out[t] = base[t] + sign * sum_f a[t][f] S[f] for R rows from t0 (a: rows of F, S: F x Dv, base and out rows of
+// Dv; out may be base)
+template <typename T, int NV, int R, bool NEG>
+inline void rows_tile(T* out, const T* base, const T* a, const T* S, int64_t t0, int64_t features) {
+  using V = typename Lanes<T>::vec;
+  constexpr int dv = NV * Lanes<T>::count;
+  V acc[R][NV];
+  const T* rows[R];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+    rows[i] = a + (t0 + i) * features;
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) acc[i][j] = V{};
+  }
+  tile_product<T, NV, R>(acc, rows, S, features);
+  for (int i = 0; i < R; ++i) {
+    V x[NV];
+    load_row<T, NV>(x, base + (t0 + i) * dv);
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) x[j] = NEG ? x[j] - acc[i][j] : x[j] + acc[i][j];
+    store_row<T, NV>(out + (t0 + i) * dv, x, T(1));
+  }
+}
+
+// rows_tile over the C rows of one chunk
+template <typename T, int NV, bool NEG>
+inline void chunk_rows(T* out, const T* base, const T* a, const T* S, int64_t chunk, int64_t features) {
+  constexpr int TQ = tile_rows<NV>();
+  int64_t t0 = 0;
+  for (; t0 + TQ <= chunk; t0 += TQ) rows_tile<T, NV, TQ, NEG>(out, base, a, S, t0, features);
+  for (; t0 < chunk; ++t0) rows_tile<T, NV, 1, NEG>(out, base, a, S, t0, features);
+}
+
+// S[f] += sign * sum_t k[t][f] x[t] over the C tokens of one chunk (k: C x F, x: C x Dv), strip by strip of S
+template <typename T, int NV, bool NEG>
+inline void chunk_rank(T* S, const T* k, const T* x, int64_t chunk, int64_t features) {
+  constexpr int dv = NV * Lanes<T>::count;
+  constexpr int FR = tile_rows<NV>();
+  int64_t f0 = 0;
+  for (; f0 + FR <= features; f0 += FR) rank_strip<T, NV, FR, NEG>(S + f0 * dv, k + f0, features, x, dv, chunk);
+  if (f0 < features)
+    rank_rest<T, NV, FR, NEG>(static_cast<int>(features - f0), S + f0 * dv, k + f0, features, x, dv, chunk);
+}
+
+template <typename T, int NV>
+void state_sweep_rows(T* state, const T* w_k, T* written, const T* k_out, const T* last, int64_t gates, T* states,
+                      int64_t rows, int64_t chunks, int64_t chunk, int64_t features) {
+  constexpr int dv = NV * Lanes<T>::count;
+  const int64_t square = features * dv, keys = chunk * features, values = chunk * dv;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* S = state + r * square;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = r * chunks + c;
+        std::memcpy(states + at * square, S, sizeof(T) * square);
+        T* u = written + at * values;
+        chunk_rows<T, NV, true>(u, u, w_k + at * keys, S, chunk, features);
+        scale_state(S, last != nullptr ? last + at * gates : nullptr, gates, features, dv);
+        chunk_rank<T, NV, false>(S, k_out + at * keys, u, chunk, features);
+      }
+    }
+  });
+}
+
+template <typename T, int NV>
+void adjoint_sweep_rows(const T* bq, const T* k_out, const T* w_k, T* d_written, const T* d_o, const T* last,
+                        int64_t gates, T* d_state, T* d_leaving, int64_t rows, int64_t chunks, int64_t chunk,
+                        int64_t features) {
+  constexpr int dv = NV * Lanes<T>::count;
+  const int64_t square = features * dv, keys = chunk * features, values = chunk * dv;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* dS = d_state + r * square;
+      for (int64_t c = chunks - 1; c >= 0; --c) {
+        const int64_t at = r * chunks + c;
+        std::memcpy(d_leaving + at * square, dS, sizeof(T) * square);
+        T* d_u = d_written + at * values;
+        chunk_rows<T, NV, false>(d_u, d_u, k_out + at * keys, dS, chunk, features);
+        scale_state(dS, last != nullptr ? last + at * gates : nullptr, gates, features, dv);
+        chunk_rank<T, NV, false>(dS, bq + at * keys, d_o + at * values, chunk, features);
+        chunk_rank<T, NV, true>(dS, w_k + at * keys, d_u, chunk, features);
+      }
+    }
+  });
+}
+
+// state (R, F, Dv) updated in place to the final state; w_k, k_out (R, nc, C, F); written (R, nc, C, Dv): W_v on
+// entry, U on return; last (R, nc, L) or None; states (R, nc, F, Dv) receives the state entering each chunk
+void delta_state_sweep(at::Tensor state, const at::Tensor& w_k, at::Tensor written, const at::Tensor& k_out,
+                       const c10::optional<at::Tensor>& last, at::Tensor states) {
+  const int64_t rows = w_k.size(0), chunks = w_k.size(1), chunk = w_k.size(2), features = w_k.size(3);
+  const int64_t gates = last.has_value() ? last->size(2) : 0;
+  AT_DISPATCH_FLOATING_TYPES(w_k.scalar_type(), "delta_state_sweep", [&] {
+    const int vectors = static_cast<int>(written.size(3) / Lanes<scalar_t>::count);
+    LINATTN_VECTORS(vectors, state_sweep_rows<scalar_t, NV>(
+        state.data_ptr<scalar_t>(), w_k.data_ptr<scalar_t>(), written.data_ptr<scalar_t>(),
+        k_out.data_ptr<scalar_t>(), last.has_value() ? last->data_ptr<scalar_t>() : nullptr, gates,
+        states.data_ptr<scalar_t>(), rows, chunks, chunk, features));
+  });
+}
+
+// bq, k_out, w_k (R, nc, C, F); d_written (R, nc, C, Dv): P^T dO on entry, dU on return; d_o (R, nc, C, Dv); last
+// (R, nc, L) or None; d_state (R, F, Dv): the final state's adjoint on entry, the initial state's on return;
+// d_leaving (R, nc, F, Dv) receives the adjoint of the state leaving each chunk
+void delta_adjoint_sweep(const at::Tensor& bq, const at::Tensor& k_out, const at::Tensor& w_k, at::Tensor d_written,
+                         const at::Tensor& d_o, const c10::optional<at::Tensor>& last, at::Tensor d_state,
+                         at::Tensor d_leaving) {
+  const int64_t rows = w_k.size(0), chunks = w_k.size(1), chunk = w_k.size(2), features = w_k.size(3);
+  const int64_t gates = last.has_value() ? last->size(2) : 0;
+  AT_DISPATCH_FLOATING_TYPES(w_k.scalar_type(), "delta_adjoint_sweep", [&] {
+    const int vectors = static_cast<int>(d_written.size(3) / Lanes<scalar_t>::count);
+    LINATTN_VECTORS(vectors, adjoint_sweep_rows<scalar_t, NV>(
+        bq.data_ptr<scalar_t>(), k_out.data_ptr<scalar_t>(), w_k.data_ptr<scalar_t>(), d_written.data_ptr<scalar_t>(),
+        d_o.data_ptr<scalar_t>(), last.has_value() ? last->data_ptr<scalar_t>() : nullptr, gates,
+        d_state.data_ptr<scalar_t>(), d_leaving.data_ptr<scalar_t>(), rows, chunks, chunk, features));
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1090,6 +1229,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cache_exact", &cache_exact, "the sparse cache's exact term of a call's query blocks, in inference");
   m.def("sparse_delta_decide", &sparse_delta_decide,
         "the sparse cache's boundaries beside the delta rule (recall score) and the call's write stream");
+  m.def("delta_state_sweep", &delta_state_sweep, "the chunked delta rule's forward sweep over the chunks (training)");
+  m.def("delta_adjoint_sweep", &delta_adjoint_sweep,
+        "the chunked delta rule's adjoint sweep over the chunks, backwards (training)");
   m.def("noncausal_accumulate", &noncausal_accumulate, "non-causal: S += sum phi(k) v^T, z += sum phi(k) over a block");
   m.def("noncausal_read", &noncausal_read, "non-causal: out = S^T phi(q) / phi(q).z over a block of queries");
 }

@@ -1,7 +1,9 @@
 """The native forward (causal.cpp) from Python: features made in torch one block of tokens at a time, the causal
 recurrence in C++ with each (batch, head) row's state in cache, and non-causal attention in two passes. No
 gradients: calls that need them, and sizes the kernels do not take, run the torch forms (:func:`grad_reasons` and
-:func:`value_reasons` say why).
+:func:`value_reasons` say why). For those calls, the chunked delta rule's and KDA's two loops over the chunks (the
+state's sweep forward and its adjoint's backward) run here (:data:`SWEEPS`), inside the torch forms' autograd
+Functions.
 
 The feature stage is linattn's own (:func:`linattn.features.query_features`, :func:`~linattn.features.key_features`,
 :func:`~linattn.features.delta_inputs`), called on slices of BLOCK tokens: any feature map works, the maps' checks
@@ -19,6 +21,8 @@ from ... import _validate
 from ...feature_maps.elementwise import EluFeatureMap
 from ...feature_maps.learned import HedgehogFeatureMap
 from ...features import check_feature_dims, delta_inputs, key_features, map_features, query_features
+from ...kinds.delta.forms import Sweeps, _batch_rows, _state_sweep
+from ...kinds.delta.forms import adjoint_sweep as _adjoint_sweep
 from ...state import DeltaRuleState, LinearAttentionState
 from . import module
 
@@ -282,3 +286,59 @@ def cache_exact(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ls: t
     num, den, top = kernels.cache_exact(q.contiguous(), keys.contiguous(), values.contiguous(), ls.contiguous(),
                                         rows.contiguous(), positions.contiguous(), first, block, window, scale)
     return num, den, top
+
+
+def _sweepable(values: torch.Tensor, *tensors: torch.Tensor | None) -> Any:
+    """The kernels, where they take a sweep over these chunked tensors (one float dtype, a value width they are
+    compiled for, CPU); else None."""
+    kernels = module("causal")
+    present = [t for t in (values, *tensors) if t is not None]
+    if kernels is None or value_reasons(values.shape[-1], values.dtype) or len({t.dtype for t in present}) > 1 \
+            or any(t.device.type != "cpu" for t in present):
+        return None
+    return kernels
+
+
+def _last_rows(last: torch.Tensor | None, rows: int, chunks: int) -> torch.Tensor | None:
+    """A chunk's decay of the state, (R, nc, L, 1) with L = 1 or F → (R, nc, L) contiguous."""
+    return None if last is None else last.reshape(rows, chunks, -1).contiguous()
+
+
+def state_sweep(state: torch.Tensor, w_k: torch.Tensor, written: torch.Tensor, k_out: torch.Tensor,
+                last: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
+    """:func:`linattn.kinds.delta.forms._state_sweep` on the kernel (the same arguments, effects and result: U over
+    ``written`` in place, the entering states into ``states``, the final state returned), or that function where
+    the kernels do not take the call. Used with gradients too: the chunked forms' autograd Functions call it."""
+    kernels = _sweepable(written, state, w_k, k_out, last, states)
+    if kernels is None or not (written.is_contiguous() and states.is_contiguous()):
+        return _state_sweep(state, w_k, written, k_out, last, states)
+    rows, chunks = w_k.shape[0], w_k.shape[1]
+    final = state.clone(memory_format=torch.contiguous_format)
+    kernels.delta_state_sweep(final, w_k.contiguous(), written, k_out.contiguous(), _last_rows(last, rows, chunks),
+                              states)
+    return final
+
+
+def adjoint_sweep(bq: torch.Tensor, k_out: torch.Tensor, w_k: torch.Tensor, p_do: torch.Tensor, d_o: torch.Tensor,
+                  last: torch.Tensor | None, d_final: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`linattn.kinds.delta.forms.adjoint_sweep` on the kernel (the same arguments and results: the adjoint of
+    the state leaving each chunk, dU, the adjoint of the state entering the first chunk), or that function where the
+    kernels do not take the call."""
+    kernels = _sweepable(p_do, bq, k_out, w_k, d_o, last, d_final)
+    if kernels is None:
+        return _adjoint_sweep(bq, k_out, w_k, p_do, d_o, last, d_final)
+    lead = bq.dim() - 2
+    chunked = [_batch_rows(x, lead).contiguous() for x in (bq, k_out, w_k, d_o)]
+    d_written = _batch_rows(p_do, lead)
+    d_written = d_written if d_written.is_contiguous() else d_written.contiguous()
+    rows, chunks, features, dv = d_written.shape[0], d_written.shape[1], w_k.shape[-1], p_do.shape[-1]
+    d_state = d_final.reshape(-1, features, dv).clone(memory_format=torch.contiguous_format)
+    d_leaving = p_do.new_empty(rows, chunks, features, dv)
+    kernels.delta_adjoint_sweep(*chunked[:3], d_written, chunked[3], _last_rows(last, rows, chunks), d_state,
+                                d_leaving)
+    return (d_leaving.view(*bq.shape[:-2], features, dv), d_written.view(p_do.shape),
+            d_state.view(d_final.shape))
+
+
+SWEEPS = Sweeps(state_sweep, adjoint_sweep)  # the chunked delta family's loops over the chunks, in C++

@@ -24,7 +24,7 @@ import torch
 from ...features import scale_between, unit_rows
 from ...kinds.additive.forms.chunked import causal_chunked_attention
 from ...kinds.additive.forms.recurrent import recurrent_attention
-from ...kinds.delta.forms import delta_chunked, delta_recurrent
+from ...kinds.delta.forms import Sweeps, delta_chunked, delta_recurrent
 from ...kinds.gated.forms import gated_chunked_attention, gated_recurrent_attention
 from ...kinds.kda.forms import kda_chunked, kda_recurrent
 from ...state import DeltaRuleState, LinearAttentionState
@@ -48,7 +48,8 @@ class LinearPart:
     (:func:`linattn.backends.native.forms.sparse_delta_decide`'s arguments and results, None where it does not
     take them). ``read``: None, or a faster way (the native kernels) to the delta rule over a stream that is read:
     ``read(qf, kf, values, beta, log_gates, state)`` → (the read-outs, the state), or None where it does not take
-    them."""
+    them. ``sweeps``: the chunked forms' loops over the chunks (:class:`linattn.kinds.delta.forms.Sweeps`; None:
+    the torch ones)."""
 
     log_decay: torch.Tensor | None
     feature_gate: torch.Tensor | None
@@ -58,6 +59,7 @@ class LinearPart:
     carry: Callable[..., DeltaRuleState | None] | None = None
     decide: Callable[..., tuple[torch.Tensor, ...] | None] | None = None
     read: Callable[..., tuple[torch.Tensor, DeltaRuleState] | None] | None = None
+    sweeps: Sweeps | None = None
 
     @property
     def delta(self) -> bool:
@@ -234,14 +236,16 @@ def run_stream(part: LinearPart, pairs: Pairs, stream: Stream, qf: torch.Tensor 
             if found is not None:
                 return found[0].index_select(-2, (stream.read >= 0).nonzero().squeeze(-1)), found[1]
         if gate is not None:
-            run_kda = kda_recurrent if chunk_size is None else kda_chunked
-            extra = {} if chunk_size is None else {"chunk_size": chunk_size}
-            out, final = run_kda(queries, kf, values, beta=beta, log_gate=gate, state=state, **extra)
+            if chunk_size is None:
+                out, final = kda_recurrent(queries, kf, values, beta=beta, log_gate=gate, state=state)
+            else:
+                out, final = kda_chunked(queries, kf, values, beta=beta, log_gate=gate, state=state,
+                                         chunk_size=chunk_size, sweeps=part.sweeps)
         elif chunk_size is None:
             out, final = delta_recurrent(queries, kf, values, beta=beta, log_decay=decay, state=state)
         else:
             out, final = delta_chunked(queries, kf, values, beta=beta, log_decay=decay, state=state,
-                                       chunk_size=chunk_size)
+                                       chunk_size=chunk_size, sweeps=part.sweeps)
         linear: Linear = final
     else:
         assert isinstance(state, LinearAttentionState)

@@ -240,6 +240,7 @@ class _DeltaChunks(torch.autograd.Function):
         log_decay: torch.Tensor | None,
         initial: torch.Tensor | None,
         size: int,
+        sweeps: Sweeps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         qc, kc = _chunked(q, size), _chunked(k, size)
         gamma, left, right, b, last, k_decay = _gates(log_decay, size, q.dtype)
@@ -250,9 +251,9 @@ class _DeltaChunks(torch.autograd.Function):
         k_out = _row_scaled(kc, k_decay)  # K ⊙ Γ_C
         state = initial if initial is not None else q.new_zeros(*q.shape[:-2], k.shape[-1], v.shape[-1])
         states = q.new_empty(*qc.shape[:-2], k.shape[-1], v.shape[-1])  # the state entering each chunk
-        final = _state_sweep(state.reshape(-1, *state.shape[-2:]), _batch_rows(w_k, lead), _batch_rows(w_v, lead),
-                             _batch_rows(k_out, lead), _batch_rows(last, lead) if last is not None else None,
-                             _batch_rows(states, lead))
+        final = sweeps.forward(state.reshape(-1, *state.shape[-2:]), _batch_rows(w_k, lead), _batch_rows(w_v, lead),
+                               _batch_rows(k_out, lead), _batch_rows(last, lead) if last is not None else None,
+                               _batch_rows(states, lead))
         written = w_v  # U, written over W_v chunk by chunk (W_v is not needed after)
 
         def outputs(qc: torch.Tensor, kc: torch.Tensor, written: torch.Tensor, states: torch.Tensor,
@@ -263,7 +264,7 @@ class _DeltaChunks(torch.autograd.Function):
             return scores, out
 
         scores, out = _by_tiles(outputs, [qc, kc, written, states, gamma, left, right, b], lead)
-        ctx.size, ctx.has_initial = size, initial is not None
+        ctx.size, ctx.has_initial, ctx.sweep = size, initial is not None, sweeps.adjoint
         ctx.save_for_backward(q, k, v, beta, log_decay, states, w_k, written, inverse, scores)
         return out.flatten(-3, -2), final.view(state.shape)
 
@@ -272,8 +273,8 @@ class _DeltaChunks(torch.autograd.Function):
     def backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # a gradient broadcast from a sum arrives expanded (stride 0): made whole once, not in every product
         *grads, d_initial = chunk_backward(ctx.saved_tensors, d_out.contiguous(), d_final, ctx.size,
-                                           want_log=ctx.needs_input_grad[4], sweep=adjoint_sweep)
-        return (*grads, d_initial if ctx.has_initial else None, None)
+                                           want_log=ctx.needs_input_grad[4], sweep=ctx.sweep)
+        return (*grads, d_initial if ctx.has_initial else None, None, None)
 
 
 Sweep = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
@@ -306,6 +307,19 @@ def adjoint_sweep(
         kept = direct[:, c] + (d_state if last_rows is None else d_state * last_rows[:, c])
         d_state = torch.baddbmm(kept, w_rows[:, c].mT, d_u, alpha=-1)
     return d_leaving.view(*bq.shape[:-2], *d_leaving.shape[-2:]), p_do, d_state.view(d_final.shape)
+
+
+class Sweeps(NamedTuple):
+    """The two sequential sweeps of the chunked forms (the delta rule's and KDA's): ``forward`` with
+    :func:`_state_sweep`'s signature, ``adjoint`` with :func:`adjoint_sweep`'s. Everything else in those forms is
+    chunk-local; the sweeps are loops over the chunks, which a kernel can run faster (the native backend's,
+    :mod:`linattn.backends.native.forms`, given by the dispatch)."""
+
+    forward: Callable[..., torch.Tensor]
+    adjoint: Sweep
+
+
+TORCH_SWEEPS = Sweeps(_state_sweep, adjoint_sweep)
 
 
 def chunk_backward(
@@ -417,8 +431,10 @@ def delta_chunked(
     log_decay: torch.Tensor | None,
     state: DeltaRuleState | None,
     chunk_size: int,
+    sweeps: Sweeps | None = None,
 ) -> tuple[torch.Tensor, DeltaRuleState]:
-    """The chunkwise form (module docstring); tokens past a multiple of the chunk are padded with β = 0, a = 1."""
+    """The chunkwise form (module docstring); tokens past a multiple of the chunk are padded with β = 0, a = 1.
+    ``sweeps``: the loops over the chunks (:class:`Sweeps`; default the torch ones, :data:`TORCH_SWEEPS`)."""
     n = qf.shape[-2]
     size = max(1, min(chunk_size, n))
     pad = (-n) % size
@@ -427,7 +443,7 @@ def delta_chunked(
         beta = F.pad(beta, (0, pad))
         log_decay = F.pad(log_decay, (0, pad)) if log_decay is not None else None
     initial = state.kv if state is not None else None
-    out, final = _DeltaChunks.apply(qf, kf, v, beta, log_decay, initial, size)
+    out, final = _DeltaChunks.apply(qf, kf, v, beta, log_decay, initial, size, sweeps or TORCH_SWEEPS)
     seen = state.num_tokens if state is not None else 0
     return out[..., :n, :], DeltaRuleState(final, seen + n)
 

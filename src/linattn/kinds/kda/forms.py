@@ -46,7 +46,16 @@ import torch
 import torch.nn.functional as F
 
 from ...state import DeltaRuleState
-from ..delta.forms import Sweep, _batch_rows, _by_tiles, _chunked, _state_sweep, adjoint_sweep, compose_maps
+from ..delta.forms import (
+    TORCH_SWEEPS,
+    Sweep,
+    Sweeps,
+    _batch_rows,
+    _by_tiles,
+    _chunked,
+    adjoint_sweep,
+    compose_maps,
+)
 from ..gated.forms import GEMM_SPAN, SUB_CHUNK  # the same fp32 bound on a product's factors, and sub-chunk length
 
 
@@ -290,14 +299,15 @@ class _KdaChunks(torch.autograd.Function):
         log_gate: torch.Tensor,
         initial: torch.Tensor | None,
         size: int,
+        sweeps: Sweeps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         lead = q.dim() - 1  # the batch dimensions and the chunks'
         w_v, w_k, bq, k_out, last, scores, inverse = _by_tiles(_chunk_local, _chunk_inputs(q, k, v, beta, log_gate,
                                                                                             size), lead)
         state = initial if initial is not None else q.new_zeros(*q.shape[:-2], k.shape[-1], v.shape[-1])
         states = q.new_empty(*w_k.shape[:-2], k.shape[-1], v.shape[-1])  # the state entering each chunk
-        final = _state_sweep(state.reshape(-1, *state.shape[-2:]), _batch_rows(w_k, lead), _batch_rows(w_v, lead),
-                             _batch_rows(k_out, lead), _batch_rows(last, lead), _batch_rows(states, lead))
+        final = sweeps.forward(state.reshape(-1, *state.shape[-2:]), _batch_rows(w_k, lead), _batch_rows(w_v, lead),
+                               _batch_rows(k_out, lead), _batch_rows(last, lead), _batch_rows(states, lead))
         written = w_v  # U, written over W_v chunk by chunk
 
         def outputs(bq: torch.Tensor, scores: torch.Tensor, written: torch.Tensor, states: torch.Tensor
@@ -305,7 +315,7 @@ class _KdaChunks(torch.autograd.Function):
             return (torch.baddbmm(bq @ states, scores, written),)  # a tile: (chunks, C, ·)
 
         (out,) = _by_tiles(outputs, [bq, scores, written, states], lead)
-        ctx.size, ctx.has_initial = size, initial is not None
+        ctx.size, ctx.has_initial, ctx.sweep = size, initial is not None, sweeps.adjoint
         ctx.save_for_backward(q, k, v, beta, log_gate, states, w_k, written, bq, k_out, last, scores, inverse)
         return out.flatten(-3, -2), final.view(state.shape)
 
@@ -313,8 +323,8 @@ class _KdaChunks(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # a gradient from a sum arrives expanded: made whole once
-        *grads, d_state = chunk_backward(ctx.saved_tensors, d_out.contiguous(), d_final, ctx.size)
-        return (*grads, d_state if ctx.has_initial else None, None)
+        *grads, d_state = chunk_backward(ctx.saved_tensors, d_out.contiguous(), d_final, ctx.size, sweep=ctx.sweep)
+        return (*grads, d_state if ctx.has_initial else None, None, None)
 
 
 def chunk_backward(saved: tuple[torch.Tensor, ...], d_out: torch.Tensor, d_final: torch.Tensor, size: int, *,
@@ -354,9 +364,11 @@ def kda_chunked(
     log_gate: torch.Tensor,
     state: DeltaRuleState | None,
     chunk_size: int,
+    sweeps: Sweeps | None = None,
 ) -> tuple[torch.Tensor, DeltaRuleState]:
     """The chunkwise form (module docstring); tokens past a multiple of the chunk are padded with β = 0, g = 0.
-    log_gate (..., N, F) ≤ 0 in any float dtype (its cumulative sums are formed in fp64)."""
+    log_gate (..., N, F) ≤ 0 in any float dtype (its cumulative sums are formed in fp64). ``sweeps``: the loops
+    over the chunks (:class:`linattn.kinds.delta.forms.Sweeps`; default the torch ones)."""
     n = qf.shape[-2]
     size = max(1, min(chunk_size, n))
     pad = (-n) % size
@@ -364,7 +376,7 @@ def kda_chunked(
         qf, kf, v, log_gate = (F.pad(x, (0, 0, 0, pad)) for x in (qf, kf, v, log_gate))
         beta = F.pad(beta, (0, pad))
     initial = state.kv if state is not None else None
-    out, final = _KdaChunks.apply(qf, kf, v, beta, log_gate, initial, size)
+    out, final = _KdaChunks.apply(qf, kf, v, beta, log_gate, initial, size, sweeps or TORCH_SWEEPS)
     seen = state.num_tokens if state is not None else 0
     return out[..., :n, :], DeltaRuleState(final, seen + n)
 
