@@ -227,6 +227,33 @@ def test_a_chunks_decay_folded_or_formed(strength):
     assert rel_error(out32.double(), results[1][0]) < 1e-5
 
 
+@pytest.mark.parametrize("decay", [None, "mild", "strong"])
+def test_many_tiles_of_chunks_write_into_their_slices(monkeypatch, decay):
+    """The chunk-local work in tiles of 3 chunks (of 16 tokens; 2·3 rows × 5 chunks = 30 chunks: 10 tiles), each
+    tile after the first writing its results into its slice of the outputs: values, final state and every gradient
+    against the float64 recurrence, without a decay, with one folded into the products' rows, and with one formed."""
+    from linattn.kinds.delta import forms
+
+    monkeypatch.setattr(forms, "TILE_BYTES", 3 * 16 * 16 * 8)
+    q, k, v, beta, log_decay = inputs(n=75)
+    if decay == "strong":
+        log_decay = 40 * log_decay - 8
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, beta, log_decay)][: 4 if decay is None else 5]
+    weights = torch.randn(2, 3, 75, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    results = []
+    for run in ("chunked", "reference"):
+        gate = leaves[4] if decay is not None else None
+        if run == "chunked":
+            out, state = delta(*leaves[:4], log_gate=gate, form="chunked", chunk_size=16, return_state=True)
+            kv = state.kv
+        else:
+            out, kv = recurrence(*leaves[:4], log_decay=gate)
+        loss = (out * weights).sum() + kv.square().sum()
+        results.append((out.detach(), kv.detach(), *torch.autograd.grad(loss, leaves)))
+    for chunked, reference in zip(*results, strict=True):
+        assert (chunked - reference).abs().max() < 1e-9
+
+
 def test_half_precision_over_65536_tokens_stays_within_rounding():
     """Unit keys over 65,536 tokens in bf16 with β = 1 and no decay (the memory is never shrunk): finite, and
     within bf16's own rounding of the float64 result on the same (bf16-rounded) inputs."""

@@ -118,12 +118,13 @@ def _pair_gates(cum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _pair_products(x: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor | None, left: torch.Tensor | None,
-                   right: torch.Tensor | None) -> torch.Tensor:
+                   right: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x·yᵀ ⊙ Γ (..., C, C) for a tile of chunks (x, y (..., C, ·)), unmasked: Γ folded into the rows of x and y,
-    given, or absent (:class:`_Gates`)."""
+    given, or absent (:class:`_Gates`). Into ``out`` when given."""
     if left is not None:
-        return _row_scaled(x, left) @ _row_scaled(y, right).mT
-    return _scaled(x @ y.mT, gamma)
+        return torch.matmul(_row_scaled(x, left), _row_scaled(y, right).mT, out=out)
+    product = torch.matmul(x, y.mT, out=out)
+    return product if gamma is None else product.mul_(gamma)
 
 
 def _masks(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +141,11 @@ def _row_scaled(x: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
     return _scaled(x, factor.unsqueeze(-1) if factor is not None else None)
 
 
+def _row_scaled_into(x: torch.Tensor, factor: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_row_scaled` into ``out`` when a factor is given (without one, x itself: the caller made x there)."""
+    return x if factor is None else torch.mul(x, factor.unsqueeze(-1), out=out)
+
+
 def _add_product_(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """base += alpha·(a @ b) in place, in one batched call over any leading dimensions (shared by the three; base
     contiguous and not needed as it was). Returns base."""
@@ -154,11 +160,13 @@ def _chunked(x: torch.Tensor, size: int) -> torch.Tensor:
 TILE_BYTES = 1 << 21  # a tile's C×C tensors: small enough to stay in cache and to be reused by the allocator
 
 
-def _by_tiles(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Tensor | None], lead: int
-              ) -> tuple[torch.Tensor, ...]:
+def _by_tiles(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Tensor | None], lead: int, *,
+              into: bool = False) -> tuple[torch.Tensor, ...]:
     """``fn`` over tiles of chunks: every input (…, nc, ·) has ``lead`` dimensions up to and including the chunks',
     flattened into one; ``fn`` takes a tile of each (None stays None) and returns tensors with the tile first, which
-    are gathered into (…, nc, ·) outputs allocated once.
+    are gathered into (…, nc, ·) outputs allocated once. With ``into``, ``fn`` also takes ``out``: None for the
+    first tile, then the outputs' slices for its tile, into which it may write its results (a result that is its
+    slice is not copied: at N = 16,384 the copies of the delta rule's tiles cost tens of ms).
 
     Chunk-local work is independent from chunk to chunk. Done for all chunks at once, every step of it would make a
     tensor as large as the input (each streamed through memory, and freshly allocated: above glibc's 32 MiB mmap
@@ -169,17 +177,21 @@ def _by_tiles(fn: Callable[..., tuple[torch.Tensor, ...]], inputs: list[torch.Te
     per = max(1, TILE_BYTES // (first.element_size() * first.shape[-1] * first.shape[-2]))
     outputs: list[torch.Tensor] = []
     for begin in range(0, total, per):
-        part = fn(*(x[begin : begin + per] if x is not None else None for x in flat))
+        tile = [x[begin : begin + per] if x is not None else None for x in flat]
+        slots = tuple(out[begin : begin + per] for out in outputs)
+        part = fn(*tile, out=slots or None) if into else fn(*tile)
         if not outputs:
             outputs = [y.new_empty(total, *y.shape[1:]) for y in part]
-        for out, y in zip(outputs, part, strict=True):
-            out[begin : begin + per] = y
+            slots = tuple(out[begin : begin + per] for out in outputs)
+        for slot, y in zip(slots, part, strict=True):
+            if y.data_ptr() != slot.data_ptr():
+                slot.copy_(y)
     return tuple(out.view(*shape, *out.shape[1:]) for out in outputs)
 
 
 def _chunk_solution(
     kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, gamma: torch.Tensor | None, left: torch.Tensor | None,
-    right: torch.Tensor | None, b: torch.Tensor | None,
+    right: torch.Tensor | None, b: torch.Tensor | None, out: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Every chunk's local solution at once: W_v = T·diag(β)V (..., nc, C, Dv), W_k = T·diag(β·b)K (..., nc, C, F)
     and T = (I + A)⁻¹ (..., nc, C, C).
@@ -190,10 +202,16 @@ def _chunk_solution(
     strict = _masks(kc.shape[-2], kc.device)[1]
     system = _pair_products(kc * bc.unsqueeze(-1), kc, gamma, left, right).masked_fill_(~strict, 0)  # A
     eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device)
-    inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
-    w_v = inverse @ (vc * bc.unsqueeze(-1))
-    w_k = inverse @ (kc * _scaled(bc, b).unsqueeze(-1))
+    inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True,
+                                            out=_slot(out, 2))
+    w_v = torch.matmul(inverse, vc * bc.unsqueeze(-1), out=_slot(out, 0))
+    w_k = torch.matmul(inverse, kc * _scaled(bc, b).unsqueeze(-1), out=_slot(out, 1))
     return w_v, w_k, inverse
+
+
+def _slot(out: tuple[torch.Tensor, ...] | None, index: int) -> torch.Tensor | None:
+    """A tile's output slice to write result ``index`` into (:func:`_by_tiles` with ``into``), or None."""
+    return out[index] if out is not None else None
 
 
 def _batch_rows(x: torch.Tensor, lead: int) -> torch.Tensor:
@@ -247,7 +265,7 @@ class _DeltaChunks(torch.autograd.Function):
         lower, _ = _masks(size, q.device)
         lead = q.dim() - 1  # the batch dimensions and the chunks'
         w_v, w_k, inverse = _by_tiles(_chunk_solution, [kc, _chunked(v, size), beta.unflatten(-1, (-1, size)),
-                                                        gamma, left, right, b], lead)
+                                                        gamma, left, right, b], lead, into=True)
         k_out = _row_scaled(kc, k_decay)  # K ⊙ Γ_C
         state = initial if initial is not None else q.new_zeros(*q.shape[:-2], k.shape[-1], v.shape[-1])
         states = q.new_empty(*qc.shape[:-2], k.shape[-1], v.shape[-1])  # the state entering each chunk
@@ -258,12 +276,12 @@ class _DeltaChunks(torch.autograd.Function):
 
         def outputs(qc: torch.Tensor, kc: torch.Tensor, written: torch.Tensor, states: torch.Tensor,
                     gamma: torch.Tensor | None, left: torch.Tensor | None, right: torch.Tensor | None,
-                    b: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-            scores = _pair_products(qc, kc, gamma, left, right).masked_fill_(~lower, 0)  # P
-            out = _add_product_(_row_scaled(qc, b) @ states, scores, written)
-            return scores, out
+                    b: torch.Tensor | None, out: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+            scores = _pair_products(qc, kc, gamma, left, right, _slot(out, 0)).masked_fill_(~lower, 0)  # P
+            read = _add_product_(torch.matmul(_row_scaled(qc, b), states, out=_slot(out, 1)), scores, written)
+            return scores, read
 
-        scores, out = _by_tiles(outputs, [qc, kc, written, states, gamma, left, right, b], lead)
+        scores, out = _by_tiles(outputs, [qc, kc, written, states, gamma, left, right, b], lead, into=True)
         ctx.size, ctx.has_initial, ctx.sweep = size, initial is not None, sweeps.adjoint
         ctx.save_for_backward(q, k, v, beta, log_decay, states, w_k, written, inverse, scores)
         return out.flatten(-3, -2), final.view(state.shape)
@@ -360,11 +378,14 @@ def chunk_backward(
               states: torch.Tensor, written: torch.Tensor, d_written: torch.Tensor, d_leaving: torch.Tensor,
               k_out: torch.Tensor, scores: torch.Tensor, inverse: torch.Tensor | None, gamma: torch.Tensor | None,
               left: torch.Tensor | None, right: torch.Tensor | None, b: torch.Tensor | None,
-              k_decay: torch.Tensor | None, last: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        """The chunk-local gradients of a tile of chunks, from the adjoints of their output states."""
+              k_decay: torch.Tensor | None, last: torch.Tensor | None, out: tuple[torch.Tensor, ...] | None = None
+              ) -> tuple[torch.Tensor, ...]:
+        """The chunk-local gradients of a tile of chunks, from the adjoints of their output states (dq, dk and dv
+        into ``out``'s slices when given)."""
         d_scores = (d_o @ written.mT).masked_fill_(~lower, 0)  # dP
-        d_bq = d_o @ states.mT
-        d_kout = written @ d_leaving.mT
+        # without a decay dq starts as d_bq and dk as d_kout (added to in place): made in their slices
+        d_bq = torch.matmul(d_o, states.mT, out=_slot(out, 0) if b is None else None)
+        d_kout = torch.matmul(written, d_leaving.mT, out=_slot(out, 1) if k_decay is None else None)
         system = None
         if inverse is None or want:
             system = _pair_products(kc * bc.unsqueeze(-1), kc, gamma, left, right).masked_fill_(~strict, 0)
@@ -385,19 +406,20 @@ def chunk_backward(
         if left is None:
             gated_scores = _scaled(d_scores, gamma)  # dP ⊙ Γ
             weighted = _scaled(d_system, gamma)  # dA ⊙ Γ
-            dq = _add_product_(_row_scaled(d_bq, b), gated_scores, kc)
+            dq = _add_product_(_row_scaled_into(d_bq, b, _slot(out, 0)), gated_scores, kc)
             pulled = weighted @ kc
-            dk = _add_product_(_row_scaled(d_kout, k_decay), gated_scores.mT, qc)
+            dk = _add_product_(_row_scaled_into(d_kout, k_decay, _slot(out, 1)), gated_scores.mT, qc)
             dk = _add_product_(dk, weighted.mT, kc * bc.unsqueeze(-1))
         else:  # Γ_tj = left_t·right_j: into the rows of the operands and the results
             assert right is not None and b is not None
             k_right = _row_scaled(kc, right)
-            dq = (d_scores @ k_right).mul_(left.unsqueeze(-1)).addcmul_(d_bq, b.unsqueeze(-1))
+            dq = torch.matmul(d_scores, k_right, out=_slot(out, 0)).mul_(left.unsqueeze(-1))
+            dq.addcmul_(d_bq, b.unsqueeze(-1))
             pulled = (d_system @ k_right).mul_(left.unsqueeze(-1))
             into_k = _add_product_(d_scores.mT @ _row_scaled(qc, left), d_system.mT, kc * (bc * left).unsqueeze(-1))
-            dk = _row_scaled(d_kout, k_decay).addcmul_(into_k, right.unsqueeze(-1))
+            dk = _row_scaled_into(d_kout, k_decay, _slot(out, 1)).addcmul_(into_k, right.unsqueeze(-1))
         dk.addcmul_(rows.unsqueeze(-1), d_rk).addcmul_(bc.unsqueeze(-1), pulled)
-        d_v = bc.unsqueeze(-1) * d_rv
+        d_v = torch.mul(bc.unsqueeze(-1), d_rv, out=_slot(out, 2))
         d_rows = (kc * d_rk).sum(-1)
         d_beta = (vc * d_rv).sum(-1) + (kc * pulled).sum(-1) + _scaled(d_rows, b)
 
@@ -416,7 +438,7 @@ def chunk_backward(
         return dq, dk, d_v, d_beta
 
     grads = _by_tiles(local, [qc, kc, vc, bc, d_o, states, written, d_written, d_leaving, k_out, scores, inverse,
-                              gamma, left, right, b, k_decay, last], q.dim() - 1)
+                              gamma, left, right, b, k_decay, last], q.dim() - 1, into=True)
     dq, dk, d_v, d_beta = grads[:4]
     d_log = grads[4].flatten(-2) if want else None
     return dq.flatten(-3, -2), dk.flatten(-3, -2), d_v.flatten(-3, -2), d_beta.flatten(-2), d_log, d_state
