@@ -304,3 +304,64 @@ def test_bad_cache_options_with_a_delta_student_are_refused(tiny, tmp_path, caps
         assert main(command(tiny, out, "--student", "gated-delta", *extra)) == 2
         assert message in capsys.readouterr().err
     assert not (out / "stages" / "plan.json").exists()
+
+
+@pytest.mark.slow  # ~15 s: two runs of the pipeline on the tiny model
+def test_a_run_continues_another_runs_student_with_other_copying_gaps(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """--init-from RUN: no fit and no split; the end-to-end stage starts from RUN's trained maps and gates, with RUN's
+    samples and cache sizes, trains with this run's options, and the folder is written and measured as usual."""
+    from safetensors.torch import load_file
+
+    from linattn.cli import main
+    from linattn.evaluate import lm_stages
+    from linattn.linearized import job as linearize_job
+    from linattn.linearized import students
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(command(tiny, first, "--student", "gated-delta", *RETRIEVAL)) == 0
+    done = json.loads((first / "stages" / "end_to_end.done").read_text())
+    trained_gates = students.load_stage_gates(first / "stages", done["gates"])
+    fits, started, real = [], {}, lm_stages.fit_end_to_end
+    monkeypatch.setattr(students, "fit_student", lambda *a, **k: fits.append(1))
+    monkeypatch.setattr(linearize_job, "cache_split", None)  # the split is RUN's, not scored again
+
+    def spy(model, *args, **kwargs):
+        modules = hf.attention_modules(model)
+        started["bias"] = modules[0].linattn_gates.beta_bias.detach().clone()
+        started["sizes"] = [size_of(getattr(module, hf.OPTIONS_ATTRIBUTE)["sparse_cache"]) for module in modules]
+        started["steps"] = kwargs.get("steps")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", spy)
+    assert main(command(tiny, second, "--student", "gated-delta", *RETRIEVAL, "--init-from", str(first),
+                        "--end-to-end-copy-gap", "40", "60")) == 0
+    assert not fits
+    assert torch.equal(started["bias"], trained_gates[0].beta_bias.detach())  # RUN's trained gates
+    assert started["sizes"] == expected_sizes(first, "retrieval")
+    for name in ("samples.json", "cache_sizes.json"):
+        assert (second / "stages" / name).read_bytes() == (first / "stages" / name).read_bytes()
+    fit = json.loads((second / "stages" / "fit.done").read_text())
+    assert fit["from"] == str(first) and fit["summary"].startswith(f"taken from the run in {first}")
+    taken, trained = (load_file(str(path)) for path in (second / "stages" / "fit.safetensors",
+                                                          first / "stages" / "end_to_end.safetensors"))
+    assert taken.keys() == trained.keys() and all(torch.equal(taken[key], trained[key]) for key in taken)
+    assert json.loads((second / "stages" / "end_to_end.done").read_text())["copy_gap"] == [40, 60]
+    assert (second / "linattn.json").is_file() and json.loads((second / "results.json").read_text())["rows"]
+
+
+def test_init_from_is_refused_where_it_cannot_continue(tiny, tmp_path, capsys):  # noqa: F811
+    from linattn.cli import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(command(tiny, tmp_path / "a", *RETRIEVAL, "--init-from", str(empty))) != 0
+    assert "holds no finished end-to-end stage" in capsys.readouterr().err
+    assert main(command(tiny, tmp_path / "b", *RETRIEVAL, "--init-from", str(empty), "--budget", "5")) != 0
+    assert "give --end-to-end-steps instead" in capsys.readouterr().err
+    stages = tmp_path / "other" / "stages"
+    stages.mkdir(parents=True)
+    (stages / "end_to_end.done").write_text("{}")
+    (stages / "plan.json").write_text(json.dumps({"options": {"model": str(tiny), "student": "gated-delta",
+                                                              "window": 16}}))
+    assert main(command(tiny, tmp_path / "c", *RETRIEVAL, "--init-from", str(tmp_path / "other"))) != 0
+    assert "was made with other" in capsys.readouterr().err

@@ -100,6 +100,10 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
         help="the copying sequences' gaps: a passage is repeated after LOW to HIGH other tokens (uniform draws); a "
         "student trained on gaps up to G is measured beyond G by the repeated passage at --repeat-gaps. Gaps longer "
         "than a sample join the next samples to it (held-out ones apart)")
+    add("--init-from", default=None, metavar="RUN", help="start from another finished run's trained student instead "
+        "of fitting one: RUN is the --out of a linearize run of the same model, student and exact part; its "
+        "end-to-end maps and gates, its samples and its cache split are taken, then trained --end-to-end-steps more "
+        "with this run's end-to-end options (other copying gaps, say) and measured. Not with --budget")
     add("--lora", type=int, default=0, help="train rank-R LoRA adapters of the attention projections in the "
         "end-to-end stage instead of the maps (fine-tuning: the card says so); 0: none")
     add("--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="passkey filler tokens")

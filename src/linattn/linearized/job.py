@@ -77,13 +77,18 @@ PROBE_TEXT, PROBE_SOURCE = "heldout_long", "the shipped long held-out text"  # t
 _PLANNED = ("model", "text", "heldout", "student", "window", "sinks", "fit_steps", "num_features", "fit_max_tokens",
             "fit_orders", "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "end_to_end_corpus_orders",
             "end_to_end_copy_gap", "lora", "sparse_cache",
-            "sparse_cache_heads", "sparse_cache_floor", "sparse_cache_top", "sparse_cache_linear_weight", "budget")
+            "sparse_cache_heads", "sparse_cache_floor", "sparse_cache_top", "sparse_cache_linear_weight", "budget",
+            "init_from")
+# what --init-from's run must share with this one (its student and exact part, the text its samples came from)
+_SHARED = ("model", "text", "student", "window", "sinks", "num_features", "end_to_end_samples", "end_to_end_tokens",
+           "sparse_cache", "sparse_cache_heads", "sparse_cache_floor", "sparse_cache_top",
+           "sparse_cache_linear_weight")
 # what a plan saved before an option existed meant
 _EARLIER_DEFAULTS = {"end_to_end_corpus_orders": 0, "end_to_end_copy_gap": list(COPY_GAP), "sparse_cache": 0,
                      "sparse_cache_heads": "uniform",
                      "sparse_cache_floor": None,
                      "sparse_cache_top": None,
-                     "sparse_cache_linear_weight": 1.0, "student": "hedgehog"}
+                     "sparse_cache_linear_weight": 1.0, "student": "hedgehog", "init_from": None}
 
 
 class Stages:
@@ -152,6 +157,10 @@ class Job:
         check_text_file(getattr(args, "probe_text", None), "--probe-text")
         if args.budget is not None and not args.budget > 0:
             raise LinearAttentionError(f"--budget: need minutes > 0, got {args.budget}")
+        args.init_from = getattr(args, "init_from", None)
+        if args.init_from is not None and args.budget is not None:
+            raise LinearAttentionError("--init-from with --budget: the budget plans a fit that --init-from skips; give "
+                                       "--end-to-end-steps instead")
         self.student = student(getattr(args, "student", "hedgehog"))
         # the student's own window and cache where the options leave them open (what is given is kept; all of it
         # is saved in the plan)
@@ -159,6 +168,7 @@ class Job:
         _check_cache_heads(args)
         # every option checked before the output folder is made and the model loaded
         _config(args, {"fit_steps": args.fit_steps, "end_to_end_steps": args.end_to_end_steps}, "")
+        self.source = _source_run(args) if args.init_from is not None else None
         self.gates: list[Any] | None = None  # a delta-rule student's KeyGates, one per layer
         self.args, self.folder = args, prepare_out(args.out)
         self.stages = Stages(self.folder, args.quiet)
@@ -259,6 +269,8 @@ class Job:
             self.stages.log("fit", "skipped (finished before)")
             self.gates = load_stage_gates(self.stages.folder, done.get("gates"))
             return load_feature_maps(str(self.stages.folder / "fit.safetensors"))
+        if self.source is not None:
+            return self._take_source(self.source)
         self._starting("fit")
         begin = time.perf_counter()
         caches = self._fit_caches()
@@ -281,6 +293,24 @@ class Job:
                                    "captured_tokens": tokens, "sparse_cache": caches is not None,
                                    "summary": f"Hedgehog maps fitted with the window{cache} in place, "
                                               f"{self.config.fit.steps} steps on {tokens} captured tokens"})
+        return fitted
+
+    def _take_source(self, source: Path) -> FittedFeatureMaps:
+        """--init-from: the source run's end-to-end maps and gates as this run's starting point (the fit stage's
+        checkpoint), with its samples and its cache split; a copy each, then the marker."""
+        stages, done = source / "stages", json.loads((source / "stages" / "end_to_end.done").read_text("utf-8"))
+        for name in ("samples.json", "cache_sizes.json"):
+            if (stages / name).is_file():
+                shutil.copyfile(stages / name, self.stages.folder / f".{name}.partial")
+                os.replace(self.stages.folder / f".{name}.partial", self.stages.folder / name)
+        fitted = load_feature_maps(str(stages / "end_to_end.safetensors"))
+        self.stages.save_maps(fitted, "fit")
+        entry = None
+        if done.get("gates") is not None:
+            self.gates = load_stage_gates(stages, done["gates"])
+            entry = save_stage_gates(self.gates, self.stages.folder, "fit")
+        self.stages.finish("fit", {"seconds": 0.0, "from": str(source), "gates": entry,
+                                   "summary": f"taken from the run in {source}: {done.get('summary', '')}"})
         return fitted
 
     def _fit_caches(self) -> SparseCache | list[SparseCache] | None:
@@ -444,6 +474,24 @@ class Job:
         write_card(result, str(self.folder))
         self.stages.finish("measure", {"seconds": time.perf_counter() - begin})
         return result
+
+
+def _source_run(args: argparse.Namespace) -> Path:
+    """--init-from's run folder, checked: a finished end-to-end stage, made with this run's student and exact part."""
+    source = Path(args.init_from)
+    done, plan = source / "stages" / "end_to_end.done", source / "stages" / "plan.json"
+    if not (done.is_file() and plan.is_file()):
+        raise LinearAttentionError(f"--init-from: {args.init_from!r} holds no finished end-to-end stage "
+                                   "(stages/end_to_end.done); pass the --out of a linearize run that trained end to "
+                                   "end")
+    if source.resolve() == Path(args.out).resolve():
+        raise LinearAttentionError("--init-from: the run's own --out; pass another folder to --out")
+    earlier = {**_EARLIER_DEFAULTS, **json.loads(plan.read_text("utf-8"))["options"]}
+    differ = sorted(name for name in _SHARED if earlier.get(name) != getattr(args, name))
+    if differ:
+        raise LinearAttentionError(f"--init-from: {args.init_from!r} was made with other {', '.join(differ)}; give "
+                                   "this run the same (its student, exact part and samples are taken as they are)")
+    return source
 
 
 def _cache_floor(args: argparse.Namespace) -> int:
