@@ -301,8 +301,7 @@ class Job:
         stages, done = source / "stages", json.loads((source / "stages" / "end_to_end.done").read_text("utf-8"))
         for name in ("samples.json", "cache_sizes.json"):
             if (stages / name).is_file():
-                shutil.copyfile(stages / name, self.stages.folder / f".{name}.partial")
-                os.replace(self.stages.folder / f".{name}.partial", self.stages.folder / name)
+                atomic_write(self.stages.folder / name, (stages / name).read_bytes())
         fitted = load_feature_maps(str(stages / "end_to_end.safetensors"))
         self.stages.save_maps(fitted, "fit")
         entry = None

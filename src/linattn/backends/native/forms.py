@@ -330,8 +330,7 @@ def adjoint_sweep(bq: torch.Tensor, k_out: torch.Tensor, w_k: torch.Tensor, p_do
         return _adjoint_sweep(bq, k_out, w_k, p_do, d_o, last, d_final)
     lead = bq.dim() - 2
     chunked = [_batch_rows(x, lead).contiguous() for x in (bq, k_out, w_k, d_o)]
-    d_written = _batch_rows(p_do, lead)
-    d_written = d_written if d_written.is_contiguous() else d_written.contiguous()
+    d_written = _batch_rows(p_do, lead).contiguous()  # p_do itself where it is contiguous: dU written over it
     rows, chunks, features, dv = d_written.shape[0], d_written.shape[1], w_k.shape[-1], p_do.shape[-1]
     d_state = d_final.reshape(-1, features, dv).clone(memory_format=torch.contiguous_format)
     d_leaving = p_do.new_empty(rows, chunks, features, dv)
