@@ -23,7 +23,8 @@ from test_linearized import TEXT, save_tiny_llama  # noqa: E402
 FAST = ["--fit-steps", "2", "--fit-max-tokens", "128", "--fit-orders", "1", "--end-to-end-steps", "3",
         "--end-to-end-samples", "4", "--end-to-end-tokens", "30", "--passkey-lengths", "40", "--passkey-trials", "2",
         "--repeat-trials", "1", "--passage-tokens", "12", "--gap-tokens", "40", "--window", "8", "--sinks", "1",
-        "--quiet", "--student", "hedgehog", "--sparse-cache", "0"]  # no cache unless a test gives one
+        "--quiet", "--student", "hedgehog", "--end-to-end-long-steps", "0",  # no long_gaps stage unless given
+        "--sparse-cache", "0"]  # no cache unless a test gives one
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +269,7 @@ def test_the_budget_caps_the_fit_at_fit_steps_and_counts_the_training_text(tiny,
     wanted = training_text_count(tokenizer, (tiny / "train.txt").read_text(), options)
     # with a split decided on the samples, the fit stage makes them (its estimate counts them)
     assert wanted >= 1 and seen == [{"end_to_end": True, "samples": 4, "most_fit": 12, "corpus": wanted,
-                                     "sample_first": bool(cache)}]
+                                     "sample_first": bool(cache), "long": False}]
 
 
 def test_a_disk_without_room_for_the_run_is_refused(tiny, tmp_path, monkeypatch, capsys):

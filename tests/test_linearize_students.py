@@ -145,8 +145,10 @@ def test_the_default_exact_part_is_split_trained_measured_beside_both_baselines_
     from test_linearize_job import FAST
 
     out = tmp_path / "default"
-    base = [arg for arg in command(tiny, out) if arg not in ("--sparse-cache", "0")]  # FAST's "no cache" dropped
-    assert len(base) == len(command(tiny, out)) - 2 and "--window" in base  # W = 8 as FAST says
+    full = command(tiny, out)
+    at = full.index("--sparse-cache")
+    base = full[:at] + full[at + 2:]  # FAST's "no cache" dropped
+    assert full[at + 1] == "0" and "--sparse-cache" not in base and "--window" in base  # W = 8 as FAST says
     assert main([*base, "--student", "gated-delta", "--end-to-end-tokens", "120"]) == 0
     plan = json.loads((out / "stages" / "plan.json").read_text())["options"]
     assert (plan["sparse_cache"], plan["sparse_cache_heads"], plan["sparse_cache_floor"],

@@ -22,6 +22,10 @@ CORPUS_ORDERS = 8
 # the same fit and samples trained 80 steps with gaps of 128-768 read a passage 1,536 / 3,072 tokens back at
 # 4.58 / 47.1, with 128-3,072 at 2.85 / 23.2 (plain text 38.90 / 38.58; 512 back 2.25 / 3.79): docs/linearize.md
 COPY_GAP_TOKENS = (128, 3072)
+# then the long gaps alone: on SmolLM2 with the default student, the default run (--budget 90) read a passage 3,072
+# tokens back at 24.43; 40 more steps on copies 2,048-3,072 apart, samples only, at 5.79 (1,536 back 2.86 -> 3.39,
+# perplexity 38.67 -> 38.70): docs/linearize.md, "Long gaps only, continuing the default run"
+LONG_GAP_TOKENS, LONG_GAP_STEPS = (2048, 3072), 40
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +60,8 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
     add("text", nargs="?", default=None, help="training text file (default: the shipped corpus)")
     add("--out", required=True, help="the folder to write (stages, maps, results, card); a rerun continues it")
     add("--budget", type=float, default=None, help="minutes: time a few steps of each stage, then choose the step "
-        "counts that fit (replaces --end-to-end-steps; --fit-steps becomes the most fitting steps, the rest of the "
+        "counts that fit (replaces --end-to-end-steps and --end-to-end-long-steps, where 0 still skips a stage; "
+        "--fit-steps becomes the most fitting steps, the rest of the "
         "training time going end to end) and as many samples as those steps use (up to --end-to-end-samples)")
     add("--heldout", default=None, help="held-out text file for the measuring stage (default: the shipped corpus)")
     add("--student", choices=STUDENT_NAMES, default=DEFAULT_STUDENT_NAME, help="what replaces each attention "
@@ -100,10 +105,17 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
         help="the copying sequences' gaps: a passage is repeated after LOW to HIGH other tokens (uniform draws); a "
         "student trained on gaps up to G is measured beyond G by the repeated passage at --repeat-gaps. Gaps longer "
         "than a sample join the next samples to it (held-out ones apart)")
+    add("--end-to-end-long-steps", type=int, default=None, metavar="N", help="then N more end-to-end steps on the "
+        "samples' copying sequences alone, their gaps drawn from --end-to-end-long-gap (the stage long_gaps: what "
+        "the first steps teach at every distance, these hold at the longest). Default: "
+        f"{LONG_GAP_STEPS}, or with --budget half the end-to-end time; 0 with --lora, where it is not taken. 0: none")
+    add("--end-to-end-long-gap", type=int, nargs=2, default=list(LONG_GAP_TOKENS), metavar=("LOW", "HIGH"),
+        help="the long_gaps stage's copying gaps (uniform draws)")
     add("--init-from", default=None, metavar="RUN", help="start from another finished run's trained student instead "
         "of fitting one: RUN is the --out of a linearize run of the same model, student and exact part; its "
-        "end-to-end maps and gates, its samples and its cache split are taken, then trained --end-to-end-steps more "
-        "with this run's end-to-end options (other copying gaps, say) and measured. Not with --budget")
+        "trained maps and gates (after its long_gaps stage, when it had one), its samples and its cache split are "
+        "taken, then trained --end-to-end-steps and --end-to-end-long-steps more with this run's end-to-end options "
+        "(other copying gaps, say) and measured. Not with --budget")
     add("--lora", type=int, default=0, help="train rank-R LoRA adapters of the attention projections in the "
         "end-to-end stage instead of the maps (fine-tuning: the card says so); 0: none")
     add("--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="passkey filler tokens")

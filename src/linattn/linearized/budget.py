@@ -14,19 +14,19 @@ are counted: N pairs for every head, or with ``--sparse-cache-heads retrieval`` 
 (the run's own split, decided later on its samples, gives its heads other budgets; a layer's largest budget sets
 the training form's slots, so a split costs more than a uniform cache of as many pairs).
 
-Sampling is timed as 8 tokens generated for one batch of short prompts, plus what a token costs more at the end of
-a sample than at its start: one decoding step of the batch after a prompt as long as a whole sample, against one
-after a short prompt (the softmax cache is read and copied whole at every step, so a step's cost grows with the
-length; on SmolLM2 a batch of 8 steps at 1,552 tokens costs 2.3 times one at 16). A sample's tokens cost the mean
-of the two.
+Sampling is timed as 8 tokens generated for one batch of short prompts into a cache as long as a whole sample
+(:func:`~linattn.train.end_to_end.sample_texts` allocates it once, and every step attends over all of it, so a
+step costs the same at any position).
 
 What remains of 80 % of the budget (a shared machine's load changes during a run) after the fixed costs goes 40 % to
 fitting steps, but no more than ``--fit-steps`` of them, and the rest to end-to-end steps: the end-to-end stage is
 where a student learns to recall, and on SmolLM2 a fit of 1,332 steps left its held-out KL still falling fast
 after 22 end-to-end steps, where the shipped folder had 48 fitting and 180 end-to-end steps. Without an end-to-end
-stage, everything goes to the fit. The number of samples is the least (in whole batches, up to
+stage, everything goes to the fit. With a long_gaps stage (``--end-to-end-long-steps``), half of the end-to-end
+time goes to it, at its own step's cost. The number of samples is the least (in whole batches, up to
 ``--end-to-end-samples``) that gives the end-to-end steps one training sequence each, counting the training text's
-own sequences (``--end-to-end-corpus-orders``) among them: a sample the steps never reach costs its sampling and
+own sequences (``--end-to-end-corpus-orders``) among them (and the long_gaps steps one each of the samples' own):
+a sample the steps never reach costs its sampling and
 buys nothing, and its time goes to steps instead. A budget that leaves fewer than :data:`MIN_FIT_STEPS` /
 :data:`MIN_END_TO_END_STEPS` is refused, naming the least that would do.
 """
@@ -54,11 +54,17 @@ from .students import STUDENT_LR, STUDENTS, Student, attention_options, new_stud
 MIN_FIT_STEPS, MIN_END_TO_END_STEPS = 10, 5
 MAX_STEPS = 2000  # a large budget on a small model: beyond this, more steps are not what is missing
 FIT_SHARE = 0.4
-EVAL_OVERHEAD = 1.3  # fit_end_to_end scores 2 held-out sequences every 5 steps: ~30 % more forward passes
+# fit_end_to_end scores 2 held-out sequences every 5 steps (~30 % more forward passes), but the step timed here
+# (the faster of two passes on one sequence of the mean length) already costs more than a training step does: on
+# SmolLM2 (--budget 90, 2 threads) calibration timed 15.6 s, and the 69 steps took 14.75 s each with their scoring
+EVAL_OVERHEAD = 1.0
 SAMPLING_BATCH = 8  # sample_texts' batch
 SAMPLING_PROMPT = 16  # tokens of the short prompts sampling is timed after
 FIT_PROBE_STEPS = 8  # fitting steps timed (beyond a first one)
 SAFETY = 0.8  # the share of the budget planned: the machine's load varies while the run goes on
+# the long_gaps stage's share of the end-to-end time: on SmolLM2 the recipe measured gave the first stage 1,018 s
+# (69 steps) and the long gaps 1,046 s (40 steps): docs/linearize.md, "Long gaps only, continuing the default run"
+LONG_SHARE = 0.5
 
 
 def _timed(action: Any, repeats: int = 1) -> tuple[float, Any]:
@@ -79,25 +85,6 @@ def _probe_tokens(config: LMCompareConfig, heldout_tokens: int, repeat_gaps: tup
                                                                                     *repeat_gaps))
     keys = probes.passkey_trials * sum(length + 64 for length in probes.passkey_lengths)
     return heldout_tokens + repeats + keys
-
-
-def _decode_step(model: Any, ids: torch.Tensor, batch: int) -> float:
-    """Seconds of one decoding step of ``batch`` rows after the prompt ``ids`` (1, L): the prompt's cache is made
-    once and repeated for the batch (a prefill of the whole batch would cost ``batch`` times more to time)."""
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-        cache = out.cache
-        if hasattr(cache, "batch_repeat_interleave"):
-            cache.batch_repeat_interleave(batch)
-        else:  # a cache without it: the batch's own prefill
-            cache = model(input_ids=ids.expand(batch, -1), use_cache=True).cache
-        token = ids[:, -1:].expand(batch, 1)
-        best = float("inf")
-        for _ in range(3):  # the cache grows by one token per step: the same length, near enough
-            begin = time.perf_counter()
-            model(input_ids=token, cache=cache, use_cache=True)
-            best = min(best, time.perf_counter() - begin)
-    return best
 
 
 def calibration_cache(config: LMCompareConfig, split: list[Any] | None = None) -> Any:
@@ -136,9 +123,11 @@ def _fitter(model: Any, name: str, capture: Any, config: LMCompareConfig, chosen
 
 def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
               config: LMCompareConfig, chosen: Student | None = None, repeat_gaps: tuple[int, ...] = (),
-              split: list[Any] | None = None) -> dict[str, float]:
+              split: list[Any] | None = None, long_gap: tuple[int, int] | None = None) -> dict[str, float]:
     """Seconds: ``fit_fixed`` (capture), ``fit_step``, ``end_to_end_step``, ``sampling_batch`` (one batch of
     :data:`SAMPLING_BATCH` samples), ``measure`` (the rows), and ``calibration`` (what measuring these took);
+    with ``long_gap`` (the long_gaps stage's copying gaps), ``long_step`` too: a step of that stage, timed as the
+    end-to-end step is at the mean length of its sequences (a sample, a copy with the longer gap);
     for the student ``chosen`` (default: the Hedgehog hybrid): its own fit and its own end-to-end step; with the
     cache ``split`` (one per layer) in place when given, else ``--sparse-cache``'s uniform one
     (:func:`calibration_cache`)."""
@@ -160,11 +149,15 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
     # their mean length (a step's cost grows with its tokens; a copy can be longer than a sample)
     step = round((length + min(mean_copy_length(config.end_to_end.copy_gap), limit)) / 2)
     step = step if config.end_to_end.copies else length
-    ids = torch.randint(0, int(model.config.vocab_size), (1, max(length, step)))
-    step_ids = ids[:, :step]
+    lengths = {"end_to_end_step": step}
+    if long_gap is not None:
+        lengths["long_step"] = round((length + min(mean_copy_length(long_gap), limit)) / 2)
+    ids = torch.randint(0, int(model.config.vocab_size), (1, max(length, *lengths.values())))
     model.set_attn_implementation("sdpa")
+    teacher = {}
     with torch.no_grad():
-        teacher, _ = _timed(lambda: model(input_ids=step_ids), repeats=2)
+        for key, tokens in lengths.items():
+            teacher[key], _ = _timed(lambda tokens=tokens: model(input_ids=ids[:, :tokens]), repeats=2)
     placed = config.end_to_end.cache_options if split is None else {"sparse_cache": split}
     hf.linearize(model, maps, gates=gates, **placed, **attention_options(chosen))
     flags = [(param, param.requires_grad) for param in model.parameters()]
@@ -172,9 +165,12 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
         param.requires_grad_(False)
     for module in [*maps.maps, *(gates or [])]:  # and the gates
         module.requires_grad_(True)
+    steps = {}
     try:  # twice: a first backward pass pays one-time set-up (SmolLM2, 1,552 tokens: 13.3 s, then 11.4 s)
-        student, _ = _timed(lambda: model(input_ids=step_ids).logits.float().logsumexp(-1).mean().backward(),
-                            repeats=2)
+        for key, tokens in lengths.items():
+            student, _ = _timed(lambda tokens=tokens: model(input_ids=ids[:, :tokens]).logits.float().logsumexp(-1)
+                                .mean().backward(), repeats=2)
+            steps[key] = (teacher[key] + student) * EVAL_OVERHEAD
     finally:
         for param, flag in flags:
             param.requires_grad_(flag)
@@ -184,10 +180,11 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
     model.set_attn_implementation("sdpa")
     batch = min(SAMPLING_BATCH, config.end_to_end.samples)
     prompt = torch.randint(0, int(model.config.vocab_size), (batch, SAMPLING_PROMPT))
-    with torch.no_grad():
+    with torch.no_grad():  # as sample_texts generates: a static cache, here as long as a whole sample's
         eight, _ = _timed(lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
-                                                 min_new_tokens=8, do_sample=False, pad_token_id=0))
-    growth = max(_decode_step(model, ids, batch) - _decode_step(model, ids[:, :SAMPLING_PROMPT], batch), 0.0)
+                                                 min_new_tokens=8, do_sample=False, pad_token_id=0,
+                                                 cache_implementation="static",
+                                                 max_cache_len=SAMPLING_PROMPT + config.end_to_end.tokens))
     with torch.no_grad():
         forward, _ = _timed(lambda: model(input_ids=ids[:, :256]), repeats=2)
     heldout_tokens = len(tokenizer(heldout)["input_ids"])
@@ -195,9 +192,8 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
     # student with the cache's pairs in its window instead (timed as the linearized model)
     rows = 2 * forward + (2 if config.end_to_end.sparse_cache else 1) * linear
     measure = rows / min(256, length) * _probe_tokens(config, heldout_tokens, repeat_gaps)
-    return {"fit_fixed": capture_seconds + max(short - fit_step, 0.0), "fit_step": fit_step,
-            "end_to_end_step": (teacher + student) * EVAL_OVERHEAD,
-            "sampling_batch": (eight / 8 + growth / 2) * config.end_to_end.tokens, "measure": measure,
+    return {"fit_fixed": capture_seconds + max(short - fit_step, 0.0), "fit_step": fit_step, **steps,
+            "sampling_batch": eight / 8 * config.end_to_end.tokens, "measure": measure,
             "calibration": time.perf_counter() - begin}
 
 
@@ -214,56 +210,73 @@ def _sample_counts(most: int) -> list[int]:
     return [count for count in counts if count > HELD_OUT_SAMPLES]
 
 
-def _steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int, most_fit: int
-           ) -> tuple[float, float, int, int]:
-    """The fixed seconds, the sampling's share of them, and the fitting and end-to-end steps that fit, with
-    ``samples`` samples and at most ``most_fit`` fitting steps when an end-to-end stage follows."""
+def _steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int, most_fit: int,
+           long: bool = False) -> tuple[float, float, int, int, int]:
+    """The fixed seconds, the sampling's share of them, and the fitting, end-to-end and long_gaps steps that fit,
+    with ``samples`` samples and at most ``most_fit`` fitting steps when an end-to-end stage follows; with
+    ``long``, the long_gaps stage gets :data:`LONG_SHARE` of the end-to-end time."""
     sampling = costs["sampling_batch"] * math.ceil(samples / SAMPLING_BATCH) if end_to_end else 0.0
     fixed = costs["calibration"] + costs["fit_fixed"] + costs["measure"] + sampling
     left = budget_minutes * 60 * SAFETY - fixed
     if left <= 0:
-        return fixed, sampling, 0, 0
+        return fixed, sampling, 0, 0, 0
     if not end_to_end:
-        return fixed, sampling, min(int(left / costs["fit_step"]), MAX_STEPS), 0
+        return fixed, sampling, min(int(left / costs["fit_step"]), MAX_STEPS), 0, 0
     fit_steps = min(int(left * FIT_SHARE / costs["fit_step"]), most_fit, MAX_STEPS)
-    e2e_steps = min(int((left - fit_steps * costs["fit_step"]) / costs["end_to_end_step"]), MAX_STEPS)
-    return fixed, sampling, fit_steps, e2e_steps
+    training = left - fit_steps * costs["fit_step"]
+    share = LONG_SHARE if long else 0.0
+    e2e_steps = min(int(training * (1 - share) / costs["end_to_end_step"]), MAX_STEPS)
+    long_steps = min(int(training * share / costs["long_step"]), MAX_STEPS) if long else 0
+    return fixed, sampling, fit_steps, e2e_steps, long_steps
 
 
 def plan_steps(budget_minutes: float, costs: dict[str, float], end_to_end: bool, samples: int = 32, *,
-               most_fit: int = MAX_STEPS, corpus: int = 0, sample_first: bool = False) -> dict[str, Any]:
+               most_fit: int = MAX_STEPS, corpus: int = 0, sample_first: bool = False, long: bool = False
+               ) -> dict[str, Any]:
     """Fit and end-to-end step counts and the number of samples (at most ``samples``) that fit ``budget_minutes``
     given ``costs`` (:func:`calibrate`), and the estimated seconds of each stage; refuses a budget too small for
     the least useful run. With an end-to-end stage, the fit gets 40 % of the training time but at most
     ``most_fit`` steps (``--fit-steps``), and the end-to-end stage the rest; ``corpus`` training sequences come
     from the training text (no sampling needed for them). ``sample_first``: the sampling is counted in the fit's
-    estimate (it runs there when a split across heads is decided on the samples before the fit)."""
+    estimate (it runs there when a split across heads is decided on the samples before the fit). ``long``: a
+    long_gaps stage follows the end-to-end stage, with :data:`LONG_SHARE` of its time (``costs["long_step"]``), on
+    the samples' copies alone."""
     counts = _sample_counts(samples) if end_to_end else [0]
     if not counts:
         raise LinearAttentionError(f"--end-to-end-samples: need more than {HELD_OUT_SAMPLES}, got {samples}")
     if most_fit < MIN_FIT_STEPS:
         raise LinearAttentionError(f"--fit-steps: with --budget, need at least {MIN_FIT_STEPS}, got {most_fit}")
-    plans = [(count, _steps(budget_minutes, costs, end_to_end, count, most_fit)) for count in counts]
-    # the fewest samples that give every end-to-end step its own sequence, else as many as allowed
-    chosen, (fixed, sampling, fit_steps, e2e_steps) = next(
-        (plan for plan in plans if training_sequences_of(plan[0], corpus) >= plan[1][3]), plans[-1])
+    long = long and end_to_end
+    plans = [(count, _steps(budget_minutes, costs, end_to_end, count, most_fit, long)) for count in counts]
+    # the fewest samples that give every end-to-end step its own sequence (the long_gaps stage's, of the samples
+    # alone), else as many as allowed
+    chosen, (fixed, sampling, fit_steps, e2e_steps, long_steps) = next(
+        (plan for plan in plans if training_sequences_of(plan[0], corpus) >= plan[1][3]
+         and training_sequences_of(plan[0]) >= plan[1][4]), plans[-1])
     share = FIT_SHARE if end_to_end else 1.0
-    if fit_steps < MIN_FIT_STEPS or (end_to_end and e2e_steps < MIN_END_TO_END_STEPS):
+    if (fit_steps < MIN_FIT_STEPS or (end_to_end and e2e_steps < MIN_END_TO_END_STEPS)
+            or (long and long_steps < MIN_END_TO_END_STEPS)):
         least = fixed + MIN_FIT_STEPS * costs["fit_step"] / share
         if end_to_end:
-            least = max(least, fixed + MIN_END_TO_END_STEPS * costs["end_to_end_step"] / (1 - share))
+            part = 1 - LONG_SHARE if long else 1.0
+            least = max(least, fixed + MIN_END_TO_END_STEPS * costs["end_to_end_step"] / (1 - share) / part)
+        if long:
+            least = max(least, fixed + MIN_END_TO_END_STEPS * costs["long_step"] / (1 - share) / LONG_SHARE)
+        longs = (f", {max(long_steps, 0)} long_gaps steps ({costs['long_step']:.2f} s each)" if long else "")
         raise LinearAttentionError(
             f"--budget: {budget_minutes:g} min leave room for {max(fit_steps, 0)} fitting and {max(e2e_steps, 0)} "
-            f"end-to-end steps here (fixed costs {fixed / 60:.1f} min: capture, sampling, measuring; a fitting step "
-            f"{costs['fit_step']:.2f} s, an end-to-end step {costs['end_to_end_step']:.2f} s); at least "
-            f"{MIN_FIT_STEPS} and {MIN_END_TO_END_STEPS} are needed: pass --budget {math.ceil(least / SAFETY / 60)} or "
-            "more"
-            + ("" if not end_to_end else ", or --end-to-end-steps 0 to skip that stage")
+            f"end-to-end steps{longs} here (fixed costs {fixed / 60:.1f} min: capture, sampling, measuring; a fitting "
+            f"step {costs['fit_step']:.2f} s, an end-to-end step {costs['end_to_end_step']:.2f} s); at least "
+            f"{MIN_FIT_STEPS} and {MIN_END_TO_END_STEPS} of each are needed: pass --budget "
+            f"{math.ceil(least / SAFETY / 60)} or more"
+            + ("" if not long else ", or --end-to-end-long-steps 0 to skip the long_gaps stage")
+            + ("" if not end_to_end else ", or --end-to-end-steps 0 to skip the end-to-end stage")
         )
     # with a split decided on the samples (--sparse-cache-heads retrieval), the fit stage samples them first
     first = sampling if sample_first else 0.0
     estimates = {"fit": first + costs["fit_fixed"] + fit_steps * costs["fit_step"],
                  "end_to_end": (sampling - first + e2e_steps * costs["end_to_end_step"]) if end_to_end else 0.0,
+                 **({"long_gaps": long_steps * costs["long_step"]} if long else {}),
                  "measure": costs["measure"]}
-    return {"fit_steps": fit_steps, "end_to_end_steps": e2e_steps, "end_to_end_samples": chosen,
-            "estimates": estimates, "costs": costs}
+    return {"fit_steps": fit_steps, "end_to_end_steps": e2e_steps, "end_to_end_long_steps": long_steps,
+            "end_to_end_samples": chosen, "estimates": estimates, "costs": costs}

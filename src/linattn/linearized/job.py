@@ -9,7 +9,9 @@ Stages, each reusing the comparison's own (:mod:`~linattn.evaluate.lm_stages`):
 2. ``end_to_end``: text sampled from the model itself (and copying sequences built from it), then the maps (and a
    delta-rule student's gates; or, with ``--lora R``, rank-R adapters) trained on the KL to the original's
    next-token distribution, with the same exact part in place;
-3. ``measure``: the original, the softmax window of equal memory and the linearized model scored (perplexity,
+3. ``long_gaps``: with ``--end-to-end-long-steps``, the same training continued on the samples' copying
+   sequences alone, with the longer gaps of ``--end-to-end-long-gap``;
+4. ``measure``: the original, the softmax window of equal memory and the linearized model scored (perplexity,
    repeated passage, passkey; perplexity by position), then the folder and its card written.
 
 Each stage writes its checkpoint under ``DIR/stages/`` through a temporary name and a rename, then a marker
@@ -59,6 +61,7 @@ from ..evaluate.window_softmax import use_window_softmax
 from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
 from ..state import SparseCache
 from ..train.end_to_end import COPY_GAP, cache_split
+from .arguments import LONG_GAP_STEPS, LONG_GAP_TOKENS
 from .card import WIDER_ROW, perplexity_by_position, write_card
 from .folder import atomic_write, check_disk, prepare_out, save_linearized
 from .students import (
@@ -70,13 +73,13 @@ from .students import (
     student,
 )
 
-STAGES = ("fit", "end_to_end", "measure")
+STAGES = ("fit", "end_to_end", "long_gaps", "measure")
 PROBE_TEXT, PROBE_SOURCE = "heldout_long", "the shipped long held-out text"  # the repeated passage at --repeat-gaps
 # what --out must have free, beyond the checkpoints' estimate: the card, the plot, the samples, a margin
 # options that change what a stage makes (a rerun must pass the same); --quiet and --budget's own value do not
 _PLANNED = ("model", "text", "heldout", "student", "window", "sinks", "fit_steps", "num_features", "fit_max_tokens",
             "fit_orders", "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "end_to_end_corpus_orders",
-            "end_to_end_copy_gap", "lora", "sparse_cache",
+            "end_to_end_copy_gap", "end_to_end_long_steps", "end_to_end_long_gap", "lora", "sparse_cache",
             "sparse_cache_heads", "sparse_cache_floor", "sparse_cache_top", "sparse_cache_linear_weight", "budget",
             "init_from")
 # what --init-from's run must share with this one (its student and exact part, the text its samples came from)
@@ -88,7 +91,8 @@ _EARLIER_DEFAULTS = {"end_to_end_corpus_orders": 0, "end_to_end_copy_gap": list(
                      "sparse_cache_heads": "uniform",
                      "sparse_cache_floor": None,
                      "sparse_cache_top": None,
-                     "sparse_cache_linear_weight": 1.0, "student": "hedgehog", "init_from": None}
+                     "sparse_cache_linear_weight": 1.0, "student": "hedgehog", "init_from": None,
+                     "end_to_end_long_steps": None, "end_to_end_long_gap": list(LONG_GAP_TOKENS)}
 
 
 class Stages:
@@ -122,6 +126,31 @@ class Stages:
         return path
 
 
+def _long_steps(args: argparse.Namespace) -> int:
+    """--end-to-end-long-steps as given, else its default: none with --lora (the adapters are not trained on)."""
+    given = getattr(args, "end_to_end_long_steps", None)
+    if given is not None:
+        if given < 0:
+            raise LinearAttentionError(f"--end-to-end-long-steps: need ≥ 0, got {given}")
+        if given and args.lora:
+            raise LinearAttentionError("--end-to-end-long-steps with --lora: the long_gaps stage trains the maps and "
+                                       "gates, not adapters; pass --end-to-end-long-steps 0")
+        return int(given)
+    return 0 if args.lora else LONG_GAP_STEPS
+
+
+def _long_options(options: EndToEndOptions, args: argparse.Namespace, plan: dict[str, Any]) -> EndToEndOptions | None:
+    """The long_gaps stage's end-to-end options: ``plan``'s step count (None or 0: no such stage), the copying
+    gaps of --end-to-end-long-gap, the samples alone."""
+    steps = plan.get("end_to_end_long_steps", 0)
+    gap = tuple(getattr(args, "end_to_end_long_gap", LONG_GAP_TOKENS))
+    try:
+        long = replace(options, steps=max(int(steps or 0), 0), copy_gap=gap, corpus_orders=0, lora_rank=0)
+    except LinearAttentionError as error:
+        raise LinearAttentionError(str(error).replace("--end-to-end-copy-gap", "--end-to-end-long-gap")) from error
+    return long if long.steps else None
+
+
 def _config(args: argparse.Namespace, plan: dict[str, Any], samples_file: str) -> LMCompareConfig:
     """The pipeline's settings: the options given, with the step counts and the number of samples of ``plan``."""
     fit_steps, end_to_end_steps = plan["fit_steps"], plan["end_to_end_steps"]
@@ -138,6 +167,7 @@ def _config(args: argparse.Namespace, plan: dict[str, Any], samples_file: str) -
         train_other_heads=False,
         sparse_cache=args.sparse_cache, cache_linear_weight=args.sparse_cache_linear_weight,
         copy_gap=tuple(args.end_to_end_copy_gap))
+    _long_options(end_to_end, args, plan)  # checked with the rest
     return LMCompareConfig(model=args.model, text=args.text, heldout=args.heldout, out=args.out,
                            maps=("hedgehog+window",), window=args.window, sinks=args.sinks, max_tokens=0,
                            metrics=False, baselines=True, quiet=args.quiet, probes=probes, fit=fit,
@@ -167,7 +197,8 @@ class Job:
         self.default_top = resolve_exact_part(args, self.student)
         _check_cache_heads(args)
         # every option checked before the output folder is made and the model loaded
-        _config(args, {"fit_steps": args.fit_steps, "end_to_end_steps": args.end_to_end_steps}, "")
+        _config(args, {"fit_steps": args.fit_steps, "end_to_end_steps": args.end_to_end_steps,
+                       "end_to_end_long_steps": _long_steps(args)}, "")
         self.source = _source_run(args) if args.init_from is not None else None
         self.gates: list[Any] | None = None  # a delta-rule student's KeyGates, one per layer
         self.args, self.folder = args, prepare_out(args.out)
@@ -179,6 +210,7 @@ class Job:
         self.probe_text = read_text(getattr(args, "probe_text", None), PROBE_TEXT)
         self.plan = saved if saved is not None else self._new_plan()
         self.config = _config(args, self.plan, str(self.folder / "stages" / "samples.json"))
+        self.long = _long_options(self.config.end_to_end, args, self.plan)
 
     def _options(self) -> dict[str, Any]:
         return {name: getattr(self.args, name) for name in _PLANNED}
@@ -202,17 +234,20 @@ class Job:
     def _new_plan(self) -> dict[str, Any]:
         """The step counts (chosen by --budget, or given), kept in ``stages/plan.json`` for reruns."""
         plan: dict[str, Any] = {"fit_steps": self.args.fit_steps, "end_to_end_steps": self.args.end_to_end_steps,
+                                "end_to_end_long_steps": _long_steps(self.args),
                                 "end_to_end_samples": self.args.end_to_end_samples, "estimates": {}}
         if self.args.budget is not None:
             from .budget import calibrate, plan_steps
 
             config = _config(self.args, plan, "")
+            long = _long_options(config.end_to_end, self.args, plan)
             costs = calibrate(self.model, self.tokenizer, self.name, self.train, self.heldout, config, self.student,
-                              tuple(getattr(self.args, "repeat_gaps", None) or ()), split=self._calibration_split())
+                              tuple(getattr(self.args, "repeat_gaps", None) or ()), split=self._calibration_split(),
+                              long_gap=None if long is None else long.copy_gap)
             plan = plan_steps(self.args.budget, costs, end_to_end=self.args.end_to_end_steps > 0,
                               samples=self.args.end_to_end_samples, most_fit=self.args.fit_steps,
                               corpus=training_text_count(self.tokenizer, self.train, config.end_to_end),
-                              sample_first=self._retrieval_split)
+                              sample_first=self._retrieval_split, long=long is not None)
         plan["options"] = self._options()
         _config(self.args, plan, "")  # options refused there leave no plan behind (a corrected rerun is not "other")
         atomic_write(self.folder / "stages" / "plan.json", json.dumps(plan, indent=2))
@@ -255,6 +290,8 @@ class Job:
             _update(bar)
             tuned, adapters = self.end_to_end(fitted)
             _update(bar)
+            tuned = self.long_gaps(tuned)
+            _update(bar)
             return self.measure(tuned, adapters)
         finally:
             if bar is not None:
@@ -296,13 +333,16 @@ class Job:
         return fitted
 
     def _take_source(self, source: Path) -> FittedFeatureMaps:
-        """--init-from: the source run's end-to-end maps and gates as this run's starting point (the fit stage's
-        checkpoint), with its samples and its cache split; a copy each, then the marker."""
-        stages, done = source / "stages", json.loads((source / "stages" / "end_to_end.done").read_text("utf-8"))
+        """--init-from: the source run's trained maps and gates (after its long_gaps stage, when it had one) as this
+        run's starting point (the fit stage's checkpoint), with its samples and its cache split; a copy each, then
+        the marker."""
+        stages = source / "stages"
+        last = "long_gaps" if (stages / "long_gaps.done").is_file() else "end_to_end"
+        done = json.loads((stages / f"{last}.done").read_text("utf-8"))
         for name in ("samples.json", "cache_sizes.json"):
             if (stages / name).is_file():
                 atomic_write(self.stages.folder / name, (stages / name).read_bytes())
-        fitted = load_feature_maps(str(stages / "end_to_end.safetensors"))
+        fitted = load_feature_maps(str(stages / f"{last}.safetensors"))
         self.stages.save_maps(fitted, "fit")
         entry = None
         if done.get("gates") is not None:
@@ -329,18 +369,31 @@ class Job:
         if not options.steps:
             self._ensure_split()  # the measured row has the split the fit had
             return fitted, None
+        return self._trained("end_to_end", fitted, options)
+
+    def long_gaps(self, tuned: FittedFeatureMaps) -> FittedFeatureMaps:
+        """With --end-to-end-long-steps: ``tuned`` trained on, on the samples' copies at --end-to-end-long-gap."""
+        if self.long is None:
+            return tuned
+        return self._trained("long_gaps", tuned, self.long)[0]
+
+    def _trained(self, name: str, fitted: FittedFeatureMaps, options: EndToEndOptions
+                 ) -> tuple[FittedFeatureMaps, Any]:
+        """The stage ``name`` (end_to_end or long_gaps): ``fitted`` and the gates trained end to end with
+        ``options``, or read back when the stage finished before; and the LoRA adapters, if trained."""
         adapters_folder = self.stages.folder / "lora"
-        if (done := self.stages.done("end_to_end")) is not None:
-            self.stages.log("end_to_end", "skipped (finished before)")
+        if (done := self.stages.done(name)) is not None:
+            self.stages.log(name, "skipped (finished before)")
             self.gates = load_stage_gates(self.stages.folder, done.get("gates"))
             self._split_cache(None)
-            tuned = load_feature_maps(str(self.stages.folder / "end_to_end.safetensors"))
+            tuned = load_feature_maps(str(self.stages.folder / f"{name}.safetensors"))
             return tuned, self._adapters(adapters_folder) if options.lora_rank else None
-        self._starting("end_to_end")
+        self._starting(name)
         begin = time.perf_counter()
         plain = self._samples()
         self._split_cache(plain)
-        tuned, adapters, info = train_end_to_end(self.model, self.tokenizer, fitted, self.config, self.train, plain,
+        config = replace(self.config, end_to_end=replace(options, cache_sizes=self.config.end_to_end.cache_sizes))
+        tuned, adapters, info = train_end_to_end(self.model, self.tokenizer, fitted, config, self.train, plain,
                                                  None, gates=self.gates,
                                                  student_options=attention_options(self.student))
         if adapters is not None:
@@ -348,13 +401,14 @@ class Job:
             adapters.save(partial)
             shutil.rmtree(adapters_folder, ignore_errors=True)
             os.replace(partial, adapters_folder)
-        self.stages.save_maps(tuned, "end_to_end")
-        info["gates"] = save_stage_gates(self.gates, self.stages.folder, "end_to_end")
+        self.stages.save_maps(tuned, name)
+        info["gates"] = save_stage_gates(self.gates, self.stages.folder, name)
         what = (f"LoRA r={options.lora_rank} adapters (fine-tuned)" if adapters is not None
                 else "the maps and gates" if self.gates is not None else "the maps")
-        self.stages.finish("end_to_end", {
+        then = "then " if name == "long_gaps" else ""
+        self.stages.finish(name, {
             "seconds": time.perf_counter() - begin, **info,
-            "summary": f"{what} trained end to end, {options.steps} steps on {len(plain)} samples of "
+            "summary": f"{then}{what} trained end to end, {options.steps} steps on {len(plain)} samples of "
                        f"{options.tokens} tokens"
                        + (f" and the training text in {options.corpus_orders} orders" if options.corpus_orders else "")
                        + f" and their copying sequences (gaps of {options.copy_gap[0]:,}–{options.copy_gap[1]:,} "
@@ -454,7 +508,7 @@ class Job:
             if not args.quiet:
                 print(f"{name}: perplexity {row['perplexity']:.2f}, repeated passage {row['repeat_perplexity']:.2f}",
                       flush=True)
-        stages = {name: info for name in STAGES[:2] if (info := self.stages.done(name)) is not None}
+        stages = {name: info for name in STAGES[:-1] if (info := self.stages.done(name)) is not None}
         probes = self.config.probes
         result = {"model": self.name, "base": args.model, "student": self.student.name,
                   "student_summary": self.student.summary, "window": args.window,

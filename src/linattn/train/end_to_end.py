@@ -51,7 +51,11 @@ def sample_texts(
     temperature: float = 1.0, top_p: float = 0.95, repetition_penalty: float = 1.1,
 ) -> list[str]:
     """One sampled continuation of exactly ``tokens`` new tokens per prompt (end-of-text suppressed), prompt
-    included, from ``model`` as it is (run it before linearizing). Seeded: the same seed gives the same texts."""
+    included, from ``model`` as it is (run it before linearizing). Seeded: the same seed gives the same texts.
+
+    The keys and values go in a cache allocated once for the whole length (transformers' static cache): the
+    default cache grows by a copy of every layer's keys and values at every token, which on SmolLM2 (2 threads, 8
+    prompts) made a step at 1,400 tokens cost 176 ms against 80 ms in the static cache."""
     if tokens < 1 or batch_size < 1 or not prompts:
         raise LinearAttentionError(f"prompts/tokens/batch_size: need ≥ 1 prompt, tokens ≥ 1, batch_size ≥ 1, got "
                                    f"{len(prompts)}/{tokens}/{batch_size}")
@@ -67,7 +71,7 @@ def sample_texts(
             with torch.no_grad():
                 out = model.generate(**batch, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True,
                                      temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
-                                     pad_token_id=tokenizer.pad_token_id)
+                                     pad_token_id=tokenizer.pad_token_id, cache_implementation="static")
             width, kept = batch["input_ids"].shape[1], batch["attention_mask"].sum(-1).tolist()  # (B,)
             # left padding dropped by position (a pad token need not be a special token)
             texts += [tokenizer.decode(row[width - n :], skip_special_tokens=True)
