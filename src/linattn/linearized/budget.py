@@ -139,8 +139,10 @@ def calibrate(model: Any, tokenizer: Any, name: str, train: str, heldout: str,
     capture_seconds, capture = _timed(lambda: capture_attention(model, tokenizer, train, max_tokens=fit.max_tokens,
                                                                 model_name=name, orders=fit.orders))
     fitter = _fitter(model, name, capture, config, chosen, cache)
-    # on one capture, so that the difference is the steps alone (a capture's own time varies more than a step)
-    short, _ = _timed(lambda: fitter(1))
+    # on one capture, so that the difference is the steps alone (a capture's own time varies more than a step);
+    # the shorter fit twice, the faster kept: a first call can pay one-time set-up, and on SmolLM2 (2026-12-06) one
+    # 1-step fit took longer than the 9-step fit after it, which left the fitting step's estimate at nothing
+    short, _ = _timed(lambda: fitter(1), repeats=2)
     long, (maps, gates) = _timed(lambda: fitter(1 + FIT_PROBE_STEPS))
     fit_step = max((long - short) / FIT_PROBE_STEPS, 1e-4)
     limit = getattr(model.config, "max_position_embeddings", None) or 4096
