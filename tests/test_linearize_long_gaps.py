@@ -12,8 +12,7 @@ from linattn.errors import LinearAttentionError  # noqa: E402
 from linattn.feature_maps.fitted import load_feature_maps  # noqa: E402
 from linattn.linearized import job as linearize_job  # noqa: E402
 from linattn.linearized.budget import MAX_STEPS, plan_steps  # noqa: E402
-from test_linearize_job import FAST, counted, events  # noqa: E402
-from test_linearized import TEXT, save_tiny_llama  # noqa: E402
+from test_linearize_job import FAST, counted, events, tiny  # noqa: E402,F401
 
 # FAST without its "--end-to-end-long-steps 0"; samples long enough for copies with the passage (up to 192
 # tokens) and a gap of 30-40 tokens (two training samples joined)
@@ -24,16 +23,8 @@ COSTS = {"calibration": 10.0, "fit_fixed": 20.0, "measure": 30.0, "sampling_batc
          "end_to_end_step": 2.0, "long_step": 4.0}
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = save_tiny_llama(tmp_path_factory.mktemp("tiny-long") / "base")
-    (folder / "train.txt").write_text((TEXT + "\n") * 3)
-    (folder / "heldout.txt").write_text((TEXT.replace("sand", "silt") + "\n") * 3)
-    return folder
-
-
-def command(tiny, out, *extra):
-    return ["linearize", str(tiny), str(tiny / "train.txt"), "--heldout", str(tiny / "heldout.txt"), "--out",
+def command(model, out, *extra):
+    return ["linearize", str(model), str(model / "train.txt"), "--heldout", str(model / "heldout.txt"), "--out",
             str(out), *BASE, *extra]
 
 
@@ -42,7 +33,7 @@ def flat(maps):
 
 
 @pytest.mark.slow  # ~20 s: the pipeline with both training stages on a tiny Llama, then rerun
-def test_the_long_gaps_stage_trains_on_from_the_end_to_end_stage(tiny, tmp_path, monkeypatch):
+def test_the_long_gaps_stage_trains_on_from_the_end_to_end_stage(tiny, tmp_path, monkeypatch):  # noqa: F811
     from linattn.cli import main
     from linattn.evaluate import lm_stages
 
@@ -96,7 +87,7 @@ def test_the_long_gaps_stage_trains_on_from_the_end_to_end_stage(tiny, tmp_path,
 
 
 @pytest.mark.slow  # ~15 s: two short runs on a tiny Llama
-def test_init_from_takes_the_source_after_its_long_gaps(tiny, tmp_path):
+def test_init_from_takes_the_source_after_its_long_gaps(tiny, tmp_path):  # noqa: F811
     from linattn.cli import main
 
     source, out = tmp_path / "source", tmp_path / "more"
@@ -112,7 +103,7 @@ def test_init_from_takes_the_source_after_its_long_gaps(tiny, tmp_path):
     (["--end-to-end-long-steps", "-1"], "--end-to-end-long-steps: need ≥ 0"),
     (["--end-to-end-long-gap", "60", "40"], "--end-to-end-long-gap: need 1 ≤ LOW ≤ HIGH"),
 ])
-def test_long_gap_options_out_of_range_are_refused_before_anything_runs(tiny, tmp_path, capsys, extra, message):
+def test_long_gap_options_out_of_range_are_refused_before_anything_runs(tiny, tmp_path, capsys, extra, message):  # noqa: F811
     from linattn.cli import main
 
     assert main(command(tiny, tmp_path / "x", *extra)) == 2
@@ -127,7 +118,7 @@ def test_lora_alone_has_no_long_gaps_stage_by_default():
     assert linearize_job._long_steps(args) == linearize_job.LONG_GAP_STEPS
 
 
-def test_a_plan_saved_before_the_stage_existed_continues_without_it(tiny, tmp_path):
+def test_a_plan_saved_before_the_stage_existed_continues_without_it(tiny, tmp_path):  # noqa: F811
     """A run whose plan has neither long option nor count (made before the stage existed) is continued as it was
     planned: the rerun with the default options is not refused and trains no long gaps."""
     from linattn.cli import main
@@ -171,7 +162,7 @@ def test_a_budget_too_small_for_the_long_gaps_names_them():
 
 
 @pytest.mark.slow  # ~10 s: the budget's calibration on a tiny Llama
-def test_the_budget_times_a_long_gaps_step_and_plans_its_steps(tiny, tmp_path, monkeypatch):
+def test_the_budget_times_a_long_gaps_step_and_plans_its_steps(tiny, tmp_path, monkeypatch):  # noqa: F811
     from linattn.cli import main
 
     monkeypatch.setattr(linearize_job.Job, "run", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))
