@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from linattn import LinearAttentionError  # noqa: E402
+from linattn.linearized import budget as linearize_budget  # noqa: E402
 from linattn.linearized import folder as linearized_folder  # noqa: E402
 from linattn.linearized import job as linearize_job  # noqa: E402
 from linattn.linearized import load_linearized  # noqa: E402
@@ -292,6 +293,15 @@ def test_a_disk_without_room_for_the_run_is_refused(tiny, tmp_path, monkeypatch,
     assert not (tmp_path / "full" / "stages" / "plan.json").exists()
 
 
+@pytest.fixture
+def planned_80(monkeypatch):
+    """The plans worked by hand below plan 80 % of the budget and give a long_gaps stage half of the end-to-end
+    time (the shares are constants: the arithmetic is what these tests check)."""
+    monkeypatch.setattr(linearize_budget, "SAFETY", 0.8)
+    monkeypatch.setattr(linearize_budget, "LONG_SHARE", 0.5)
+
+
+@pytest.mark.usefixtures("planned_80")
 def test_plan_steps_shares_what_is_left_after_the_fixed_costs():
     costs = {"calibration": 10.0, "fit_fixed": 20.0, "measure": 30.0, "sampling_batch": 40.0, "fit_step": 1.0,
              "end_to_end_step": 2.0}
@@ -305,6 +315,7 @@ def test_plan_steps_shares_what_is_left_after_the_fixed_costs():
         plan_steps(2, costs, end_to_end=True)
 
 
+@pytest.mark.usefixtures("planned_80")
 def test_plan_steps_samples_no_more_than_the_end_to_end_steps_use():
     costs = {"calibration": 10.0, "fit_fixed": 20.0, "measure": 30.0, "sampling_batch": 40.0, "fit_step": 1.0,
              "end_to_end_step": 20.0}
@@ -322,6 +333,7 @@ def test_plan_steps_samples_no_more_than_the_end_to_end_steps_use():
         plan_steps(10, costs, end_to_end=True, samples=2)
 
 
+@pytest.mark.usefixtures("planned_80")
 def test_plan_steps_caps_the_fit_and_counts_the_training_text():
     costs = {"calibration": 10.0, "fit_fixed": 20.0, "measure": 30.0, "sampling_batch": 40.0, "fit_step": 1.0,
              "end_to_end_step": 20.0}

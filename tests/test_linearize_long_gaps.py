@@ -11,8 +11,8 @@ pytest.importorskip("transformers")
 from linattn.errors import LinearAttentionError  # noqa: E402
 from linattn.feature_maps.fitted import load_feature_maps  # noqa: E402
 from linattn.linearized import job as linearize_job  # noqa: E402
-from linattn.linearized.budget import MAX_STEPS, plan_steps  # noqa: E402
-from test_linearize_job import FAST, counted, events, tiny  # noqa: E402,F401
+from linattn.linearized.budget import LONG_SHARE, MAX_STEPS, plan_steps  # noqa: E402
+from test_linearize_job import FAST, counted, events, planned_80, tiny  # noqa: E402,F401
 
 # FAST without its "--end-to-end-long-steps 0"; samples long enough for copies with the passage (up to 192
 # tokens) and a gap of 30-40 tokens (two training samples joined)
@@ -135,6 +135,7 @@ def test_a_plan_saved_before_the_stage_existed_continues_without_it(tiny, tmp_pa
     assert not (out / "stages" / "long_gaps.done").exists()
 
 
+@pytest.mark.usefixtures("planned_80")
 def test_plan_steps_gives_half_the_end_to_end_time_to_the_long_gaps():
     # 32 samples (4 batches, 160 s): 480 - 220 = 260 s left, 104 fitting steps, 156 s of training: 78 s of 2 s steps
     # (39) and 78 s of 4 s long steps (19); 24 samples would leave 45 end-to-end steps and 44 sequences, too few
@@ -156,6 +157,7 @@ def test_plan_steps_gives_half_the_end_to_end_time_to_the_long_gaps():
         plain["estimates"]
 
 
+@pytest.mark.usefixtures("planned_80")
 def test_a_budget_too_small_for_the_long_gaps_names_them():
     with pytest.raises(LinearAttentionError, match="long_gaps steps .* --end-to-end-long-steps 0"):
         plan_steps(3, COSTS, end_to_end=True, samples=8, long=True)
@@ -174,10 +176,11 @@ def test_the_budget_times_a_long_gaps_step_and_plans_its_steps(tiny, tmp_path, m
     assert costs["long_step"] > 0 and costs["end_to_end_step"] > 0
     assert plan["end_to_end_long_steps"] >= 5 and plan["estimates"]["long_gaps"] == pytest.approx(
         plan["end_to_end_long_steps"] * costs["long_step"])
-    # half of the training time each, at each stage's own step (a budget of seconds: no stage at MAX_STEPS)
+    # LONG_SHARE of the training time to the long steps, the rest to the first stage, at each stage's own step (a
+    # budget of seconds: no stage at MAX_STEPS)
     assert max(plan["end_to_end_steps"], plan["end_to_end_long_steps"]) < MAX_STEPS
     first = plan["end_to_end_steps"] * costs["end_to_end_step"]
-    assert first == pytest.approx(plan["estimates"]["long_gaps"], rel=0.2)
+    assert first * LONG_SHARE / (1 - LONG_SHARE) == pytest.approx(plan["estimates"]["long_gaps"], rel=0.2)
     # --end-to-end-long-steps 0 still skips the stage under a budget
     none = tmp_path / "none"
     with pytest.raises(KeyboardInterrupt):
