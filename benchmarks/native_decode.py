@@ -3,13 +3,14 @@
     python benchmarks/native_decode.py                          # contexts 1536 and 8192, 1 and 2 threads, 3 rounds
     python benchmarks/native_decode.py --contexts 1536 --threads 1 --rounds 5
 
-For each thread count and context, in rounds that alternate the three (original, linearized with the torch code,
-linearized with the native kernels): a prefill of N tokens of the shipped long held-out text, then ``--steps``
-greedy decoding steps, each timed; the round's median ms per token; the medians over rounds and the ratios printed
-at the end (tokens/s against the original: above 1, faster). The native kernels are turned off for the torch rows
-by hiding the built module (every step made while it is hidden runs the torch code, and the key gates' one-call
-path declines), so both rows run in this process with the same weights and inputs. Also printed: the largest
-difference between the two linearized models' logits over the decoded tokens (fp32 rounding, not a tolerance).
+For each thread count and context, in rounds that alternate the four (original, linearized with the torch code,
+linearized with the native kernels called one by one, and with a layer's token fused into one call): a prefill of N
+tokens of the shipped long held-out text, then ``--steps`` greedy decoding steps, each timed; the round's median ms
+per token; the medians over rounds and the ratios printed at the end (tokens/s against the original: above 1,
+faster). The native kernels are turned off for the torch rows by hiding the built module (every step made while it
+is hidden runs the torch code, and the key gates' one-call path declines), and the fused call for the "native" row
+by the steps' ``fuse`` switch, so every row runs in this process with the same weights and inputs. Also printed: the
+largest difference between the linearized rows' logits over the decoded tokens (fp32 rounding, not a tolerance).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 
 from linattn.backends import native
 from linattn.evaluate.models import load_model
+from linattn.exact.composed_step import ComposedDecodeStep
+from linattn.exact.sparse_composed_step import SparseComposedDecodeStep
 from linattn.linearized.folder import load_linearized, shipped
 from linattn.linearized.generate import new_cache
 from linattn.linearized.speed import prompt_ids
@@ -62,7 +65,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         for context in args.contexts:
             ids = prompt_ids(tokenizer, context)
-            times: dict[str, list[float]] = {"original": [], "torch": [], "native": []}
+            times: dict[str, list[float]] = {"original": [], "torch": [], "native": [], "fused": []}
             gap = 0.0
             for _ in range(args.rounds):
                 times["original"].append(decode(original, ids, args.steps)[0])
@@ -70,17 +73,20 @@ def main() -> None:
                 ms, reference = decode(linearized, ids, args.steps)
                 times["torch"].append(ms)
                 native._state["decode"]["module"] = built
-                ms, logits = decode(linearized, ids, args.steps)
-                times["native"].append(ms)
-                gap = max(gap, float((logits - reference).abs().max()))
+                for row, fuse in (("native", False), ("fused", True)):
+                    ComposedDecodeStep.fuse = SparseComposedDecodeStep.fuse = fuse
+                    ms, logits = decode(linearized, ids, args.steps)
+                    times[row].append(ms)
+                    gap = max(gap, float((logits - reference).abs().max()))
                 print(f"  {threads} thread(s) {context:>6} tokens: " + ", ".join(
                     f"{name} {values[-1]:.1f}" for name, values in times.items()) + " ms/token", flush=True)
-            medians = {name: statistics.median(values) for name, values in times.items()}
-            print(f"{threads} thread(s), {context} tokens, median ms/token: original {medians['original']:.1f}, "
-                  f"linearized torch {medians['torch']:.1f}, native {medians['native']:.1f}; tokens/s against the "
-                  f"original: torch {medians['original'] / medians['torch']:.2f}×, native "
-                  f"{medians['original'] / medians['native']:.2f}×; native against torch "
-                  f"{medians['torch'] / medians['native']:.2f}×; logits differ by ≤ {gap:.1e}", flush=True)
+            med = {name: statistics.median(values) for name, values in times.items()}
+            print(f"{threads} thread(s), {context} tokens, median ms/token: original {med['original']:.1f}, "
+                  f"linearized torch {med['torch']:.1f}, native {med['native']:.1f}, fused {med['fused']:.1f}; "
+                  f"tokens/s against the original: torch {med['original'] / med['torch']:.2f}×, native "
+                  f"{med['original'] / med['native']:.2f}×, fused {med['original'] / med['fused']:.2f}×; "
+                  f"native against torch {med['torch'] / med['native']:.2f}×, fused against native "
+                  f"{med['native'] / med['fused']:.2f}×; logits differ by ≤ {gap:.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -211,6 +211,11 @@ def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: to
     """Causal attention of this call's q, k, v (B, H|Hkv, N, ·) after the keys in ``layer``'s state; updates it.
     ``gates``: a module that gives per-token ``beta`` / ``log_gate`` from the keys (:class:`linattn.nn.KeyGates`)."""
     if layer.stepper is not None and q.shape[-2] == 1:
+        fused = getattr(layer.stepper, "fused_token", None)  # the gates, maps and token in one C++ call
+        if fused is not None and (keep is None or bool(keep.all())):
+            out = fused(q, k, v, gates)
+            if out is not None:
+                return out
         if gates is None:
             return layer.stepper(q, k, v, keep)
         if isinstance(layer.stepper, RowSteps):

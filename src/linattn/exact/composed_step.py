@@ -62,6 +62,31 @@ def fill_slots(step: Any, state: WindowAttentionState, first: int) -> None:
         step.live[:sunk] = torch.arange(sunk, device=device) < first
 
 
+def fused_arguments(step: Any, gates: Any, rows: int) -> tuple[Any, ...] | None:
+    """The arguments a step's :meth:`fused_token` passes to :func:`linattn.backends.native` ``layer_token`` after
+    q, k and v: the Hedgehog map's (queries, then keys), the gates' (``gates``: a
+    :class:`~linattn.nn.KeyGates` with β and a per-token gate, its parameters read in place; None: the step's fixed
+    β), the fixed β per row and the fixed log-rate per row (fp64, or None); None where the fused call does not
+    apply (no C++ token or Hedgehog map in C++ on this step, other gates, another dtype)."""
+    if step._hedgehog is None:
+        return None
+    query, key = step._hedgehog[True], step._hedgehog[False]
+    maps = (query[0], query[1], key[0], key[1], key[2], key[3], key[4])
+    dtype = query[0].dtype
+    if gates is None:
+        gate_args: tuple[Any, ...] = (None, None, None, None)
+    else:
+        beta_w, beta_b = getattr(gates, "beta_weight", None), getattr(gates, "beta_bias", None)
+        gate_w, gate_b = getattr(gates, "gate_weight", None), getattr(gates, "gate_bias", None)
+        if getattr(gates, "gate", None) != "token" or beta_w is None or beta_b is None or gate_w is None \
+                or gate_b is None or beta_w.dtype != dtype or beta_w.device != query[0].device:
+            return None
+        heads_kv, half = beta_w.shape
+        gate_args = (beta_w.detach(), beta_b.detach(), gate_w.detach().reshape(heads_kv, half),
+                     gate_b.detach().reshape(heads_kv))
+    return (*maps, *gate_args, step._fixed_beta.reshape(rows), step._fused_log_rate)
+
+
 class ComposedDecodeStep:
     """The window op with a decayed, gated or delta-rule linear part, one token at a time, from the
     :class:`~linattn.WindowAttentionState` such a call returned (batch shape (B, H)); the options as given to
@@ -70,6 +95,7 @@ class ComposedDecodeStep:
 
     lean = True  # a kept token of a delta-rule part takes _delta_token (False: the general path, for comparison)
     native = True  # _delta_token's arithmetic in C++ where it builds (False: the torch code, the reference)
+    fuse = True  # fused_token takes a layer's token in one C++ call where it applies (False: it declines)
 
     def __init__(self, fmap: nn.Module, state: WindowAttentionState, options: dict[str, Any]) -> None:
         check_memory(state, WindowAttentionState, "ComposedDecodeStep")
@@ -92,6 +118,7 @@ class ComposedDecodeStep:
         self.shift: torch.Tensor | None = None  # log-space additive part: the sums' log-scale R (B, H)
         self._native: Any = None  # the C++ token (linattn.backends.native) for a delta-rule part on the CPU
         self._hedgehog: dict[bool, tuple[Any, ...]] | None = None
+        self._fused: tuple[Any, tuple[Any, ...] | None] | None = None  # (gates, fused_arguments) of the last call
         if isinstance(linear, DeltaRuleState):
             self.delta = DeltaDecodeStep(fmap, linear, beta=options.get("beta"), decay=options.get("decay"))
             if self.native and device.type == "cpu":
@@ -105,6 +132,9 @@ class ComposedDecodeStep:
                 self._hedgehog = {True: (weight[0], bias[0], None, *common),
                                   False: (weight[key], bias[key], fmap.gate.detach()[0], *common)}
             self._fixed_beta = torch.full((batch, heads), self.delta.beta, dtype=dtype, device=device)
+            rate = self.delta.log_rate  # (H, 1) fp64 or None: per row for the fused call
+            self._fused_log_rate = None if rate is None else rate.reshape(1, heads).expand(batch, heads).reshape(
+                batch * heads).contiguous()
         else:
             self.kv = linear.kv.detach().clone(memory_format=torch.contiguous_format)
             self.k_sum = linear.k_sum.detach().clone()
@@ -264,6 +294,36 @@ class ComposedDecodeStep:
             self.keys, self.values, self.kept, self.live, self.betas, ring, self.gamma, self.scale)
         delta.num_tokens += 1
         self.num_tokens += 1
+        return out
+
+    def fused_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Any = None
+                    ) -> torch.Tensor | None:
+        """One kept token from a layer's q (B, H, 1, d), k and v (B, Hkv, 1, ·), its β and log-gate from the key by
+        ``gates`` (:class:`~linattn.nn.KeyGates`; None: the fixed β), in one C++ call (``layer_token``: the gates,
+        the Hedgehog maps and :meth:`_native_token`'s arithmetic, the same values up to rounding) → (B, H, 1, Dv);
+        None where it does not apply (the caller then takes :meth:`__call__`, which checks and explains): a token
+        that is a sink, another dtype or shape, gradients on, no C++ Hedgehog path on this step."""
+        if not self.fuse or torch.is_grad_enabled() or self.num_tokens < self.sinks or self._native is None:
+            return None
+        if self._fused is None or self._fused[0] is not gates:
+            rows = self.keys.shape[0] * self.keys.shape[1]
+            self._fused = (gates, fused_arguments(self, gates, rows) if self.lean and self.delta is not None else None)
+        arguments = self._fused[1]
+        batch, heads, _, dim = self.keys.shape
+        if arguments is None or q.shape != (batch, heads, 1, dim) or q.dtype != self.keys.dtype \
+                or k.dim() != 4 or k.shape[0] != batch or k.shape[2] != 1 or heads % k.shape[1] \
+                or v.shape[:3] != k.shape[:3] or v.shape[3] != self.values.shape[-1] or k.dtype != q.dtype \
+                or v.dtype != q.dtype:
+            return None
+        delta = self.delta
+        assert delta is not None
+        position = self.num_tokens
+        out = self._native.layer_token(
+            delta.kv, q.contiguous(), k.contiguous(), v.contiguous(), *arguments, self.keys, self.values, self.kept,
+            self.live, self.betas, self.sinks + position % self.window, position - self.window, self.sinks,
+            self.gamma, self.scale, None, 0, None, None, None, None, -1, None)
+        delta.num_tokens += 1
+        self.num_tokens = position + 1
         return out
 
     def _unit(self, kernels: Any, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:

@@ -38,7 +38,7 @@ from ..feature_maps import HedgehogFeatureMap
 from ..features import NEG_INF, finite, is_log_space, map_features, scale_between, stabilise_queries, unit_rows
 from ..kinds._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
 from ..state import DeltaRuleState, LinearAttentionState, SparseCache, SparseCacheState, WindowAttentionState
-from .composed_step import fill_slots
+from .composed_step import fill_slots, fused_arguments
 from .forms.boundary import attention_scores, choose, oracle_scores, recall_scores
 
 # a write into the linear state: keys (R, d), values (R, Dv), strength (R,), and the keys' features (R, F) or None
@@ -56,6 +56,7 @@ class SparseComposedDecodeStep:
     # C++ where it builds (False: the torch code): one token's Hedgehog unit features (read when the step is made)
     # and, between boundaries, the delta family's whole token (read at each call)
     native = True
+    fuse = True  # fused_token takes a layer's token in one C++ call where it applies (False: it declines)
 
     def __init__(self, fmap: nn.Module, state: WindowAttentionState, cache: SparseCache,
                  options: dict[str, Any]) -> None:
@@ -126,6 +127,8 @@ class SparseComposedDecodeStep:
         self._cache_rows = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self._cache_rows[budget] = torch.arange(int(budget.sum()), device=device)
         self._fixed_beta = torch.full((rows,), self.beta, dtype=dtype, device=device)
+        self._fused_log_rate = None if self.log_rate is None else self.log_rate.reshape(rows).contiguous()
+        self._fused: tuple[Any, tuple[Any, ...] | None] | None = None  # (gates, fused_arguments) of the last call
         self.positions = self._held(held.positions.to(device).reshape(rows, self.slots))
         self.cached_keys = self._held(held.keys.to(device, dtype).reshape(rows, self.slots, dim))
         self.cached_values = self._held(held.values.to(device, dtype).reshape(rows, self.slots, values))
@@ -310,6 +313,37 @@ class SparseComposedDecodeStep:
             self.positions, self.cached_keys, self.cached_values, leaving, self.linear_weight)
         if self.queries is not None:
             self.queries[:, t % self.block] = q
+        self.num_tokens = t + 1
+        return out
+
+    def fused_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: Any = None
+                    ) -> torch.Tensor | None:
+        """One kept token between two boundaries from a layer's q (B, H, 1, d), k and v (B, Hkv, 1, ·), its β and
+        log-gate from the key by ``gates`` (:class:`~linattn.nn.KeyGates`; None: the fixed β), in one C++ call
+        (``layer_token``: the gates, the Hedgehog maps and :meth:`_native_token`'s arithmetic, the same values up
+        to rounding) → (B, H, 1, Dv); None where it does not apply (the caller then takes :meth:`__call__`): a
+        boundary, a token that is a sink, another dtype or shape, gradients on, no C++ Hedgehog path here."""
+        t = self.num_tokens
+        if not self.fuse or torch.is_grad_enabled() or not self.native or self._kernels is None or t < self.sinks \
+                or (t % self.block == 0 and self.slots):
+            return None
+        if self._fused is None or self._fused[0] is not gates:
+            self._fused = (gates, fused_arguments(self, gates, self.kv.shape[0]) if self.delta else None)
+        arguments = self._fused[1]
+        batch, heads, _, values = self.shape
+        dim = self.keys.shape[-1]
+        if arguments is None or q.shape != (batch, heads, 1, dim) or q.dtype != self.kv.dtype \
+                or k.dim() != 4 or k.shape[0] != batch or k.shape[2] != 1 or heads % k.shape[1] \
+                or v.shape[:3] != k.shape[:3] or v.shape[3] != values or k.dtype != q.dtype or v.dtype != q.dtype:
+            return None
+        q = q.contiguous()
+        out = self._kernels.layer_token(
+            self.kv, q, k.contiguous(), v.contiguous(), *arguments, self.keys, self.values, self.kept, self.live,
+            self.betas, self.sinks + t % self.window, t - self.window, self.sinks, self.gamma, self.scale,
+            self.stays, t % self.window, self._cache_rows, self.positions, self.cached_keys, self.cached_values,
+            t - self.window, self.linear_weight)
+        if self.queries is not None:
+            self.queries[:, t % self.block] = q.reshape(batch * heads, dim)
         self.num_tokens = t + 1
         return out
 

@@ -37,7 +37,8 @@ T dot(const T* a, const T* b, int64_t n) {
 // pairs of the row's cache row (`rows`: its index among the rows with a budget, or -1) whose positions p satisfy
 // 0 <= p <= limit (those that have left the window); `weight` scales the memory's read-out per row.
 struct Cache {
-  const bool* stays = nullptr;         // (B*H,)
+  const bool* stays = nullptr;         // (B*H,), entries stays_row apart
+  int64_t stays_row = 1;
   const int64_t* rows = nullptr;       // (B*H,)
   const int64_t* positions = nullptr;  // (R_c, lambda)
   const void* keys = nullptr;          // (R_c, lambda, d)
@@ -46,6 +47,146 @@ struct Cache {
   int64_t slots = 0, limit = -1;
 };
 
+// The ring of one decoding step: slot s of row r at (r * slots + s); live (slots,) shared by the rows.
+template <typename T>
+struct Ring {
+  T* keys;
+  T* values;
+  bool* kept;
+  const bool* live;
+  T* betas;
+  int64_t slots, dim, dv;
+};
+
+// One row's token after its feature stage: S (F x Dv) of the row, its unit query features, the leaving key's
+// (null: no write), its log-decay (`gates` entries, null: none), the new key and value (the row's key head's),
+// the new token's beta, the raw query; `gamma` the window's factor, `read` the memory's read-out weight. Scratch:
+// recalled (Dv), scores (slots + cache slots), factor (F).
+template <typename T>
+void token_row(int64_t row, T* S, const T* qrow, const T* krow, const double* g, int64_t gates, const T* knew,
+               const T* vnew, T beta_new, const T* qraw, T gamma, T read, T scale, int64_t slot, const Ring<T>& ring,
+               int64_t features, const Cache& cache, T* recalled, T* scores, T* factor, T* o) {
+  const int64_t slots = ring.slots, dim = ring.dim, dv = ring.dv;
+  const T* cached_keys = static_cast<const T*>(cache.keys);
+  const T* cached_values = static_cast<const T*>(cache.values);
+  T* key_slots = ring.keys + row * slots * dim;
+  T* value_slots = ring.values + row * slots * dv;
+  bool* kept_p = ring.kept + row * slots;
+  const bool* live_p = ring.live;
+  // the decay: one factor per row of S (per head: the same for every row)
+  if (g != nullptr) {
+    if (gates == 1) {
+      const T a = static_cast<T>(std::exp(g[0]));
+      for (int64_t f = 0; f < features; ++f) factor[f] = a;
+    } else {
+      for (int64_t f = 0; f < features; ++f) factor[f] = static_cast<T>(std::exp(g[f]));
+    }
+  } else {
+    for (int64_t f = 0; f < features; ++f) factor[f] = T(1);
+  }
+  // the leaving key's write: u = beta (v - S^T kf) after the decay; then S += kf u^T and the read S^T qf
+  const bool writes = krow != nullptr && kept_p[slot]  // a masked key: its features unread
+                      && (cache.stays == nullptr || !cache.stays[row * cache.stays_row]);
+  const T strength = writes ? ring.betas[row * slots + slot] : T(0);
+  for (int64_t j = 0; j < dv; ++j) recalled[j] = T(0);
+  for (int64_t f = 0; f < features; ++f) {
+    T* s = S + f * dv;
+    const T a = factor[f];
+    if (writes) {
+      const T kv = krow[f];
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) {
+        s[j] *= a;
+        recalled[j] += kv * s[j];
+      }
+    } else if (g != nullptr) {
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) s[j] *= a;
+    }
+  }
+  for (int64_t j = 0; j < dv; ++j) o[j] = T(0);
+  if (writes) {
+    const T* old = value_slots + slot * dv;
+    for (int64_t j = 0; j < dv; ++j) recalled[j] = strength * (old[j] - recalled[j]);  // u
+  }
+  for (int64_t f = 0; f < features; ++f) {
+    T* s = S + f * dv;
+    const T qv = read * qrow[f];
+    if (writes) {
+      const T kv = krow[f];
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) {
+        s[j] += kv * recalled[j];
+        o[j] += qv * s[j];
+      }
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) o[j] += qv * s[j];
+    }
+  }
+  // the new token takes the ring slot
+  for (int64_t i = 0; i < dim; ++i) key_slots[slot * dim + i] = knew[i];
+  for (int64_t j = 0; j < dv; ++j) value_slots[slot * dv + j] = vnew[j];
+  kept_p[slot] = true;
+  ring.betas[row * slots + slot] = beta_new;
+  // the window's softmax average over the exact keys
+  T top = -std::numeric_limits<T>::infinity();
+  for (int64_t s = 0; s < slots; ++s) {
+    if (kept_p[s] && live_p[s]) {
+      scores[s] = dot(qraw, key_slots + s * dim, dim) * scale;
+      top = scores[s] > top ? scores[s] : top;
+    }
+  }
+  // the cached pairs that have left the window: after the ring's scores (-inf where not exact)
+  const int64_t held = cache.rows != nullptr ? cache.rows[row] : -1;
+  const int64_t* where = held >= 0 ? cache.positions + held * cache.slots : nullptr;
+  T* cached = scores + slots;
+  if (where != nullptr) {
+    const T* ck = cached_keys + held * cache.slots * dim;
+    for (int64_t c = 0; c < cache.slots; ++c) {
+      if (where[c] >= 0 && where[c] <= cache.limit) {
+        cached[c] = dot(qraw, ck + c * dim, dim) * scale;
+        top = cached[c] > top ? cached[c] : top;
+      }
+    }
+  }
+  T total = 0;
+  for (int64_t s = 0; s < slots; ++s) {
+    const bool exact = kept_p[s] && live_p[s];
+    scores[s] = exact ? std::exp(scores[s] - top) : T(0);
+    total += scores[s];
+  }
+  if (where != nullptr) {
+    for (int64_t c = 0; c < cache.slots; ++c) {
+      cached[c] = where[c] >= 0 && where[c] <= cache.limit ? std::exp(cached[c] - top) : T(0);
+      total += cached[c];
+    }
+  }
+  const T weight = gamma / total;
+  for (int64_t s = 0; s < slots; ++s) {
+    if (scores[s] == T(0)) continue;
+    const T w = scores[s] * weight;
+    const T* val = value_slots + s * dv;
+#pragma omp simd
+    for (int64_t j = 0; j < dv; ++j) o[j] += w * val[j];
+  }
+  if (where != nullptr) {
+    const T* cv = cached_values + held * cache.slots * dv;
+    for (int64_t c = 0; c < cache.slots; ++c) {
+      if (cached[c] == T(0)) continue;
+      const T w = cached[c] * weight;
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) o[j] += w * cv[c * dv + j];
+    }
+  }
+}
+
+template <typename T>
+Ring<T> ring_of(at::Tensor& keys, at::Tensor& values, at::Tensor& kept, at::Tensor& live, at::Tensor& betas) {
+  return Ring<T>{keys.data_ptr<T>(), values.data_ptr<T>(), kept.data_ptr<bool>(), live.data_ptr<bool>(),
+                 betas.data_ptr<T>(), keys.size(-2), keys.size(-1), values.size(-1)};
+}
+
 template <typename T>
 void token(at::Tensor& memory, const at::Tensor& qf, const std::optional<at::Tensor>& kf,
            const std::optional<at::Tensor>& log_decay, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -53,9 +194,7 @@ void token(at::Tensor& memory, const at::Tensor& qf, const std::optional<at::Ten
            at::Tensor& betas, int64_t slot, const std::optional<at::Tensor>& gamma, double scale, at::Tensor& out,
            const Cache& cache = Cache()) {
   const int64_t batch = memory.size(0), heads = memory.size(1), features = memory.size(2), dv = memory.size(3);
-  const int64_t dim = q.size(-1), slots = keys.size(-2), kv_heads = k.size(1), group = heads / kv_heads;
-  const T* cached_keys = static_cast<const T*>(cache.keys);
-  const T* cached_values = static_cast<const T*>(cache.values);
+  const int64_t dim = q.size(-1), kv_heads = k.size(1), group = heads / kv_heads;
   const T* read_weight = static_cast<const T*>(cache.weight);
   const int64_t gates = log_decay ? log_decay->size(-1) : 0;
   T* mem = memory.data_ptr<T>();
@@ -66,135 +205,20 @@ void token(at::Tensor& memory, const at::Tensor& qf, const std::optional<at::Ten
   const T* k_p = k.data_ptr<T>();
   const T* v_p = v.data_ptr<T>();
   const T* beta_p = beta_new.data_ptr<T>();
-  T* keys_p = keys.data_ptr<T>();
-  T* values_p = values.data_ptr<T>();
-  bool* kept_p = kept.data_ptr<bool>();
-  bool* live_p = live.data_ptr<bool>();
-  live_p[slot] = true;  // the new token's slot holds an exact key from now on
-  T* betas_p = betas.data_ptr<T>();
+  live.data_ptr<bool>()[slot] = true;  // the new token's slot holds an exact key from now on
+  const Ring<T> ring = ring_of<T>(keys, values, kept, live, betas);
   const T* gamma_p = gamma ? gamma->data_ptr<T>() : nullptr;
   T* out_p = out.data_ptr<T>();
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> recalled(dv), scores(slots + cache.slots), factor(features);
+    std::vector<T> recalled(dv), scores(ring.slots + cache.slots), factor(features);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / heads, h = row % heads, kv_row = b * kv_heads + h / group;
-      T* S = mem + row * features * dv;
-      const T* qrow = qf_p + row * features;
-      T* o = out_p + row * dv;
-      T* key_slots = keys_p + row * slots * dim;
-      T* value_slots = values_p + row * slots * dv;
-      // the decay: one factor per row of S (per head: the same for every row)
-      if (gate_p != nullptr) {
-        const double* g = gate_p + row * gates;
-        if (gates == 1) {
-          const T a = static_cast<T>(std::exp(g[0]));
-          for (int64_t f = 0; f < features; ++f) factor[f] = a;
-        } else {
-          for (int64_t f = 0; f < features; ++f) factor[f] = static_cast<T>(std::exp(g[f]));
-        }
-      } else {
-        for (int64_t f = 0; f < features; ++f) factor[f] = T(1);
-      }
-      // the leaving key's write: u = beta (v - S^T kf) after the decay; then S += kf u^T and the read S^T qf
-      const bool writes = kf_p != nullptr && kept_p[row * slots + slot]  // a masked key: its features unread
-                          && (cache.stays == nullptr || !cache.stays[row]);
-      const T strength = writes ? betas_p[row * slots + slot] : T(0);
-      for (int64_t j = 0; j < dv; ++j) recalled[j] = T(0);
-      const T* krow = writes ? kf_p + row * features : nullptr;
-      for (int64_t f = 0; f < features; ++f) {
-        T* s = S + f * dv;
-        const T a = factor[f];
-        if (writes) {
-          const T kv = krow[f];
-#pragma omp simd
-          for (int64_t j = 0; j < dv; ++j) {
-            s[j] *= a;
-            recalled[j] += kv * s[j];
-          }
-        } else if (gate_p != nullptr) {
-#pragma omp simd
-          for (int64_t j = 0; j < dv; ++j) s[j] *= a;
-        }
-      }
-      for (int64_t j = 0; j < dv; ++j) o[j] = T(0);
-      if (writes) {
-        const T* old = value_slots + slot * dv;
-        for (int64_t j = 0; j < dv; ++j) recalled[j] = strength * (old[j] - recalled[j]);  // u
-      }
-      const T lin = read_weight != nullptr ? read_weight[row] : T(1);
-      for (int64_t f = 0; f < features; ++f) {
-        T* s = S + f * dv;
-        const T qv = lin * qrow[f];
-        if (writes) {
-          const T kv = krow[f];
-#pragma omp simd
-          for (int64_t j = 0; j < dv; ++j) {
-            s[j] += kv * recalled[j];
-            o[j] += qv * s[j];
-          }
-        } else {
-#pragma omp simd
-          for (int64_t j = 0; j < dv; ++j) o[j] += qv * s[j];
-        }
-      }
-      // the new token takes the ring slot
-      const T* knew = k_p + kv_row * dim;
-      const T* vnew = v_p + kv_row * dv;
-      for (int64_t i = 0; i < dim; ++i) key_slots[slot * dim + i] = knew[i];
-      for (int64_t j = 0; j < dv; ++j) value_slots[slot * dv + j] = vnew[j];
-      kept_p[row * slots + slot] = true;
-      betas_p[row * slots + slot] = beta_p[row];
-      // the window's softmax average over the exact keys
-      const T* qraw = q_p + row * dim;
-      T top = -std::numeric_limits<T>::infinity();
-      for (int64_t s = 0; s < slots; ++s) {
-        if (kept_p[row * slots + s] && live_p[s]) {
-          scores[s] = dot(qraw, key_slots + s * dim, dim) * static_cast<T>(scale);
-          top = scores[s] > top ? scores[s] : top;
-        }
-      }
-      // the cached pairs that have left the window: after the ring's scores (-inf where not exact)
-      const int64_t held = cache.rows != nullptr ? cache.rows[row] : -1;
-      const int64_t* where = held >= 0 ? cache.positions + held * cache.slots : nullptr;
-      T* cached = scores.data() + slots;
-      if (where != nullptr) {
-        const T* ck = cached_keys + held * cache.slots * dim;
-        for (int64_t c = 0; c < cache.slots; ++c) {
-          if (where[c] >= 0 && where[c] <= cache.limit) {
-            cached[c] = dot(qraw, ck + c * dim, dim) * static_cast<T>(scale);
-            top = cached[c] > top ? cached[c] : top;
-          }
-        }
-      }
-      T total = 0;
-      for (int64_t s = 0; s < slots; ++s) {
-        const bool exact = kept_p[row * slots + s] && live_p[s];
-        scores[s] = exact ? std::exp(scores[s] - top) : T(0);
-        total += scores[s];
-      }
-      if (where != nullptr) {
-        for (int64_t c = 0; c < cache.slots; ++c) {
-          cached[c] = where[c] >= 0 && where[c] <= cache.limit ? std::exp(cached[c] - top) : T(0);
-          total += cached[c];
-        }
-      }
-      const T weight = (gamma_p != nullptr ? gamma_p[row] : T(1)) / total;
-      for (int64_t s = 0; s < slots; ++s) {
-        if (scores[s] == T(0)) continue;
-        const T w = scores[s] * weight;
-        const T* val = value_slots + s * dv;
-#pragma omp simd
-        for (int64_t j = 0; j < dv; ++j) o[j] += w * val[j];
-      }
-      if (where != nullptr) {
-        const T* cv = cached_values + held * cache.slots * dv;
-        for (int64_t c = 0; c < cache.slots; ++c) {
-          if (cached[c] == T(0)) continue;
-          const T w = cached[c] * weight;
-#pragma omp simd
-          for (int64_t j = 0; j < dv; ++j) o[j] += w * cv[c * dv + j];
-        }
-      }
+      token_row<T>(row, mem + row * features * dv, qf_p + row * features,
+                   kf_p != nullptr ? kf_p + row * features : nullptr,
+                   gate_p != nullptr ? gate_p + row * gates : nullptr, gates, k_p + kv_row * dim, v_p + kv_row * dv,
+                   beta_p[row], q_p + row * dim, gamma_p != nullptr ? gamma_p[row] : T(1),
+                   read_weight != nullptr ? read_weight[row] : T(1), static_cast<T>(scale), slot, ring, features,
+                   cache, recalled.data(), scores.data(), factor.data(), out_p + row * dv);
     }
   });
 }
@@ -242,6 +266,39 @@ at::Tensor sparse_delta_token(at::Tensor memory, const at::Tensor& qf, const std
 // The Hedgehog map of one token per (b, h), unit-normalised (linattn.feature_maps.HedgehogFeatureMap.features,
 // then linattn.features.unit_rows): z = W x + b, phi = [softmax(z), softmax(-z)]; keys phi e^{clamp(u.x)} + floor,
 // queries phi + floor; then f / max(|f|, 1e-12). x (B, H, d); weight (H | 1, m, d), bias (H | 1, m), u (H | 1, d).
+// one row x (d) of it: w (m, d) and b (m) the row's head's, u (d) its key weight's (null: a query); z scratch (m)
+template <typename T>
+void hedgehog_row(const T* xr, const T* w, const T* b, const T* u, int64_t m, int64_t dim, double limit,
+                  double floor, T* f, T* z) {
+  T top = -std::numeric_limits<T>::infinity(), bottom = std::numeric_limits<T>::infinity();
+  for (int64_t i = 0; i < m; ++i) {
+    z[i] = dot(w + i * dim, xr, dim) + b[i];
+    top = z[i] > top ? z[i] : top;
+    bottom = z[i] < bottom ? z[i] : bottom;
+  }
+  T up = 0, down = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    f[i] = std::exp(z[i] - top);
+    f[m + i] = std::exp(bottom - z[i]);
+    up += f[i];
+    down += f[m + i];
+  }
+  T scale = T(1);
+  if (u != nullptr) {  // a key: its learned weight e^{u.k}, u.k clipped to +-limit
+    T logit = dot(u, xr, dim);
+    logit = std::min(std::max(logit, static_cast<T>(-limit)), static_cast<T>(limit));
+    scale = std::exp(logit);
+  }
+  T norm = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    f[i] = static_cast<T>(floor) + (f[i] / up) * scale;
+    f[m + i] = static_cast<T>(floor) + (f[m + i] / down) * scale;
+    norm += f[i] * f[i] + f[m + i] * f[m + i];
+  }
+  const T inverse = T(1) / std::max(std::sqrt(norm), static_cast<T>(1e-12));
+  for (int64_t i = 0; i < 2 * m; ++i) f[i] *= inverse;
+}
+
 template <typename T>
 void hedgehog(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
               const std::optional<at::Tensor>& gate, double limit, double floor, at::Tensor& out) {
@@ -256,35 +313,8 @@ void hedgehog(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& b
     std::vector<T> z(m);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t h = shared ? 0 : row % heads;
-      const T* xr = x_p + row * dim;
-      T* f = out_p + row * 2 * m;
-      T top = -std::numeric_limits<T>::infinity(), bottom = std::numeric_limits<T>::infinity();
-      for (int64_t i = 0; i < m; ++i) {
-        z[i] = dot(w_p + (h * m + i) * dim, xr, dim) + b_p[h * m + i];
-        top = z[i] > top ? z[i] : top;
-        bottom = z[i] < bottom ? z[i] : bottom;
-      }
-      T up = 0, down = 0;
-      for (int64_t i = 0; i < m; ++i) {
-        f[i] = std::exp(z[i] - top);
-        f[m + i] = std::exp(bottom - z[i]);
-        up += f[i];
-        down += f[m + i];
-      }
-      T scale = T(1);
-      if (u_p != nullptr) {  // a key: its learned weight e^{u.k}, u.k clipped to +-limit
-        T logit = dot(u_p + h * dim, xr, dim);
-        logit = std::min(std::max(logit, static_cast<T>(-limit)), static_cast<T>(limit));
-        scale = std::exp(logit);
-      }
-      T norm = 0;
-      for (int64_t i = 0; i < m; ++i) {
-        f[i] = static_cast<T>(floor) + (f[i] / up) * scale;
-        f[m + i] = static_cast<T>(floor) + (f[m + i] / down) * scale;
-        norm += f[i] * f[i] + f[m + i] * f[m + i];
-      }
-      const T inverse = T(1) / std::max(std::sqrt(norm), static_cast<T>(1e-12));
-      for (int64_t i = 0; i < 2 * m; ++i) f[i] *= inverse;
+      hedgehog_row<T>(x_p + row * dim, w_p + h * m * dim, b_p + h * m, u_p != nullptr ? u_p + h * dim : nullptr, m,
+                      dim, limit, floor, out_p + row * 2 * m, z.data());
     }
   });
 }
@@ -301,6 +331,16 @@ at::Tensor hedgehog_unit_features(const at::Tensor& x, const at::Tensor& weight,
 // A token's write strength and per-head log-gate from its keys (linattn.nn.KeyGates with gate="token"):
 // u = log1p(sqrt(k_i^2 + k_{i+d/2}^2 + 1e-12)), beta = sigmoid(u.w_b + b_b), g = logsigmoid(u.w_g + b_g), each key
 // head's pair repeated over its group of query heads. k (B, Hkv, d) -> beta (B, H), g (B, H).
+// one key row kr (d) of key head h: its beta and log-gate; u scratch (d/2)
+template <typename T>
+void gate_row(const T* kr, int64_t half, const T* beta_w, T beta_b, const T* gate_w, T gate_b, T* u, T& s, T& g) {
+  for (int64_t i = 0; i < half; ++i) u[i] = std::log1p(std::sqrt(kr[i] * kr[i] + kr[half + i] * kr[half + i] + T(1e-12)));
+  const T strength = dot(u, beta_w, half) + beta_b;
+  const T logit = dot(u, gate_w, half) + gate_b;
+  s = T(1) / (T(1) + std::exp(-strength));
+  g = std::min(logit, T(0)) - std::log1p(std::exp(-std::abs(logit)));
+}
+
 template <typename T>
 void gates(const at::Tensor& k, const at::Tensor& beta_w, const at::Tensor& beta_b, const at::Tensor& gate_w,
            const at::Tensor& gate_b, at::Tensor& beta, at::Tensor& log_gate) {
@@ -310,12 +350,9 @@ void gates(const at::Tensor& k, const at::Tensor& beta_w, const at::Tensor& beta
   std::vector<T> u(half);
   for (int64_t row = 0; row < batch * kv_heads; ++row) {
     const int64_t h = row % kv_heads, b = row / kv_heads;
-    const T* kr = k_p + row * dim;
-    for (int64_t i = 0; i < half; ++i) u[i] = std::log1p(std::sqrt(kr[i] * kr[i] + kr[half + i] * kr[half + i] + T(1e-12)));
-    const T strength = dot(u.data(), beta_w.data_ptr<T>() + h * half, half) + beta_b.data_ptr<T>()[h];
-    const T logit = dot(u.data(), gate_w.data_ptr<T>() + h * half, half) + gate_b.data_ptr<T>()[h];
-    const T s = T(1) / (T(1) + std::exp(-strength));
-    const T g = std::min(logit, T(0)) - std::log1p(std::exp(-std::abs(logit)));
+    T s, g;
+    gate_row<T>(k_p + row * dim, half, beta_w.data_ptr<T>() + h * half, beta_b.data_ptr<T>()[h],
+                gate_w.data_ptr<T>() + h * half, gate_b.data_ptr<T>()[h], u.data(), s, g);
     for (int64_t j = 0; j < group; ++j) {
       beta.data_ptr<T>()[b * heads + h * group + j] = s;
       log_gate.data_ptr<T>()[b * heads + h * group + j] = g;
@@ -333,6 +370,104 @@ std::tuple<at::Tensor, at::Tensor> key_gates(const at::Tensor& k, const at::Tens
   return {beta, log_gate};
 }
 
+// One decoding token of a layer's attention from its raw q (B, H, 1, d), k and v (B, Hkv, 1, .) to its output
+// (B, H, 1, Dv), in one parallel region over the rows (b, h): the token's beta and log-gate from the key of the
+// row's key head (gate_row, as key_gates; without gates the fixed beta (B*H,)), its log-decay the fixed rate's
+// (log_rate (B*H,) fp64, or none) plus the gate's; the Hedgehog unit features of the query and, when it writes,
+// of the key leaving the window (hedgehog_row: weights (H | 1, m, d), biases (H | 1, m), the key weight's u
+// (H | 1, d)); then token_row. leaving = t - W: at or past the sinks its key writes (unless kept false, or the
+// last boundary kept it: `stays` (B*H, W) at column stays_col); a sink (0 <= leaving < sinks) becomes a separate
+// exact key. The sparse cache's arguments as sparse_delta_token's (all or none). The same arithmetic as the
+// three calls key_gates, hedgehog_unit_features and delta_window_token / sparse_delta_token, the same results.
+at::Tensor layer_token(at::Tensor memory, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& q_weight, const at::Tensor& q_bias, const at::Tensor& k_weight,
+                       const at::Tensor& k_bias, const at::Tensor& k_gate, double limit, double floor,
+                       const std::optional<at::Tensor>& beta_w, const std::optional<at::Tensor>& beta_b,
+                       const std::optional<at::Tensor>& gate_w, const std::optional<at::Tensor>& gate_b,
+                       const at::Tensor& fixed_beta, const std::optional<at::Tensor>& log_rate, at::Tensor keys,
+                       at::Tensor values, at::Tensor kept, at::Tensor live, at::Tensor betas, int64_t slot,
+                       int64_t leaving, int64_t sinks, const std::optional<at::Tensor>& gamma, double scale,
+                       const std::optional<at::Tensor>& stays, int64_t stays_col,
+                       const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& positions,
+                       const std::optional<at::Tensor>& cached_keys, const std::optional<at::Tensor>& cached_values,
+                       int64_t limit_position, const std::optional<at::Tensor>& weight) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(-1), kv_heads = k.size(1);
+  const int64_t group = heads / kv_heads, features = memory.size(-2), dv = memory.size(-1);
+  const int64_t m = q_weight.size(1), half = dim / 2;
+  at::Tensor out = at::empty({batch, heads, 1, dv}, memory.options());
+  Cache cache;
+  if (rows) {
+    cache.stays = stays->data_ptr<bool>() + stays_col;
+    cache.stays_row = stays->size(-1);
+    cache.rows = rows->data_ptr<int64_t>();
+    cache.positions = positions->data_ptr<int64_t>();
+    cache.keys = cached_keys->data_ptr();
+    cache.values = cached_values->data_ptr();
+    cache.weight = weight ? weight->data_ptr() : nullptr;
+    cache.slots = positions->size(-1);
+    cache.limit = limit_position;
+  }
+  if (leaving >= 0 && leaving < sinks) live.data_ptr<bool>()[leaving] = true;  // a sink leaves the window
+  live.data_ptr<bool>()[slot] = true;  // the new token's slot holds an exact key from now on
+  const bool key_writes = leaving >= sinks;
+  AT_DISPATCH_FLOATING_TYPES(memory.scalar_type(), "layer_token", [&] {
+    using T = scalar_t;
+    const Ring<T> ring = ring_of<T>(keys, values, kept, live, betas);
+    const T* q_p = q.data_ptr<T>();
+    const T* k_p = k.data_ptr<T>();
+    const T* v_p = v.data_ptr<T>();
+    const T *qw = q_weight.data_ptr<T>(), *qb = q_bias.data_ptr<T>();
+    const T *kw = k_weight.data_ptr<T>(), *kb = k_bias.data_ptr<T>(), *ku = k_gate.data_ptr<T>();
+    const bool q_shared = q_weight.size(0) == 1, k_shared = k_weight.size(0) == 1;
+    const bool gated = beta_w.has_value();
+    const T* bw = gated ? beta_w->data_ptr<T>() : nullptr;
+    const T* bb = gated ? beta_b->data_ptr<T>() : nullptr;
+    const T* gw = gated ? gate_w->data_ptr<T>() : nullptr;
+    const T* gb = gated ? gate_b->data_ptr<T>() : nullptr;
+    const T* fixed = fixed_beta.data_ptr<T>();
+    const double* rate = log_rate ? log_rate->data_ptr<double>() : nullptr;
+    const T* gamma_p = gamma ? gamma->data_ptr<T>() : nullptr;
+    const T* read_weight = static_cast<const T*>(cache.weight);
+    T* mem = memory.data_ptr<T>();
+    T* out_p = out.data_ptr<T>();
+    at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<T> z(m), qf(features), kf(features), u(std::max<int64_t>(half, 1)), recalled(dv);
+      std::vector<T> scores(ring.slots + cache.slots), factor(features);
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t b = row / heads, h = row % heads, head_kv = h / group, kv_row = b * kv_heads + head_kv;
+        T beta_new = fixed[row];
+        double g[1];
+        const double* g_p = nullptr;
+        if (gated) {
+          T strength, gate;
+          gate_row<T>(k_p + kv_row * dim, half, bw + head_kv * half, bb[head_kv], gw + head_kv * half, gb[head_kv],
+                      u.data(), strength, gate);
+          beta_new = strength;
+          g[0] = rate != nullptr ? rate[row] + static_cast<double>(gate) : static_cast<double>(gate);
+          g_p = g;
+        } else if (rate != nullptr) {
+          g[0] = rate[row];
+          g_p = g;
+        }
+        const int64_t hq = q_shared ? 0 : h, hk = k_shared ? 0 : h;
+        hedgehog_row<T>(q_p + row * dim, qw + hq * m * dim, qb + hq * m, nullptr, m, dim, limit, floor, qf.data(),
+                        z.data());
+        const bool writes = key_writes && ring.kept[row * ring.slots + slot]
+                            && (cache.stays == nullptr || !cache.stays[row * cache.stays_row]);
+        if (writes)
+          hedgehog_row<T>(ring.keys + (row * ring.slots + slot) * dim, kw + hk * m * dim, kb + hk * m,
+                          ku + hk * dim, m, dim, limit, floor, kf.data(), z.data());
+        token_row<T>(row, mem + row * features * dv, qf.data(), writes ? kf.data() : nullptr, g_p, 1,
+                     k_p + kv_row * dim, v_p + kv_row * dv, beta_new, q_p + row * dim,
+                     gamma_p != nullptr ? gamma_p[row] : T(1), read_weight != nullptr ? read_weight[row] : T(1),
+                     static_cast<T>(scale), slot, ring, features, cache, recalled.data(), scores.data(),
+                     factor.data(), out_p + row * dv);
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -342,4 +477,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "delta_window_token beside the sparse exact cache, between two boundaries (see decode.cpp)");
   m.def("hedgehog_unit_features", &hedgehog_unit_features, "the Hedgehog map's unit features of one token");
   m.def("key_gates", &key_gates, "beta and a per-head log-gate of one token from its keys (KeyGates)");
+  m.def("layer_token", &layer_token,
+        "one decoding token of a layer's attention from its raw q, k, v: gates, maps and token fused (see decode.cpp)");
 }
