@@ -46,6 +46,10 @@ ring slot, and the window's combiner gives the output (:mod:`linattn.exact.compo
 chosen against the decayed sums or the delta memory, and the step's decay precedes the writes of the pairs leaving
 the exact part at that step (the dropped cached pairs, then the key leaving the window;
 :mod:`linattn.exact.sparse_composed_step`).
+
+Both also take a layer's whole token in one C++ call on the CPU (``fused_token``: the key gates' β and log-gate, the
+Hedgehog maps and the token, from the layer's raw q, k and v; :mod:`linattn.backends.native`), which
+:mod:`linattn.hf_cache` tries first; where it declines, the step's own call runs.
 """
 
 from __future__ import annotations

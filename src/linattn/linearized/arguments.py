@@ -108,7 +108,7 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
     add("--end-to-end-long-steps", type=int, default=None, metavar="N", help="then N more end-to-end steps on the "
         "samples' copying sequences alone, their gaps drawn from --end-to-end-long-gap (the stage long_gaps: what "
         "the first steps teach at every distance, these hold at the longest). Default: "
-        f"{LONG_GAP_STEPS}, or with --budget 60 % of the end-to-end time; 0 with --lora (not taken there). 0: none")
+        f"{LONG_GAP_STEPS}, or with --budget 60 %% of the end-to-end time; 0 with --lora (not taken there). 0: none")
     add("--end-to-end-long-gap", type=int, nargs=2, default=list(LONG_GAP_TOKENS), metavar=("LOW", "HIGH"),
         help="the long_gaps stage's copying gaps (uniform draws)")
     add("--init-from", default=None, metavar="RUN", help="start from another finished run's trained student instead "
