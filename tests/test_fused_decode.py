@@ -143,6 +143,8 @@ def test_the_fused_token_declines_what_it_does_not_take(kernels):
         feature = KeyGates(2, D, gate="feature", num_features=12).double()
         assert step.fused_token(*token, feature) is None
         assert step.fused_token(q[..., 1:3, :], k[..., 1:3, :], v[..., 1:3, :], gates) is None  # two tokens
+        assert step.fused_token(*token, KeyGates(1, D).double()) is None  # gates for another number of key heads
+        assert step.fused_token(*token, KeyGates(2, 2 * D).double()) is None  # for another head size
     with torch.enable_grad():
         assert step.fused_token(*token, gates) is None
     class Other(HedgehogFeatureMap):  # a subclass may change the map: its features stay in torch

@@ -82,6 +82,8 @@ def fused_arguments(step: Any, gates: Any, rows: int) -> tuple[Any, ...] | None:
                 or gate_b is None or beta_w.dtype != dtype or beta_w.device != query[0].device:
             return None
         heads_kv, half = beta_w.shape
+        if 2 * half != step.keys.shape[-1]:  # gates made for another head size
+            return None
         gate_args = (beta_w.detach(), beta_b.detach(), gate_w.detach().reshape(heads_kv, half),
                      gate_b.detach().reshape(heads_kv))
     return (*maps, *gate_args, step._fixed_beta.reshape(rows), step._fused_log_rate)
@@ -312,6 +314,7 @@ class ComposedDecodeStep:
         batch, heads, _, dim = self.keys.shape
         if arguments is None or q.shape != (batch, heads, 1, dim) or q.dtype != self.keys.dtype \
                 or k.dim() != 4 or k.shape[0] != batch or k.shape[2] != 1 or heads % k.shape[1] \
+                or (arguments[7] is not None and arguments[7].shape[0] != k.shape[1]) \
                 or v.shape[:3] != k.shape[:3] or v.shape[3] != self.values.shape[-1] or k.dtype != q.dtype \
                 or v.dtype != q.dtype:
             return None

@@ -334,6 +334,7 @@ class SparseComposedDecodeStep:
         dim = self.keys.shape[-1]
         if arguments is None or q.shape != (batch, heads, 1, dim) or q.dtype != self.kv.dtype \
                 or k.dim() != 4 or k.shape[0] != batch or k.shape[2] != 1 or heads % k.shape[1] \
+                or (arguments[7] is not None and arguments[7].shape[0] != k.shape[1]) \
                 or v.shape[:3] != k.shape[:3] or v.shape[3] != values or k.dtype != q.dtype or v.dtype != q.dtype:
             return None
         q = q.contiguous()
