@@ -12,22 +12,16 @@ import pytest
 import torch
 
 import linattn
-from linattn.backends import native
 from linattn.exact.composed_step import ComposedDecodeStep
 from linattn.exact.sparse_composed_step import SparseComposedDecodeStep
 from linattn.feature_maps import HedgehogFeatureMap
 from linattn.nn import KeyGates
 from linattn.state import SparseCache
+from test_native_decode import kernels  # noqa: F401 - the fixture: the built module, or a skip
+
+pytestmark = pytest.mark.usefixtures("kernels")  # every test here needs the build
 
 B, H, N, D, DV, WINDOW, SINKS = 2, 4, 30, 8, 16, 5, 2
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    found = native.module()
-    if found is None:
-        pytest.skip(native.status())
-    return found
 
 
 def _inputs(dtype: torch.dtype, heads_kv: int, gated: bool):
@@ -91,7 +85,7 @@ def _states_equal(mine, theirs, atol: float) -> None:
 @pytest.mark.parametrize("heads_kv", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("factor", [None, 0.7], ids=["no-factor", "factor"])
 @pytest.mark.parametrize("gated", [True, False], ids=["key-gates", "fixed-beta-and-decay"])
-def test_the_fused_token_equals_the_three_calls_and_the_chunked_form(kernels, heads_kv, factor, gated):
+def test_the_fused_token_equals_the_three_calls_and_the_chunked_form(heads_kv, factor, gated):
     got, whole, step, taken = _decode(torch.float64, heads_kv, gated, factor, fused=True)
     reference, _, three, none = _decode(torch.float64, heads_kv, gated, factor, fused=False)
     assert taken == N - max(1, SINKS) and none == 0  # every token but the sinks
@@ -102,7 +96,7 @@ def test_the_fused_token_equals_the_three_calls_and_the_chunked_form(kernels, he
 
 @pytest.mark.parametrize("score", ["recall", "attention"])
 @pytest.mark.parametrize("gated", [True, False], ids=["key-gates", "fixed-beta-and-decay"])
-def test_the_fused_token_beside_the_sparse_cache(kernels, score, gated):
+def test_the_fused_token_beside_the_sparse_cache(score, gated):
     """Between two boundaries the fused call; at a boundary (and for the sinks) it declines and the step decides.
     Per-head budgets with an empty one, λ per head, GQA."""
     def cache() -> SparseCache:
@@ -118,7 +112,7 @@ def test_the_fused_token_beside_the_sparse_cache(kernels, score, gated):
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["window", "sparse-cache"])
-def test_the_fused_token_float32(kernels, sparse):
+def test_the_fused_token_float32(sparse):
     cache = SparseCache(size=4, block=3) if sparse else None
     got, _, _, taken = _decode(torch.float32, 2, True, 0.7, fused=True, cache=cache)
     exact, _, _, _ = _decode(torch.float64, 2, True, 0.7, fused=False,
@@ -127,7 +121,7 @@ def test_the_fused_token_float32(kernels, sparse):
     assert float((got.double() - exact).abs().max()) <= 2e-6 * float(exact.abs().max())
 
 
-def test_the_fused_token_declines_what_it_does_not_take(kernels):
+def test_the_fused_token_declines_what_it_does_not_take():
     """None (the step's own call runs) for gradients, per-feature gates, another dtype, a sink, a map in torch."""
     q, k, v, fmap, gates = _inputs(torch.float64, 2, True)
     common = {"window": WINDOW, "sinks": SINKS, "update": "delta"}
@@ -154,7 +148,7 @@ def test_the_fused_token_declines_what_it_does_not_take(kernels):
     assert ComposedDecodeStep(other, state, common).fused_token(*token, gates) is None
 
 
-def test_a_linearized_model_generates_through_the_fused_token(kernels, monkeypatch):
+def test_a_linearized_model_generates_through_the_fused_token(monkeypatch):
     """A tiny Llama with per-head Hedgehog maps, key gates with a read-out weight, the delta rule beside the window
     and the sparse cache: generation through the transformers cache takes the fused call between boundaries and
     equals recomputing every token."""

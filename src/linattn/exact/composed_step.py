@@ -89,6 +89,17 @@ def fused_arguments(step: Any, gates: Any, rows: int) -> tuple[Any, ...] | None:
     return (*maps, *gate_args, step._fixed_beta.reshape(rows), step._fused_log_rate)
 
 
+def fused_takes(arguments: tuple[Any, ...] | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                shape: tuple[int, int, int, int], dtype: torch.dtype) -> bool:
+    """Whether a step's fused call takes this token: :func:`fused_arguments` made, q (B, H, 1, d) for ``shape``
+    (B, H, d, Dv) in the step's ``dtype``, k and v one token of key heads that divide H (and are the gates')."""
+    batch, heads, dim, values = shape
+    return not (arguments is None or q.shape != (batch, heads, 1, dim) or q.dtype != dtype
+                or k.dim() != 4 or k.shape[0] != batch or k.shape[2] != 1 or heads % k.shape[1]
+                or (arguments[7] is not None and arguments[7].shape[0] != k.shape[1])
+                or v.shape[:3] != k.shape[:3] or v.shape[3] != values or k.dtype != q.dtype or v.dtype != q.dtype)
+
+
 class ComposedDecodeStep:
     """The window op with a decayed, gated or delta-rule linear part, one token at a time, from the
     :class:`~linattn.WindowAttentionState` such a call returned (batch shape (B, H)); the options as given to
@@ -312,12 +323,9 @@ class ComposedDecodeStep:
             self._fused = (gates, fused_arguments(self, gates, rows) if self.lean and self.delta is not None else None)
         arguments = self._fused[1]
         batch, heads, _, dim = self.keys.shape
-        if arguments is None or q.shape != (batch, heads, 1, dim) or q.dtype != self.keys.dtype \
-                or k.dim() != 4 or k.shape[0] != batch or k.shape[2] != 1 or heads % k.shape[1] \
-                or (arguments[7] is not None and arguments[7].shape[0] != k.shape[1]) \
-                or v.shape[:3] != k.shape[:3] or v.shape[3] != self.values.shape[-1] or k.dtype != q.dtype \
-                or v.dtype != q.dtype:
+        if not fused_takes(arguments, q, k, v, (batch, heads, dim, self.values.shape[-1]), self.keys.dtype):
             return None
+        assert arguments is not None
         delta = self.delta
         assert delta is not None
         position = self.num_tokens

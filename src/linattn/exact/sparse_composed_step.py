@@ -38,7 +38,7 @@ from ..feature_maps import HedgehogFeatureMap
 from ..features import NEG_INF, finite, is_log_space, map_features, scale_between, stabilise_queries, unit_rows
 from ..kinds._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
 from ..state import DeltaRuleState, LinearAttentionState, SparseCache, SparseCacheState, WindowAttentionState
-from .composed_step import fill_slots, fused_arguments
+from .composed_step import fill_slots, fused_arguments, fused_takes
 from .forms.boundary import attention_scores, choose, oracle_scores, recall_scores
 
 # a write into the linear state: keys (R, d), values (R, Dv), strength (R,), and the keys' features (R, F) or None
@@ -332,11 +332,9 @@ class SparseComposedDecodeStep:
         arguments = self._fused[1]
         batch, heads, _, values = self.shape
         dim = self.keys.shape[-1]
-        if arguments is None or q.shape != (batch, heads, 1, dim) or q.dtype != self.kv.dtype \
-                or k.dim() != 4 or k.shape[0] != batch or k.shape[2] != 1 or heads % k.shape[1] \
-                or (arguments[7] is not None and arguments[7].shape[0] != k.shape[1]) \
-                or v.shape[:3] != k.shape[:3] or v.shape[3] != values or k.dtype != q.dtype or v.dtype != q.dtype:
+        if not fused_takes(arguments, q, k, v, (batch, heads, dim, values), self.kv.dtype):
             return None
+        assert arguments is not None
         q = q.contiguous()
         out = self._kernels.layer_token(
             self.kv, q, k.contiguous(), v.contiguous(), *arguments, self.keys, self.values, self.kept, self.live,

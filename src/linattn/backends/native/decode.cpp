@@ -47,6 +47,24 @@ struct Cache {
   int64_t slots = 0, limit = -1;
 };
 
+// The Cache of a call's arguments: stays read from entry `stays_col` on, rows `stays.size(-1)` entries apart (a
+// column (B*H,): 1)
+Cache cache_of(const at::Tensor& stays, int64_t stays_col, const at::Tensor& rows, const at::Tensor& positions,
+               const at::Tensor& cached_keys, const at::Tensor& cached_values, int64_t limit,
+               const std::optional<at::Tensor>& weight) {
+  Cache cache;
+  cache.stays = stays.data_ptr<bool>() + stays_col;
+  cache.stays_row = stays.dim() > 1 ? stays.size(-1) : 1;
+  cache.rows = rows.data_ptr<int64_t>();
+  cache.positions = positions.data_ptr<int64_t>();
+  cache.keys = cached_keys.data_ptr();
+  cache.values = cached_values.data_ptr();
+  cache.weight = weight ? weight->data_ptr() : nullptr;
+  cache.slots = positions.size(-1);
+  cache.limit = limit;
+  return cache;
+}
+
 // The ring of one decoding step: slot s of row r at (r * slots + s); live (slots,) shared by the rows.
 template <typename T>
 struct Ring {
@@ -247,15 +265,7 @@ at::Tensor sparse_delta_token(at::Tensor memory, const at::Tensor& qf, const std
                               const at::Tensor& rows, const at::Tensor& positions, const at::Tensor& cached_keys,
                               const at::Tensor& cached_values, int64_t limit, const std::optional<at::Tensor>& weight) {
   at::Tensor out = at::empty({memory.size(0), memory.size(1), 1, memory.size(3)}, memory.options());
-  Cache cache;
-  cache.stays = stays.data_ptr<bool>();
-  cache.rows = rows.data_ptr<int64_t>();
-  cache.positions = positions.data_ptr<int64_t>();
-  cache.keys = cached_keys.data_ptr();
-  cache.values = cached_values.data_ptr();
-  cache.weight = weight ? weight->data_ptr() : nullptr;
-  cache.slots = positions.size(-1);
-  cache.limit = limit;
+  const Cache cache = cache_of(stays, 0, rows, positions, cached_keys, cached_values, limit, weight);
   AT_DISPATCH_FLOATING_TYPES(memory.scalar_type(), "sparse_delta_token", [&] {
     token<scalar_t>(memory, qf, kf, log_decay, q, k, v, beta_new, keys, values, kept, live, betas, slot, gamma,
                     scale, out, cache);
@@ -395,18 +405,9 @@ at::Tensor layer_token(at::Tensor memory, const at::Tensor& q, const at::Tensor&
   const int64_t group = heads / kv_heads, features = memory.size(-2), dv = memory.size(-1);
   const int64_t m = q_weight.size(1), half = dim / 2;
   at::Tensor out = at::empty({batch, heads, 1, dv}, memory.options());
-  Cache cache;
-  if (rows) {
-    cache.stays = stays->data_ptr<bool>() + stays_col;
-    cache.stays_row = stays->size(-1);
-    cache.rows = rows->data_ptr<int64_t>();
-    cache.positions = positions->data_ptr<int64_t>();
-    cache.keys = cached_keys->data_ptr();
-    cache.values = cached_values->data_ptr();
-    cache.weight = weight ? weight->data_ptr() : nullptr;
-    cache.slots = positions->size(-1);
-    cache.limit = limit_position;
-  }
+  const Cache cache = rows ? cache_of(*stays, stays_col, *rows, *positions, *cached_keys, *cached_values,
+                                      limit_position, weight)
+                           : Cache();
   if (leaving >= 0 && leaving < sinks) live.data_ptr<bool>()[leaving] = true;  // a sink leaves the window
   live.data_ptr<bool>()[slot] = true;  // the new token's slot holds an exact key from now on
   const bool key_writes = leaving >= sinks;
