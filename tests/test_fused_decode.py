@@ -24,11 +24,12 @@ pytestmark = pytest.mark.usefixtures("kernels")  # every test here needs the bui
 B, H, N, D, DV, WINDOW, SINKS = 2, 4, 30, 8, 16, 5, 2
 
 
-def _inputs(dtype: torch.dtype, heads_kv: int, gated: bool):
-    """q, k, v, the per-head Hedgehog map and the key gates (None: a fixed β and decay), drawn in float64."""
+def _inputs(dtype: torch.dtype, heads_kv: int, gated: bool, readout: bool = False):
+    """q, k, v, the per-head Hedgehog map and the key gates (None: a fixed β and decay; ``readout``: with a
+    read-out weight λ), drawn in float64."""
     gen = torch.Generator().manual_seed(5)
     fmap = HedgehogFeatureMap(head_dim=D, num_features=6, num_heads=H).double()
-    gates = KeyGates(heads_kv, D).double() if gated else None
+    gates = KeyGates(heads_kv, D, readout=readout).double() if gated else None
     with torch.no_grad():
         for parameter in [*fmap.parameters(), *(gates.parameters() if gates is not None else [])]:
             parameter.add_(torch.randn(parameter.shape, generator=gen, dtype=torch.float64) * 0.5)
@@ -39,9 +40,14 @@ def _inputs(dtype: torch.dtype, heads_kv: int, gated: bool):
 
 
 def _decode(dtype: torch.dtype, heads_kv: int, gated: bool, factor: float | None, fused: bool,
-            cache: SparseCache | None = None, prompt: int = 1):
-    """(the stepped outputs, the chunked form's for the same tokens, the step, tokens the fused call took)."""
-    q, k, v, fmap, gates = _inputs(dtype, heads_kv, gated)
+            cache: SparseCache | None = None, prompt: int = 1, readout: bool = False):
+    """(the stepped outputs, the chunked form's for the same tokens, the step, tokens the fused call took).
+    ``readout``: key gates with a read-out weight λ, the layer A + λ·R as linattn.hf computes it (γ = 1/λ, the
+    output times λ: the fused call's own, the others' here)."""
+    q, k, v, fmap, gates = _inputs(dtype, heads_kv, gated, readout)
+    weight = gates.readout_weight(H).detach() if readout else None
+    if weight is not None:
+        factor = 1.0 / weight
     common = {"window": WINDOW, "sinks": SINKS, "window_factor": factor, "update": "delta"}
     if cache is not None:
         common["sparse_cache"] = cache
@@ -66,9 +72,11 @@ def _decode(dtype: torch.dtype, heads_kv: int, gated: bool, factor: float | None
                 arguments = gates.step_arguments(args[1], H) if gates is not None else {}
                 assert gates is None or arguments is not None  # the three calls: key_gates, the maps, the token
                 out = step(*args, **arguments)
+                out = out if weight is None else out * weight[:, None, None]
             else:
                 taken += 1
             outs.append(out)
+    whole = whole if weight is None else whole * weight[:, None, None]
     return torch.cat(outs, dim=-2), whole[..., prompt:, :], step, taken
 
 
@@ -108,6 +116,22 @@ def test_the_fused_token_beside_the_sparse_cache(score, gated):
     assert taken == N - SINKS - boundaries
     torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
     torch.testing.assert_close(got, whole, rtol=0, atol=1e-10)
+    _states_equal(step.state(), three.state(), atol=1e-12)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["window", "sparse-cache"])
+def test_the_fused_token_weighs_its_output_by_the_gates_read_out_weight(sparse):
+    """Key gates with a read-out weight: the fused call's output is λ times the step's (A + λ·R with γ = 1/λ)."""
+    def cache() -> SparseCache | None:
+        return SparseCache(size=(0, 3, 2, 4), block=3, linear_weight=(1.0, 0.5, 1.0, 0.25)) if sparse else None
+
+    got, whole, step, taken = _decode(torch.float64, 2, True, None, fused=True, cache=cache(), readout=True)
+    reference, _, three, _ = _decode(torch.float64, 2, True, None, fused=False, cache=cache(), readout=True)
+    unweighted, _, _, _ = _decode(torch.float64, 2, True, None, fused=False, cache=cache())
+    assert taken > 0
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got, whole, rtol=0, atol=1e-10)
+    assert float((got - unweighted).abs().max()) > 1e-3  # λ (about 0.02 before the draw) changes the output
     _states_equal(step.state(), three.state(), atol=1e-12)
 
 

@@ -146,13 +146,15 @@ def linattn_attention_forward(
     c = math.sqrt(s * math.sqrt(head_dim))  # maps are built for 1/√d: c²/√d = s (module docstring)
     if c != 1.0:
         query, key = query * c, key * c
-    fmap, options = _feature_map_of(module, head_dim), getattr(module, OPTIONS_ATTRIBUTE, None) or {}
     gates = getattr(module, GATES_ATTRIBUTE, None)  # per-token β / log-gates from the keys (linattn.nn.KeyGates)
+    if layer is not None and num_queries == 1:
+        out = _hf_cache().fused_token(layer, query, key, value, keep, gates)  # λ included: one C++ call
+        if out is not None:
+            return out.transpose(1, 2), None  # (B, 1, H, dv): the size-1 dim moved, contiguous as it is
+    fmap, options = _feature_map_of(module, head_dim), getattr(module, OPTIONS_ATTRIBUTE, None) or {}
     options, weight = readout_options(gates, query.shape[1], options)
     if layer is not None:
-        from .hf_cache import attend
-
-        out = attend(layer, fmap, query, key, value, keep, options, gates)
+        out = _hf_cache().attend(layer, fmap, query, key, value, keep, options, gates)
         out = out if weight is None else out * weight.to(out.dtype)[:, None, None]
         return out.transpose(1, 2).contiguous(), None
     if causal and num_queries < num_keys:
@@ -187,12 +189,25 @@ def readout_options(gates: Any, heads: int, options: dict[str, Any]) -> tuple[di
     return {**options, "window_factor": 1.0 / weight}, weight
 
 
+_HF_CACHE: Any = None  # linattn.hf_cache once imported; False: transformers without cache_utils
+
+
+def _hf_cache() -> Any:
+    """:mod:`linattn.hf_cache`, imported at the first call (it needs transformers' cache_utils), or False."""
+    global _HF_CACHE
+    if _HF_CACHE is None:
+        try:
+            from . import hf_cache
+        except ImportError:  # transformers without cache_utils: never a LinearAttentionCache
+            _HF_CACHE = False
+        else:
+            _HF_CACHE = hf_cache
+    return _HF_CACHE
+
+
 def _cache_layer(module: nn.Module, key: torch.Tensor) -> Any:
-    try:
-        from .hf_cache import pending_layer
-    except ImportError:  # transformers without cache_utils: never a LinearAttentionCache
-        return None
-    return pending_layer(module, key)
+    cache = _hf_cache()
+    return cache.pending_layer(module, key) if cache else None
 
 
 def linattn_mask(

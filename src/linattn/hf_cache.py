@@ -206,16 +206,23 @@ def install(model: Any) -> None:
     model._linattn_cache_installed = True
 
 
+def fused_token(layer: StateLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
+                gates: Any = None) -> torch.Tensor | None:
+    """One decoding token (B, H, 1, ·) of a kept key through the layer's step in one C++ call: the gates, the maps,
+    the token and the gates' read-out weight λ (the step's ``fused_token``) → (B, H, 1, dv), updating the state;
+    None where that does not apply (no such step, padding, another shape or dtype: then :func:`attend`)."""
+    fused = getattr(layer.stepper, "fused_token", None)
+    if fused is None or (keep is not None and not bool(keep.all())):
+        return None
+    out: torch.Tensor | None = fused(q, k, v, gates)
+    return out
+
+
 def attend(layer: StateLayer, fmap: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            keep: torch.Tensor | None, options: dict[str, Any], gates: Any = None) -> torch.Tensor:
     """Causal attention of this call's q, k, v (B, H|Hkv, N, ·) after the keys in ``layer``'s state; updates it.
     ``gates``: a module that gives per-token ``beta`` / ``log_gate`` from the keys (:class:`linattn.nn.KeyGates`)."""
     if layer.stepper is not None and q.shape[-2] == 1:
-        fused = getattr(layer.stepper, "fused_token", None)  # the gates, maps and token in one C++ call
-        if fused is not None and (keep is None or bool(keep.all())):
-            out = fused(q, k, v, gates)
-            if out is not None:
-                return out
         if gates is None:
             return layer.stepper(q, k, v, keep)
         if isinstance(layer.stepper, RowSteps):

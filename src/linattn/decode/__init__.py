@@ -48,8 +48,9 @@ the exact part at that step (the dropped cached pairs, then the key leaving the 
 :mod:`linattn.exact.sparse_composed_step`).
 
 Both also take a layer's whole token in one C++ call on the CPU (``fused_token``: the key gates' β and log-gate, the
-Hedgehog maps and the token, from the layer's raw q, k and v; :mod:`linattn.backends.native`), which
-:mod:`linattn.hf_cache` tries first; where it declines, the step's own call runs.
+Hedgehog maps, the token and the gates' read-out weight λ, from the layer's raw q, k and v;
+:mod:`linattn.backends.native`), which :mod:`linattn.hf`'s attention function tries first, before it builds the
+call's options; where it declines, the step's own call runs.
 """
 
 from __future__ import annotations

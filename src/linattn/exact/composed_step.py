@@ -65,27 +65,30 @@ def fill_slots(step: Any, state: WindowAttentionState, first: int) -> None:
 def fused_arguments(step: Any, gates: Any, rows: int) -> tuple[Any, ...] | None:
     """The arguments a step's :meth:`fused_token` passes to :func:`linattn.backends.native` ``layer_token`` after
     q, k and v: the Hedgehog map's (queries, then keys), the gates' (``gates``: a
-    :class:`~linattn.nn.KeyGates` with β and a per-token gate, its parameters read in place; None: the step's fixed
-    β), the fixed β per row and the fixed log-rate per row (fp64, or None); None where the fused call does not
-    apply (no C++ token or Hedgehog map in C++ on this step, other gates, another dtype)."""
+    :class:`~linattn.nn.KeyGates` with β and a per-token gate, its parameters read in place, its read-out weight's
+    ρ where it has one; None: the step's fixed β), the fixed β per row and the fixed log-rate per row (fp64, or
+    None); None where the fused call does not apply (no C++ token or Hedgehog map in C++ on this step, other gates,
+    another dtype)."""
     if step._hedgehog is None:
         return None
     query, key = step._hedgehog[True], step._hedgehog[False]
     maps = (query[0], query[1], key[0], key[1], key[2], key[3], key[4])
     dtype = query[0].dtype
     if gates is None:
-        gate_args: tuple[Any, ...] = (None, None, None, None)
+        gate_args: tuple[Any, ...] = (None, None, None, None, None)
     else:
         beta_w, beta_b = getattr(gates, "beta_weight", None), getattr(gates, "beta_bias", None)
         gate_w, gate_b = getattr(gates, "gate_weight", None), getattr(gates, "gate_bias", None)
+        readout = getattr(gates, "readout", None)
         if getattr(gates, "gate", None) != "token" or beta_w is None or beta_b is None or gate_w is None \
-                or gate_b is None or beta_w.dtype != dtype or beta_w.device != query[0].device:
+                or gate_b is None or beta_w.dtype != dtype or beta_w.device != query[0].device \
+                or (readout is not None and (readout.dtype != dtype or readout.shape != beta_b.shape)):
             return None
         heads_kv, half = beta_w.shape
         if 2 * half != step.keys.shape[-1]:  # gates made for another head size
             return None
         gate_args = (beta_w.detach(), beta_b.detach(), gate_w.detach().reshape(heads_kv, half),
-                     gate_b.detach().reshape(heads_kv))
+                     gate_b.detach().reshape(heads_kv), None if readout is None else readout.detach())
     return (*maps, *gate_args, step._fixed_beta.reshape(rows), step._fused_log_rate)
 
 
@@ -98,6 +101,23 @@ def fused_takes(arguments: tuple[Any, ...] | None, q: torch.Tensor, k: torch.Ten
                 or k.dim() != 4 or k.shape[0] != batch or k.shape[2] != 1 or heads % k.shape[1]
                 or (arguments[7] is not None and arguments[7].shape[0] != k.shape[1])
                 or v.shape[:3] != k.shape[:3] or v.shape[3] != values or k.dtype != q.dtype or v.dtype != q.dtype)
+
+
+def fused_call(step: Any, gates: Any, rows: int, applies: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               shape: tuple[int, int, int, int], dtype: torch.dtype) -> tuple[Any, ...] | None:
+    """A step's :func:`fused_arguments` for ``gates`` (made once per gates, kept in ``step._fused``; none unless
+    ``applies``) where :func:`fused_takes` takes q, k and v (asked once per shapes and dtypes), else None."""
+    memo = step._fused
+    if memo is None or memo[0] is not gates:
+        memo = step._fused = (gates, fused_arguments(step, gates, rows) if applies else None, {})
+    arguments, checked = memo[1], memo[2]
+    if arguments is None:
+        return None
+    seen = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype)
+    takes = checked.get(seen)
+    if takes is None:
+        takes = checked[seen] = fused_takes(arguments, q, k, v, shape, dtype)
+    return arguments if takes else None
 
 
 class ComposedDecodeStep:
@@ -131,7 +151,7 @@ class ComposedDecodeStep:
         self.shift: torch.Tensor | None = None  # log-space additive part: the sums' log-scale R (B, H)
         self._native: Any = None  # the C++ token (linattn.backends.native) for a delta-rule part on the CPU
         self._hedgehog: dict[bool, tuple[Any, ...]] | None = None
-        self._fused: tuple[Any, tuple[Any, ...] | None] | None = None  # (gates, fused_arguments) of the last call
+        self._fused: tuple[Any, tuple[Any, ...] | None, dict[Any, bool]] | None = None  # fused_call's memo
         if isinstance(linear, DeltaRuleState):
             self.delta = DeltaDecodeStep(fmap, linear, beta=options.get("beta"), decay=options.get("decay"))
             if self.native and device.type == "cpu":
@@ -313,19 +333,17 @@ class ComposedDecodeStep:
                     ) -> torch.Tensor | None:
         """One kept token from a layer's q (B, H, 1, d), k and v (B, Hkv, 1, ·), its β and log-gate from the key by
         ``gates`` (:class:`~linattn.nn.KeyGates`; None: the fixed β), in one C++ call (``layer_token``: the gates,
-        the Hedgehog maps and :meth:`_native_token`'s arithmetic, the same values up to rounding) → (B, H, 1, Dv);
-        None where it does not apply (the caller then takes :meth:`__call__`, which checks and explains): a token
-        that is a sink, another dtype or shape, gradients on, no C++ Hedgehog path on this step."""
+        the Hedgehog maps and :meth:`_native_token`'s arithmetic, the same values up to rounding) → (B, H, 1, Dv),
+        times the gates' read-out weight λ where they have one (``readout=True``; :meth:`__call__` leaves λ to its
+        caller); None where it does not apply (the caller then takes :meth:`__call__`, which checks and explains):
+        a token that is a sink, another dtype or shape, gradients on, no C++ Hedgehog path on this step."""
         if not self.fuse or torch.is_grad_enabled() or self.num_tokens < self.sinks or self._native is None:
             return None
-        if self._fused is None or self._fused[0] is not gates:
-            rows = self.keys.shape[0] * self.keys.shape[1]
-            self._fused = (gates, fused_arguments(self, gates, rows) if self.lean and self.delta is not None else None)
-        arguments = self._fused[1]
         batch, heads, _, dim = self.keys.shape
-        if not fused_takes(arguments, q, k, v, (batch, heads, dim, self.values.shape[-1]), self.keys.dtype):
+        arguments = fused_call(self, gates, batch * heads, self.lean and self.delta is not None, q, k, v,
+                               (batch, heads, dim, self.values.shape[-1]), self.keys.dtype)
+        if arguments is None:
             return None
-        assert arguments is not None
         delta = self.delta
         assert delta is not None
         position = self.num_tokens

@@ -38,7 +38,7 @@ from ..feature_maps import HedgehogFeatureMap
 from ..features import NEG_INF, finite, is_log_space, map_features, scale_between, stabilise_queries, unit_rows
 from ..kinds._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
 from ..state import DeltaRuleState, LinearAttentionState, SparseCache, SparseCacheState, WindowAttentionState
-from .composed_step import fill_slots, fused_arguments, fused_takes
+from .composed_step import fill_slots, fused_call
 from .forms.boundary import attention_scores, choose, oracle_scores, recall_scores
 
 # a write into the linear state: keys (R, d), values (R, Dv), strength (R,), and the keys' features (R, F) or None
@@ -128,7 +128,7 @@ class SparseComposedDecodeStep:
         self._cache_rows[budget] = torch.arange(int(budget.sum()), device=device)
         self._fixed_beta = torch.full((rows,), self.beta, dtype=dtype, device=device)
         self._fused_log_rate = None if self.log_rate is None else self.log_rate.reshape(rows).contiguous()
-        self._fused: tuple[Any, tuple[Any, ...] | None] | None = None  # (gates, fused_arguments) of the last call
+        self._fused: tuple[Any, tuple[Any, ...] | None, dict[Any, bool]] | None = None  # fused_call's memo
         self.positions = self._held(held.positions.to(device).reshape(rows, self.slots))
         self.cached_keys = self._held(held.keys.to(device, dtype).reshape(rows, self.slots, dim))
         self.cached_values = self._held(held.values.to(device, dtype).reshape(rows, self.slots, values))
@@ -321,20 +321,19 @@ class SparseComposedDecodeStep:
         """One kept token between two boundaries from a layer's q (B, H, 1, d), k and v (B, Hkv, 1, ·), its β and
         log-gate from the key by ``gates`` (:class:`~linattn.nn.KeyGates`; None: the fixed β), in one C++ call
         (``layer_token``: the gates, the Hedgehog maps and :meth:`_native_token`'s arithmetic, the same values up
-        to rounding) → (B, H, 1, Dv); None where it does not apply (the caller then takes :meth:`__call__`): a
-        boundary, a token that is a sink, another dtype or shape, gradients on, no C++ Hedgehog path here."""
+        to rounding) → (B, H, 1, Dv), times the gates' read-out weight λ where they have one (``readout=True``;
+        :meth:`__call__` leaves λ to its caller); None where it does not apply (the caller then takes
+        :meth:`__call__`): a boundary, a token that is a sink, another dtype or shape, gradients on, no C++
+        Hedgehog path here."""
         t = self.num_tokens
         if not self.fuse or torch.is_grad_enabled() or not self.native or self._kernels is None or t < self.sinks \
                 or (t % self.block == 0 and self.slots):
             return None
-        if self._fused is None or self._fused[0] is not gates:
-            self._fused = (gates, fused_arguments(self, gates, self.kv.shape[0]) if self.delta else None)
-        arguments = self._fused[1]
         batch, heads, _, values = self.shape
-        dim = self.keys.shape[-1]
-        if not fused_takes(arguments, q, k, v, (batch, heads, dim, values), self.kv.dtype):
+        arguments = fused_call(self, gates, self.kv.shape[0], bool(self.delta), q, k, v,
+                               (batch, heads, self.keys.shape[-1], values), self.kv.dtype)
+        if arguments is None:
             return None
-        assert arguments is not None
         q = q.contiguous()
         out = self._kernels.layer_token(
             self.kv, q, k.contiguous(), v.contiguous(), *arguments, self.keys, self.values, self.kept, self.live,
@@ -342,7 +341,7 @@ class SparseComposedDecodeStep:
             self.stays, t % self.window, self._cache_rows, self.positions, self.cached_keys, self.cached_values,
             t - self.window, self.linear_weight)
         if self.queries is not None:
-            self.queries[:, t % self.block] = q.reshape(batch * heads, dim)
+            self.queries[:, t % self.block] = q.reshape(batch * heads, -1)
         self.num_tokens = t + 1
         return out
 

@@ -12,7 +12,8 @@ delta family beside the window), ``sparse_delta_token`` (the same beside the spa
 boundaries: :class:`~linattn.exact.sparse_composed_step.SparseComposedDecodeStep`), ``hedgehog_unit_features`` (the
 Hedgehog map of one token, normalised) and ``key_gates`` (:meth:`linattn.nn.KeyGates.step_arguments`). A fifth,
 ``layer_token``, fuses the three a layer's token needs (the gates, the maps and either token) into one parallel
-pass from the layer's raw q, k and v (the steps' ``fused_token``, which :mod:`linattn.hf_cache` calls first).
+pass from the layer's raw q, k and v to its output, times the key gates' read-out weight λ (the steps'
+``fused_token``, which :mod:`linattn.hf`'s attention function calls first).
 
 What ``causal`` is for: a causal forward without gradients (inference, a prompt's prefill) spends most of its time
 in the chunked forms' passes over whole tensors; causal.cpp runs the recurrence token by token with each (batch,

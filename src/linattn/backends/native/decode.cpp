@@ -102,39 +102,38 @@ void token_row(int64_t row, T* S, const T* qrow, const T* krow, const double* g,
   } else {
     for (int64_t f = 0; f < features; ++f) factor[f] = T(1);
   }
-  // the leaving key's write: u = beta (v - S^T kf) after the decay; then S += kf u^T and the read S^T qf
+  // the leaving key's write: u = beta (v - (diag(a) S)^T kf); then S <- diag(a) S + kf u^T and the read S^T qf.
+  // S is read once for u (not written: the decay is applied on the way) and once more to update and read it.
   const bool writes = krow != nullptr && kept_p[slot]  // a masked key: its features unread
                       && (cache.stays == nullptr || !cache.stays[row * cache.stays_row]);
   const T strength = writes ? ring.betas[row * slots + slot] : T(0);
-  for (int64_t j = 0; j < dv; ++j) recalled[j] = T(0);
-  for (int64_t f = 0; f < features; ++f) {
-    T* s = S + f * dv;
-    const T a = factor[f];
-    if (writes) {
-      const T kv = krow[f];
-#pragma omp simd
-      for (int64_t j = 0; j < dv; ++j) {
-        s[j] *= a;
-        recalled[j] += kv * s[j];
-      }
-    } else if (g != nullptr) {
-#pragma omp simd
-      for (int64_t j = 0; j < dv; ++j) s[j] *= a;
-    }
-  }
-  for (int64_t j = 0; j < dv; ++j) o[j] = T(0);
   if (writes) {
+    for (int64_t j = 0; j < dv; ++j) recalled[j] = T(0);
+    for (int64_t f = 0; f < features; ++f) {
+      const T* s = S + f * dv;
+      const T ka = krow[f] * factor[f];
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) recalled[j] += ka * s[j];
+    }
     const T* old = value_slots + slot * dv;
     for (int64_t j = 0; j < dv; ++j) recalled[j] = strength * (old[j] - recalled[j]);  // u
   }
+  for (int64_t j = 0; j < dv; ++j) o[j] = T(0);
   for (int64_t f = 0; f < features; ++f) {
     T* s = S + f * dv;
+    const T a = factor[f];
     const T qv = read * qrow[f];
     if (writes) {
       const T kv = krow[f];
 #pragma omp simd
       for (int64_t j = 0; j < dv; ++j) {
-        s[j] += kv * recalled[j];
+        s[j] = a * s[j] + kv * recalled[j];
+        o[j] += qv * s[j];
+      }
+    } else if (g != nullptr) {
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) {
+        s[j] *= a;
         o[j] += qv * s[j];
       }
     } else {
@@ -388,13 +387,16 @@ std::tuple<at::Tensor, at::Tensor> key_gates(const at::Tensor& k, const at::Tens
 // (H | 1, d)); then token_row. leaving = t - W: at or past the sinks its key writes (unless kept false, or the
 // last boundary kept it: `stays` (B*H, W) at column stays_col); a sink (0 <= leaving < sinks) becomes a separate
 // exact key. The sparse cache's arguments as sparse_delta_token's (all or none). The same arithmetic as the
-// three calls key_gates, hedgehog_unit_features and delta_window_token / sparse_delta_token, the same results.
+// three calls key_gates, hedgehog_unit_features and delta_window_token / sparse_delta_token, the same results;
+// with `readout` (Hkv,) the output times sigmoid(readout) of the row's key head (KeyGates' read-out weight),
+// which the three calls leave to their caller.
 at::Tensor layer_token(at::Tensor memory, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& q_weight, const at::Tensor& q_bias, const at::Tensor& k_weight,
                        const at::Tensor& k_bias, const at::Tensor& k_gate, double limit, double floor,
                        const std::optional<at::Tensor>& beta_w, const std::optional<at::Tensor>& beta_b,
                        const std::optional<at::Tensor>& gate_w, const std::optional<at::Tensor>& gate_b,
-                       const at::Tensor& fixed_beta, const std::optional<at::Tensor>& log_rate, at::Tensor keys,
+                       const std::optional<at::Tensor>& readout, const at::Tensor& fixed_beta,
+                       const std::optional<at::Tensor>& log_rate, at::Tensor keys,
                        at::Tensor values, at::Tensor kept, at::Tensor live, at::Tensor betas, int64_t slot,
                        int64_t leaving, int64_t sinks, const std::optional<at::Tensor>& gamma, double scale,
                        const std::optional<at::Tensor>& stays, int64_t stays_col,
@@ -425,6 +427,7 @@ at::Tensor layer_token(at::Tensor memory, const at::Tensor& q, const at::Tensor&
     const T* bb = gated ? beta_b->data_ptr<T>() : nullptr;
     const T* gw = gated ? gate_w->data_ptr<T>() : nullptr;
     const T* gb = gated ? gate_b->data_ptr<T>() : nullptr;
+    const T* ro = readout ? readout->data_ptr<T>() : nullptr;
     const T* fixed = fixed_beta.data_ptr<T>();
     const double* rate = log_rate ? log_rate->data_ptr<double>() : nullptr;
     const T* gamma_p = gamma ? gamma->data_ptr<T>() : nullptr;
@@ -458,9 +461,12 @@ at::Tensor layer_token(at::Tensor memory, const at::Tensor& q, const at::Tensor&
         if (writes)
           hedgehog_row<T>(ring.keys + (row * ring.slots + slot) * dim, kw + hk * m * dim, kb + hk * m,
                           ku + hk * dim, m, dim, limit, floor, kf.data(), z.data());
+        // the output times sigmoid(readout) of the key head: gamma and the read-out weight times it
+        const T times = ro != nullptr ? T(1) / (T(1) + std::exp(-ro[head_kv])) : T(1);
         token_row<T>(row, mem + row * features * dv, qf.data(), writes ? kf.data() : nullptr, g_p, 1,
                      k_p + kv_row * dim, v_p + kv_row * dv, beta_new, q_p + row * dim,
-                     gamma_p != nullptr ? gamma_p[row] : T(1), read_weight != nullptr ? read_weight[row] : T(1),
+                     times * (gamma_p != nullptr ? gamma_p[row] : T(1)),
+                     times * (read_weight != nullptr ? read_weight[row] : T(1)),
                      static_cast<T>(scale), slot, ring, features, cache, recalled.data(), scores.data(),
                      factor.data(), out_p + row * dv);
       }
