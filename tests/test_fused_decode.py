@@ -136,6 +136,32 @@ def test_the_fused_token_weighs_its_output_by_the_gates_read_out_weight(sparse):
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["window", "sparse-cache"])
+def test_the_fused_tokens_leave_the_steps_bytes_as_they_were(sparse):
+    """What the fused call keeps on a step (the map's and the gates' parameters, not copies) is not the step's
+    memory: the cache's byte count (linattn.hf_cache's walk over a step's tensors) is the same before and after."""
+    from linattn.hf_cache import _tensors
+
+    def nbytes(step) -> int:
+        return sum(t.numel() * t.element_size() for t in _tensors(step))
+
+    q, k, v, fmap, gates = _inputs(torch.float64, 2, True, readout=True)
+    common = {"window": WINDOW, "sinks": SINKS, "update": "delta"}
+    cache = SparseCache(size=4, block=5) if sparse else None
+    with torch.no_grad():
+        _, state = linattn.linear_attention(q[..., :SINKS, :], k[..., :SINKS, :], v[..., :SINKS, :], feature_map=fmap,
+                                            causal=True, return_state=True, sparse_cache=cache, **common,
+                                            **gates(k[..., :SINKS, :]))
+        step = (SparseComposedDecodeStep(fmap, state, cache, common) if sparse
+                else ComposedDecodeStep(fmap, state, common))
+        before, taken = nbytes(step), 0
+        for t in range(SINKS, SINKS + 2):  # between two boundaries of the cache (block 5)
+            token = (q[..., t : t + 1, :], k[..., t : t + 1, :], v[..., t : t + 1, :])
+            taken += step.fused_token(*token, gates) is not None
+    assert taken == 2 and step._fused is not None and step._fused.arguments is not None
+    assert nbytes(step) == before
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["window", "sparse-cache"])
 def test_the_fused_token_float32(sparse):
     cache = SparseCache(size=4, block=3) if sparse else None
     got, _, _, taken = _decode(torch.float32, 2, True, 0.7, fused=True, cache=cache)

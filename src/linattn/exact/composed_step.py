@@ -103,21 +103,33 @@ def fused_takes(arguments: tuple[Any, ...] | None, q: torch.Tensor, k: torch.Ten
                 or v.shape[:3] != k.shape[:3] or v.shape[3] != values or k.dtype != q.dtype or v.dtype != q.dtype)
 
 
+class FusedMemo:
+    """What :func:`fused_call` keeps on a step: the gates it was made for, their :func:`fused_arguments` (the map's
+    and the gates' parameters themselves, not copies) and the token shapes already checked. A plain object, so that
+    the step's byte count (:meth:`linattn.hf_cache.StateLayer.nbytes`) does not count the model's parameters."""
+
+    __slots__ = ("gates", "arguments", "checked")
+
+    def __init__(self, gates: Any, arguments: tuple[Any, ...] | None) -> None:
+        self.gates, self.arguments = gates, arguments
+        self.checked: dict[Any, bool] = {}
+
+
 def fused_call(step: Any, gates: Any, rows: int, applies: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                shape: tuple[int, int, int, int], dtype: torch.dtype) -> tuple[Any, ...] | None:
-    """A step's :func:`fused_arguments` for ``gates`` (made once per gates, kept in ``step._fused``; none unless
-    ``applies``) where :func:`fused_takes` takes q, k and v (asked once per shapes and dtypes), else None."""
+    """A step's :func:`fused_arguments` for ``gates`` (made once per gates, kept in ``step._fused``, a
+    :class:`FusedMemo`; none unless ``applies``) where :func:`fused_takes` takes q, k and v (asked once per shapes
+    and dtypes), else None."""
     memo = step._fused
-    if memo is None or memo[0] is not gates:
-        memo = step._fused = (gates, fused_arguments(step, gates, rows) if applies else None, {})
-    arguments, checked = memo[1], memo[2]
-    if arguments is None:
+    if memo is None or memo.gates is not gates:
+        memo = step._fused = FusedMemo(gates, fused_arguments(step, gates, rows) if applies else None)
+    if memo.arguments is None:
         return None
     seen = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype)
-    takes = checked.get(seen)
+    takes = memo.checked.get(seen)
     if takes is None:
-        takes = checked[seen] = fused_takes(arguments, q, k, v, shape, dtype)
-    return arguments if takes else None
+        takes = memo.checked[seen] = fused_takes(memo.arguments, q, k, v, shape, dtype)
+    return memo.arguments if takes else None
 
 
 class ComposedDecodeStep:
@@ -151,7 +163,7 @@ class ComposedDecodeStep:
         self.shift: torch.Tensor | None = None  # log-space additive part: the sums' log-scale R (B, H)
         self._native: Any = None  # the C++ token (linattn.backends.native) for a delta-rule part on the CPU
         self._hedgehog: dict[bool, tuple[Any, ...]] | None = None
-        self._fused: tuple[Any, tuple[Any, ...] | None, dict[Any, bool]] | None = None  # fused_call's memo
+        self._fused: FusedMemo | None = None  # what fused_call keeps
         if isinstance(linear, DeltaRuleState):
             self.delta = DeltaDecodeStep(fmap, linear, beta=options.get("beta"), decay=options.get("decay"))
             if self.native and device.type == "cpu":

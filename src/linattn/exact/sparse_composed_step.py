@@ -38,7 +38,7 @@ from ..feature_maps import HedgehogFeatureMap
 from ..features import NEG_INF, finite, is_log_space, map_features, scale_between, stabilise_queries, unit_rows
 from ..kinds._step import _repeat_heads, check_memory, check_step_options, check_token, check_token_options
 from ..state import DeltaRuleState, LinearAttentionState, SparseCache, SparseCacheState, WindowAttentionState
-from .composed_step import fill_slots, fused_call
+from .composed_step import FusedMemo, fill_slots, fused_call
 from .forms.boundary import attention_scores, choose, oracle_scores, recall_scores
 
 # a write into the linear state: keys (R, d), values (R, Dv), strength (R,), and the keys' features (R, F) or None
@@ -128,7 +128,7 @@ class SparseComposedDecodeStep:
         self._cache_rows[budget] = torch.arange(int(budget.sum()), device=device)
         self._fixed_beta = torch.full((rows,), self.beta, dtype=dtype, device=device)
         self._fused_log_rate = None if self.log_rate is None else self.log_rate.reshape(rows).contiguous()
-        self._fused: tuple[Any, tuple[Any, ...] | None, dict[Any, bool]] | None = None  # fused_call's memo
+        self._fused: FusedMemo | None = None  # what fused_call keeps
         self.positions = self._held(held.positions.to(device).reshape(rows, self.slots))
         self.cached_keys = self._held(held.keys.to(device, dtype).reshape(rows, self.slots, dim))
         self.cached_values = self._held(held.values.to(device, dtype).reshape(rows, self.slots, values))
