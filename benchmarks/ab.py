@@ -134,9 +134,10 @@ def _student_training(n: int) -> Callable[..., tuple[Callable[[], None], Callabl
     return build
 
 
-def _model_decode(n: int, tokens: int) -> Callable[..., tuple[Callable[[], None], Callable[[], None]]]:
-    """The shipped SmolLM2 folder in transformers (its 30 layers, 20 cached heads): an n-token prompt of the shipped
-    long held-out text read into a fresh cache (untimed), then ``tokens`` greedy decoding steps timed; no_grad."""
+def _model(n: int, tokens: int) -> Callable[..., tuple[Callable[[], None], Callable[[], None]]]:
+    """The shipped SmolLM2 folder in transformers (its 30 layers, 20 cached heads) on an n-token prompt of the
+    shipped long held-out text: ``tokens`` = 0, the prompt read into a fresh cache, timed; else that prefill
+    untimed, then ``tokens`` greedy decoding steps timed; no_grad."""
     def build(linattn: Any, torch: Any, x: dict[str, Any]) -> tuple[Callable[[], None], Callable[[], None]]:
         from linattn.linearized.folder import load_linearized, shipped
         from linattn.linearized.generate import new_cache
@@ -146,11 +147,14 @@ def _model_decode(n: int, tokens: int) -> Callable[..., tuple[Callable[[], None]
         ids = prompt_ids(tokenizer, n)
         held: dict[str, Any] = {}
 
-        def before() -> None:
+        def prefill() -> None:
             with torch.no_grad():
                 cache = new_cache(model)
                 out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
             held["cache"], held["token"] = cache, out.logits[:, -1:].argmax(-1)
+
+        if not tokens:
+            return lambda: None, prefill
 
         def step() -> None:
             cache, token = held["cache"], held["token"]
@@ -158,7 +162,7 @@ def _model_decode(n: int, tokens: int) -> Callable[..., tuple[Callable[[], None]
                 for _ in range(tokens):
                     token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
-        return before, step
+        return prefill, step
 
     return build
 
@@ -259,8 +263,10 @@ CALLS: dict[str, Spec] = {
                                 ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
     "cached_decode_1536": Spec("the same layer decoding 64 tokens after a 1,536-token prefill (the prefill untimed)",
                                _cached(1536, 64), ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
+    "model_prefill_1536": Spec("the shipped SmolLM2 folder reading a 1,536-token prompt into a fresh cache, through "
+                               "transformers", _model(1536, 0)),
     "model_decode_1536": Spec("the shipped SmolLM2 folder decoding 16 tokens after a 1,536-token prompt (the prompt "
-                              "untimed), through transformers", _model_decode(1536, 16)),
+                              "untimed), through transformers", _model(1536, 16)),
     "composed_decode_1536": Spec("a layer of the same folder without a cache decoding 64 tokens after a 1,536-token "
                                  "prefill (the prefill untimed)", _cached(1536, 64, cached=False),
                                  ("update", "beta", "log_gate", "window", "sinks")),
