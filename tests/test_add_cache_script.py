@@ -85,9 +85,9 @@ def test_the_training_text_trains_beside_the_samples_when_asked(tiny, tmp_path, 
     seen = []
     real = lm_stages.training_set
 
-    def spy(plain, corpus, options):
+    def spy(plain, corpus, options, *rest):
         seen.append((len(plain), [len(ids) for ids in corpus], options.corpus_orders))
-        return real(plain, corpus, options)
+        return real(plain, corpus, options, *rest)
 
     monkeypatch.setattr(lm_stages, "training_set", spy)
     from linattn.train import end_to_end

@@ -544,9 +544,9 @@ def test_the_training_text_trains_beside_the_samples_by_default(tiny, tmp_path, 
     seen = []
     real = lm_stages.training_set
 
-    def spy(plain, corpus, options):
+    def spy(plain, corpus, options, *rest):
         seen.append([len(ids) for ids in corpus])
-        return real(plain, corpus, options)
+        return real(plain, corpus, options, *rest)
 
     monkeypatch.setattr(lm_stages, "training_set", spy)
     text = tmp_path / "train.txt"  # paragraphs that differ, so that their orders differ
@@ -581,9 +581,9 @@ def test_the_copy_gap_reaches_the_training_set_and_is_planned(tiny, tmp_path, mo
     seen, lengths = [], []
     real, fit = lm_stages.training_set, lm_stages.fit_end_to_end
 
-    def spy(plain, corpus, options):
+    def spy(plain, corpus, options, *rest):
         seen.append(options.copy_gap)
-        return real(plain, corpus, options)
+        return real(plain, corpus, options, *rest)
 
     def fit_spy(model, tokenizer, texts, **kwargs):
         lengths.append((max(len(ids) for ids in texts), kwargs["max_tokens"]))

@@ -98,7 +98,52 @@ def test_init_from_takes_the_source_after_its_long_gaps(tiny, tmp_path):  # noqa
     assert not (out / "stages" / "end_to_end.done").exists() and (out / "stages" / "long_gaps.done").is_file()
 
 
+@pytest.mark.slow  # ~20 s: the pipeline with both training stages on a tiny Llama, then a rerun refused
+def test_key_sequences_join_the_long_gaps_stage_alone(tiny, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """--end-to-end-keys N: N key-retrieval sequences of the training text (and 2 held out) join the long_gaps
+    stage's training set with their weighted positions; the end-to-end stage has none. The plan keeps the option."""
+    from linattn.cli import main
+    from linattn.evaluate import lm_stages
+
+    seen = []
+    real = lm_stages.fit_end_to_end
+
+    def spy(model, tokenizer, texts, **kwargs):
+        seen.append((list(texts), kwargs["weights"], kwargs["held_out"]))
+        return real(model, tokenizer, texts, **kwargs)
+
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", spy)
+    out = tmp_path / "keys"
+    keys = ["--end-to-end-keys", "3", "--end-to-end-key-filler", "20", "40"]
+    assert main(command(tiny, out, *LONG, *keys)) == 0
+    (first, first_weights, first_held), (long, weights, held) = seen
+    # the long stage: its samples and copies, then 3 key sequences, then the held-out ones (2 of them keys)
+    assert len(long) == len(weights)
+    marked = [w for w in weights if w is not None and float(w.max()) > 1]
+    assert len(marked) == 5  # 3 trained on, 2 held out
+    assert sum(1 for w in weights[-held:] if w is not None and float(w.max()) > 1) == 2  # held out: 2 keys ...
+    assert held - 2 >= first_held and all(float(weights[-i].max()) > 1 for i in (1, 2))  # ... and the samples
+    for ids, weight in zip(long, weights, strict=True):
+        if weight is not None and float(weight.max()) > 1:
+            assert ids.shape == weight.shape and 20 <= int((weight == 1).sum()) - 1
+    # the first stage trains on no key sequence
+    assert first_weights is None or not any(w is not None and float(w.max()) > 1 for w in first_weights)
+    result = json.loads((out / "results.json").read_text())
+    assert result["stages"]["long_gaps"]["key_sequences"] == 5
+    assert result["stages"]["end_to_end"]["key_sequences"] == 0
+    assert "and 3 key-retrieval sequences of the training text (fillers of 20–40 tokens" in result["stages"][
+        "long_gaps"]["summary"]
+    options = json.loads((out / "stages" / "plan.json").read_text())["options"]
+    assert options["end_to_end_keys"] == 3 and options["end_to_end_key_filler"] == [20, 40]
+    assert main(command(tiny, out, *LONG, "--end-to-end-keys", "4", "--end-to-end-key-filler", "20", "40")) == 2
+    assert "other options (end_to_end_keys)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("extra", "message"), [
+    (["--end-to-end-keys", "3", "--end-to-end-long-steps", "0"],
+     "--end-to-end-keys: the key-retrieval sequences are trained on in the long_gaps"),
+    (["--end-to-end-keys", "-1", *LONG], "--end-to-end-keys: need ≥ 0"),
+    (["--end-to-end-keys", "2", "--end-to-end-key-filler", "9", "5", *LONG], "1 ≤ LOW ≤ HIGH tokens; got 2 and 9 5"),
     (["--end-to-end-long-steps", "2", "--lora", "2"], "--end-to-end-long-steps with --lora"),
     (["--end-to-end-long-steps", "-1"], "--end-to-end-long-steps: need ≥ 0"),
     (["--end-to-end-long-gap", "60", "40"], "--end-to-end-long-gap: need 1 ≤ LOW ≤ HIGH"),

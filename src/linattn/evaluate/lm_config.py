@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import feature_maps
 from ..errors import LinearAttentionError
-from ..train.end_to_end import COPY_GAP
+from ..train.end_to_end import COPY_GAP, KEY_FILLER
 from .arguments import DEFAULT_OUT, LM_SINKS, LM_WINDOW
 
 # fitting sequences as long as the contexts served: maps fitted on 512-token pieces put too much weight on far keys
@@ -80,6 +80,10 @@ class EndToEndOptions:
     cache_linear_weight: float = 1.0  # the linear part's weight β beside the cache (SparseCache.linear_weight)
     # the copying sequences' gaps G (uniform draws, tokens): longer than a sample, the samples are joined
     copy_gap: tuple[int, int] = COPY_GAP
+    # key-retrieval sequences (linattn.train.end_to_end.key_sequences) made from the train text and trained on
+    # beside the rest, their fillers drawn from key_filler; 0: none
+    keys: int = 0
+    key_filler: tuple[int, int] = KEY_FILLER
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.samples < HELD_OUT_SAMPLES + 1 or self.tokens < 1:
@@ -95,6 +99,9 @@ class EndToEndOptions:
         low, high = self.copy_gap
         if not 1 <= low <= high:
             raise LinearAttentionError(f"--end-to-end-copy-gap: need 1 ≤ LOW ≤ HIGH tokens, got {low} {high}")
+        if self.keys < 0 or not 1 <= self.key_filler[0] <= self.key_filler[1]:
+            raise LinearAttentionError(f"--end-to-end-keys: need ≥ 0; --end-to-end-key-filler: 1 ≤ LOW ≤ HIGH tokens; "
+                                       f"got {self.keys} and {self.key_filler[0]} {self.key_filler[1]}")
         if self.corpus_orders < 0:
             raise LinearAttentionError(f"--end-to-end-corpus-orders: need ≥ 0, got {self.corpus_orders}")
         self._check_lora()

@@ -23,10 +23,12 @@ from ..feature_maps.fitted import FittedFeatureMaps
 from ..train.distill import fit_model_feature_maps
 from ..train.end_to_end import (
     COPY_PASSAGE,
+    KEY_SHARE,
     copying_sequences,
     copying_weights,
     fit_end_to_end,
     joined_sources,
+    key_sequences,
     retrieval_scores,
     sample_texts,
     top_heads,
@@ -131,6 +133,7 @@ class TrainingSet:
     held_out: int  # the last this many sequences are held out
     copying: int  # copying sequences among them (of the samples and of the train text)
     corpus: int  # orders of the train text among them
+    keys: int = 0  # key-retrieval sequences among them
 
 
 def _with_copies(texts: list[torch.Tensor], options: EndToEndOptions, seed: int,
@@ -145,21 +148,35 @@ def _with_copies(texts: list[torch.Tensor], options: EndToEndOptions, seed: int,
                     copying_weights(sources, options.repeat_weight, gap=gap, seed=seed), strict=True))
 
 
-def training_set(plain: list[torch.Tensor], corpus: list[torch.Tensor], options: EndToEndOptions) -> TrainingSet:
-    """The samples ``plain``, their copying sequences, the train text's orders ``corpus`` and theirs, in training
-    order. The last HELD_OUT_SAMPLES samples and one copying sequence made from them alone are held out; the
-    training copies come from the other samples alone (samples are joined for gaps longer than one, the train
-    text's orders never: they share its paragraphs)."""
+def training_set(plain: list[torch.Tensor], corpus: list[torch.Tensor], options: EndToEndOptions,
+                 keys: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> TrainingSet:
+    """The samples ``plain``, their copying sequences, the train text's orders ``corpus`` and theirs, and the
+    key-retrieval sequences ``keys`` (sequences and their position weights: :func:`key_set`), in training order.
+    The last HELD_OUT_SAMPLES samples, one copying sequence made from them alone and the last HELD_OUT_SAMPLES key
+    sequences are held out; the training copies come from the other samples alone (samples are joined for gaps
+    longer than one, the train text's orders never: they share its paragraphs)."""
     held = HELD_OUT_SAMPLES
     training, held_out = (plain[:-held], plain[-held:]) if plain else ([], [])
     samples, copies = [(x, None) for x in training], _with_copies(training, options, 0, join=True)
     held_copies = _with_copies(held_out, options, 2, join=True)[-1:]
     corpus_copies = _with_copies(corpus, options, 1, join=False)
-    ordered = (samples + copies + [(x, None) for x in corpus] + corpus_copies + [(x, None) for x in held_out]
-               + held_copies)
-    weights = None if options.repeat_weight == 1 else [marks for _, marks in ordered]
-    return TrainingSet([ids for ids, _ in ordered], weights, len(held_out) + len(held_copies),
-                       len(copies) + len(held_copies) + len(corpus_copies), len(corpus))
+    pairs = list(zip(*keys, strict=True)) if keys is not None else []
+    key_train, key_held = pairs[:-held], pairs[-held:]
+    ordered = (samples + copies + [(x, None) for x in corpus] + corpus_copies + key_train
+               + [(x, None) for x in held_out] + held_copies + key_held)
+    weights = None if options.repeat_weight == 1 and not pairs else [marks for _, marks in ordered]
+    return TrainingSet([ids for ids, _ in ordered], weights, len(held_out) + len(held_copies) + len(key_held),
+                       len(copies) + len(held_copies) + len(corpus_copies), len(corpus), len(pairs))
+
+
+def key_set(tokenizer: Any, train: str,
+            options: EndToEndOptions) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """With ``options.keys``: that many key-retrieval sequences of the train text and HELD_OUT_SAMPLES more to hold
+    out (:func:`~linattn.train.end_to_end.key_sequences`), with their position weights; None without."""
+    if not options.keys:
+        return None
+    return key_sequences(tokenizer, train, count=options.keys + HELD_OUT_SAMPLES, filler=options.key_filler,
+                         share=KEY_SHARE, seed=0)
 
 
 def corpus_sequences(tokenizer: Any, train: str, options: EndToEndOptions) -> list[torch.Tensor]:
@@ -187,7 +204,8 @@ def train_end_to_end(model: Any, tokenizer: Any, fitted: FittedFeatureMaps, conf
     copy, the adapters (or None) and what it took. ``gates`` (a student's, :class:`linattn.nn.KeyGates` per layer)
     are trained in place beside the maps, with the student's ``linear_attention`` options (``update="delta"``)."""
     options = config.end_to_end
-    data = training_set(plain, corpus_sequences(tokenizer, train, options), options)
+    data = training_set(plain, corpus_sequences(tokenizer, train, options), options,
+                        key_set(tokenizer, train, options))
     if heads is not None and options.train_other_heads:
         heads = ~heads
     tuned = copy.deepcopy(fitted)
@@ -207,7 +225,8 @@ def train_end_to_end(model: Any, tokenizer: Any, fitted: FittedFeatureMaps, conf
             adapters.remove()  # attached again for its own row only
     model.set_attn_implementation("sdpa")
     return tuned, adapters, {"samples": len(plain), "copying_sequences": data.copying,
-                             "corpus_sequences": data.corpus, "tokens": options.tokens, "steps": options.steps,
+                             "corpus_sequences": data.corpus, "key_sequences": data.keys,
+                             "tokens": options.tokens, "steps": options.steps,
                              "heads": None if heads is None else int(heads.sum()),
                              "repeat_weight": options.repeat_weight, "copy_gap": list(options.copy_gap),
                              "lora_rank": options.lora_rank,

@@ -26,6 +26,8 @@ COPY_GAP_TOKENS = (128, 3072)
 # tokens back at 24.43; 40 more steps on copies 2,048-3,072 apart, samples only, at 5.79 (1,536 back 2.86 -> 3.39,
 # perplexity 38.67 -> 38.70): docs/linearize.md, "Long gaps only, continuing the default run"
 LONG_GAP_TOKENS, LONG_GAP_STEPS = (2048, 3072), 40
+# key-retrieval sequences' fillers: out to the longest copying gap, from a few windows on
+KEY_FILLER_TOKENS = (256, 3072)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +113,12 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
         f"{LONG_GAP_STEPS}, or with --budget 60 %% of the end-to-end time; 0 with --lora (not taken there). 0: none")
     add("--end-to-end-long-gap", type=int, nargs=2, default=list(LONG_GAP_TOKENS), metavar=("LOW", "HIGH"),
         help="the long_gaps stage's copying gaps (uniform draws)")
+    add("--end-to-end-keys", type=int, default=0, metavar="N", help="N key-retrieval sequences of the training text "
+        "join the long_gaps stage's training set: a number stated once in one of a few phrasings (never the passkey "
+        "probe's), --end-to-end-key-filler tokens of the text, a question the number answers, the positions that "
+        "predict it weighted to half the sequence's loss; 2 more are held out. 0: none")
+    add("--end-to-end-key-filler", type=int, nargs=2, default=list(KEY_FILLER_TOKENS), metavar=("LOW", "HIGH"),
+        help="the key-retrieval sequences' filler tokens (uniform draws)")
     add("--init-from", default=None, metavar="RUN", help="start from another finished run's trained student instead "
         "of fitting one: RUN is the --out of a linearize run of the same model, student and exact part; its "
         "trained maps and gates (after its long_gaps stage, when it had one), its samples and its cache split are "

@@ -61,7 +61,7 @@ from ..evaluate.window_softmax import use_window_softmax
 from ..feature_maps.fitted import FittedFeatureMaps, load_feature_maps
 from ..state import SparseCache
 from ..train.end_to_end import COPY_GAP, cache_split
-from .arguments import LONG_GAP_STEPS, LONG_GAP_TOKENS
+from .arguments import KEY_FILLER_TOKENS, LONG_GAP_STEPS, LONG_GAP_TOKENS
 from .card import WIDER_ROW, perplexity_by_position, write_card
 from .folder import atomic_write, check_disk, prepare_out, save_linearized
 from .students import (
@@ -79,7 +79,8 @@ PROBE_TEXT, PROBE_SOURCE = "heldout_long", "the shipped long held-out text"  # t
 # options that change what a stage makes (a rerun must pass the same); --quiet and --budget's own value do not
 _PLANNED = ("model", "text", "heldout", "student", "window", "sinks", "fit_steps", "num_features", "fit_max_tokens",
             "fit_orders", "end_to_end_steps", "end_to_end_samples", "end_to_end_tokens", "end_to_end_corpus_orders",
-            "end_to_end_copy_gap", "end_to_end_long_steps", "end_to_end_long_gap", "lora", "sparse_cache",
+            "end_to_end_copy_gap", "end_to_end_long_steps", "end_to_end_long_gap", "end_to_end_keys",
+            "end_to_end_key_filler", "lora", "sparse_cache",
             "sparse_cache_heads", "sparse_cache_floor", "sparse_cache_top", "sparse_cache_linear_weight", "budget",
             "init_from")
 # what --init-from's run must share with this one (its student and exact part, the text its samples came from)
@@ -92,7 +93,8 @@ _EARLIER_DEFAULTS = {"end_to_end_corpus_orders": 0, "end_to_end_copy_gap": list(
                      "sparse_cache_floor": None,
                      "sparse_cache_top": None,
                      "sparse_cache_linear_weight": 1.0, "student": "hedgehog", "init_from": None,
-                     "end_to_end_long_steps": None, "end_to_end_long_gap": list(LONG_GAP_TOKENS)}
+                     "end_to_end_long_steps": None, "end_to_end_long_gap": list(LONG_GAP_TOKENS),
+                     "end_to_end_keys": 0, "end_to_end_key_filler": list(KEY_FILLER_TOKENS)}
 
 
 class Stages:
@@ -141,13 +143,19 @@ def _long_steps(args: argparse.Namespace) -> int:
 
 def _long_options(options: EndToEndOptions, args: argparse.Namespace, plan: dict[str, Any]) -> EndToEndOptions | None:
     """The long_gaps stage's end-to-end options: ``plan``'s step count (None or 0: no such stage), the copying
-    gaps of --end-to-end-long-gap, the samples alone."""
+    gaps of --end-to-end-long-gap, the samples alone, and the --end-to-end-keys key-retrieval sequences."""
     steps = plan.get("end_to_end_long_steps", 0)
     gap = tuple(getattr(args, "end_to_end_long_gap", LONG_GAP_TOKENS))
+    keys = int(getattr(args, "end_to_end_keys", 0) or 0)
     try:
-        long = replace(options, steps=max(int(steps or 0), 0), copy_gap=gap, corpus_orders=0, lora_rank=0)
+        long = replace(options, steps=max(int(steps or 0), 0), copy_gap=gap, corpus_orders=0, lora_rank=0,
+                       keys=keys, key_filler=tuple(getattr(args, "end_to_end_key_filler", KEY_FILLER_TOKENS)))
     except LinearAttentionError as error:
         raise LinearAttentionError(str(error).replace("--end-to-end-copy-gap", "--end-to-end-long-gap")) from error
+    if keys and not long.steps:
+        raise LinearAttentionError("--end-to-end-keys: the key-retrieval sequences are trained on in the long_gaps "
+                                   "stage, which this run does not have; give --end-to-end-long-steps N ≥ 1 (and no "
+                                   "--lora), or --end-to-end-keys 0")
     return long if long.steps else None
 
 
@@ -412,7 +420,10 @@ class Job:
                        f"{options.tokens} tokens"
                        + (f" and the training text in {options.corpus_orders} orders" if options.corpus_orders else "")
                        + f" and their copying sequences (gaps of {options.copy_gap[0]:,}–{options.copy_gap[1]:,} "
-                       f"tokens; best held-out KL {info['best_held_out_kl']:.3f})"})
+                       "tokens"
+                       + (f"), and {options.keys} key-retrieval sequences of the training text (fillers of "
+                          f"{options.key_filler[0]:,}–{options.key_filler[1]:,} tokens" if options.keys else "")
+                       + f"; best held-out KL {info['best_held_out_kl']:.3f})"})
         return tuned, adapters
 
     def _ensure_split(self) -> None:

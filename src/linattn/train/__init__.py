@@ -4,7 +4,8 @@
   (:func:`fit_feature_map`, :func:`fit_model_feature_maps`, giving a
   :class:`~linattn.feature_maps.fitted.FittedFeatureMaps`);
 - :mod:`linattn.train.end_to_end`: those maps trained on a causal LM's next-token distribution
-  (:func:`fit_end_to_end`), and the training text for it (sampled, copying sequences, retrieval heads);
+  (:func:`fit_end_to_end`), and the training text for it (sampled, copying sequences, key-retrieval sequences,
+  retrieval heads);
 - :mod:`linattn.train.lora`: peft LoRA adapters on the attention projections, trained by :func:`fit_end_to_end`
   (needs peft; imported on its own, not here).
 
@@ -20,6 +21,7 @@ from .end_to_end import (
     copying_sequences,
     copying_weights,
     fit_end_to_end,
+    key_sequences,
     retrieval_scores,
     sample_texts,
     top_heads,
@@ -32,6 +34,7 @@ __all__ = [
     "fit_end_to_end",
     "fit_feature_map",
     "fit_model_feature_maps",
+    "key_sequences",
     "retrieval_scores",
     "sample_texts",
     "top_heads",

@@ -10,6 +10,8 @@ about twice the original's on the tokens past position 512 alone, docs/models.md
 - :func:`copying_sequences`: a passage, other text, the passage again — the model copies the repeat, and the
   hybrid's linear part must learn to, since the first copy has left the window; :func:`copying_weights` weights
   the positions that predict the repeat in the loss;
+- :func:`key_sequences`: a number stated once, other text, a question the number answers: the memory must carry it
+  past the window (the passkey probe's task, in other words);
 - :func:`retrieval_scores`: which heads retrieve beyond the window (reach far on a repeat, not on plain text),
   so that maps trained for copying can serve those heads and maps trained on plain text the others
   (:meth:`~linattn.feature_maps.fitted.FittedFeatureMaps.with_heads`, and ``heads=`` of :func:`fit_end_to_end`);
@@ -158,6 +160,72 @@ def copying_weights(
 def _copy(ids: torch.Tensor, length: int, span: int) -> torch.Tensor:
     """ids[:P], ids[P : P + G], ids[:P] (P = length, G = span)."""
     return torch.cat([ids[:length], ids[length : length + span], ids[:length]])
+
+
+# Key-retrieval sequences' phrasings: (statement with {key}, question the key answers). None of them is the
+# passkey probe's own wording (linattn.evaluate.probes.PASSKEY_INTRO / PASSKEY_QUESTION), which stays held out:
+# tests/test_key_sequences.py checks it.
+KEY_PHRASINGS = (
+    ("Somewhere in the notes below is a code. Keep it in mind. The code is {key}. Again: {key} is the code.\n",
+     "\nWhat was the code? The code is"),
+    ("Remember this number for later: {key}. The number to remember is {key}.\n",
+     "\nWhich number were you asked to remember? The number to remember is"),
+    ("The secret is a number, {key}. Do not forget the secret: {key}.\n",
+     "\nNow tell me the secret. The secret is"),
+    ("Your locker combination is {key}. Write it down: {key}.\n",
+     "\nWhat is your locker combination? It is"),
+    ("Important: the access number is {key}. Once more, the access number is {key}.\n",
+     "\nPlease repeat the access number. The access number is"),
+    ("Note the reference {key} before reading on. Reference: {key}.\n",
+     "\nWhich reference did the note give? The reference was"),
+)
+KEY_FILLER = (256, 3072)  # filler tokens between the statement and the question: uniform draws
+# the share of a key sequence's loss on the positions that predict the number: on SmolLM2's shipped student, 60 steps
+# at 0.5 (fillers 256-2,048) moved the held-out passkey's key log-probability at 2k from -6.88 to -2.55
+KEY_SHARE = 0.5
+
+
+def key_sequences(
+    tokenizer: Any, text: str, *, count: int, filler: tuple[int, int] = KEY_FILLER, share: float = 0.5,
+    seed: int = 0,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``count`` key-retrieval sequences (N,) and their position weights (N,): a number of 4–6 digits stated in
+    one of :data:`KEY_PHRASINGS` (in turn), a run of ``text``'s tokens from a random place (cyclically, F drawn
+    uniformly from ``filler``), the phrasing's question, then the number. The positions that predict the number
+    carry ``share`` of the sequence's weight (each other position 1): a handful of positions among a thousand
+    would otherwise teach nothing. Seeded; the pieces are tokenized apart, so the lengths are exact.
+
+    Trained on, the memory must carry a number from one place to a question thousands of tokens on, past the
+    window: what the passkey probe asks, in other words and on other text."""
+    low, high = filler
+    if count < 1 or not 1 <= low <= high or not 0 < share < 1:
+        raise LinearAttentionError(f"count/filler/share: need ≥ 1, 1 ≤ LOW ≤ HIGH, 0 < share < 1; got {count}/"
+                                   f"{filler}/{share}")
+
+    def ids(piece: str) -> list[int]:
+        return list(tokenizer(piece, add_special_tokens=False)["input_ids"])
+
+    source = ids(text)
+    if not source:
+        raise LinearAttentionError("text: no tokens to fill key-retrieval sequences with; pass a non-empty text")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    prefix = [bos] if bos is not None and getattr(tokenizer, "add_bos_token", False) else []
+    generator = random.Random(seed)
+    sequences, weights = [], []
+    for index in range(count):
+        statement, question = KEY_PHRASINGS[index % len(KEY_PHRASINGS)]
+        digits = generator.randint(4, 6)
+        key = generator.randint(10 ** (digits - 1), 10**digits - 1)
+        length, start = generator.randint(low, high), generator.randrange(len(source))
+        answer = ids(f" {key}")
+        tokens = (prefix + ids(statement.format(key=key)) + [source[(start + i) % len(source)] for i in range(length)]
+                  + ids(question) + answer)
+        n, a = len(tokens), len(answer)
+        weight = torch.ones(n)
+        weight[n - a - 1 : n - 1] = share * (n - a) / ((1 - share) * a)  # position t predicts token t + 1
+        sequences.append(torch.tensor(tokens))
+        weights.append(weight)
+    return sequences, weights
 
 
 def retrieval_scores(
