@@ -67,7 +67,8 @@ def key_attention(model: Any, tokenizer: Any, filler: int, trials: int, seed: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", default=None, help="a linearized folder (default: the shipped SmolLM2 one)")
-    parser.add_argument("--counts", type=int, nargs="+", default=[20, 60, 120, 200, 270])
+    parser.add_argument("--counts", type=int, nargs="*", default=[20, 60, 120, 200, 270],
+                        help="top-K counts made exact (none: the original, the folder and λ = 0 alone)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--exact", type=int, default=8192, help="pairs per head for a head made exact")

@@ -5,7 +5,9 @@ The fit's cost is measured as one capture, then fits of 1 and 9 steps on it (the
 student's own fit: Hedgehog maps on attention weights, or a delta-rule student layer by layer with its gates), an
 end-to-end step as one softmax forward pass and one forward and backward pass of the student (its maps and gates
 alone taking gradients, as in training; the faster of two passes) on a sequence as long as the mean of the stage's
-(a sample and its copying sequence, 2P + G tokens long: 672 on average with the default gaps), and the measuring
+(a sample and its copying sequence, 2P + G tokens long: 672 on average with the default gaps; the long_gaps
+stage's key-retrieval sequences, ``--end-to-end-keys``, are not counted: with the default fillers they are
+shorter than its mean, so its steps cost at most what is planned), and the measuring
 stage from one forward pass over 256 tokens of the original and one of the linearized model (every row reads about
 the same number of tokens; the softmax window's row is counted as the original's, and with a cache the row of the
 same student with a wider window instead as the linearized model's). With ``--sparse-cache`` the fit, the
