@@ -96,6 +96,11 @@ def test_init_from_takes_the_source_after_its_long_gaps(tiny, tmp_path):  # noqa
     taken = flat(load_feature_maps(str(out / "stages" / "fit.safetensors")))
     assert torch.equal(taken, flat(load_feature_maps(str(source / "stages" / "long_gaps.safetensors"))))
     assert not (out / "stages" / "end_to_end.done").exists() and (out / "stages" / "long_gaps.done").is_file()
+    # a run that continued another has a long_gaps stage alone: it can be continued in turn
+    again = tmp_path / "again"
+    assert main(command(tiny, again, "--init-from", str(out), "--end-to-end-steps", "0", *LONG)) == 0
+    taken = flat(load_feature_maps(str(again / "stages" / "fit.safetensors")))
+    assert torch.equal(taken, flat(load_feature_maps(str(out / "stages" / "long_gaps.safetensors"))))
 
 
 @pytest.mark.slow  # ~20 s: the pipeline with both training stages on a tiny Llama, then a rerun refused

@@ -355,7 +355,7 @@ def test_init_from_is_refused_where_it_cannot_continue(tiny, tmp_path, capsys): 
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(command(tiny, tmp_path / "a", *RETRIEVAL, "--init-from", str(empty))) != 0
-    assert "holds no finished end-to-end stage" in capsys.readouterr().err
+    assert "holds no finished end-to-end or long_gaps stage" in capsys.readouterr().err
     assert main(command(tiny, tmp_path / "b", *RETRIEVAL, "--init-from", str(empty), "--budget", "5")) != 0
     assert "give --end-to-end-steps instead" in capsys.readouterr().err
     stages = tmp_path / "other" / "stages"

@@ -541,13 +541,15 @@ class Job:
 
 
 def _source_run(args: argparse.Namespace) -> Path:
-    """--init-from's run folder, checked: a finished end-to-end stage, made with this run's student and exact part."""
+    """--init-from's run folder, checked: a finished end-to-end or long_gaps stage (a run that continued another
+    with --end-to-end-steps 0 has the second alone), made with this run's student and exact part."""
     source = Path(args.init_from)
-    done, plan = source / "stages" / "end_to_end.done", source / "stages" / "plan.json"
-    if not (done.is_file() and plan.is_file()):
-        raise LinearAttentionError(f"--init-from: {args.init_from!r} holds no finished end-to-end stage "
-                                   "(stages/end_to_end.done); pass the --out of a linearize run that trained end to "
-                                   "end")
+    stages, plan = source / "stages", source / "stages" / "plan.json"
+    trained = any((stages / f"{name}.done").is_file() for name in ("end_to_end", "long_gaps"))
+    if not (trained and plan.is_file()):
+        raise LinearAttentionError(f"--init-from: {args.init_from!r} holds no finished end-to-end or long_gaps stage "
+                                   "(stages/end_to_end.done, stages/long_gaps.done); pass the --out of a linearize "
+                                   "run that trained end to end")
     if source.resolve() == Path(args.out).resolve():
         raise LinearAttentionError("--init-from: the run's own --out; pass another folder to --out")
     earlier = {**_EARLIER_DEFAULTS, **json.loads(plan.read_text("utf-8"))["options"]}
