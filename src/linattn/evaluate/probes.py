@@ -26,6 +26,9 @@ from typing import Any
 import torch
 
 from ..errors import LinearAttentionError
+from ..train.end_to_end import bos_prefix as _prefix
+from ..train.end_to_end import cyclic as _cyclic
+from ..train.end_to_end import piece_ids as _ids
 from .perplexity import score_tokens
 
 PASSKEY_INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -42,20 +45,6 @@ class Probe:
     input_ids: torch.Tensor
     score_from: int
     distance: int
-
-
-def _ids(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _prefix(tokenizer: Any) -> list[int]:
-    """The begin-of-sequence token, if the tokenizer puts one in front of a text."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return [bos] if bos is not None and getattr(tokenizer, "add_bos_token", False) else []
-
-
-def _cyclic(ids: list[int], start: int, count: int) -> list[int]:
-    return [ids[(start + i) % len(ids)] for i in range(count)]
 
 
 def repeated_passages(

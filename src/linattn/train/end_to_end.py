@@ -185,8 +185,24 @@ KEY_FILLER = (256, 3072)  # filler tokens between the statement and the question
 KEY_SHARE = 0.5
 
 
+def piece_ids(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s token ids with no special tokens: a piece of a sequence assembled from pieces."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def bos_prefix(tokenizer: Any) -> list[int]:
+    """The begin-of-sequence token, if the tokenizer puts one in front of a text."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return [bos] if bos is not None and getattr(tokenizer, "add_bos_token", False) else []
+
+
+def cyclic(ids: list[int], start: int, count: int) -> list[int]:
+    """``count`` of ``ids`` from ``start`` on, wrapping round to the first."""
+    return [ids[(start + i) % len(ids)] for i in range(count)]
+
+
 def key_sequences(
-    tokenizer: Any, text: str, *, count: int, filler: tuple[int, int] = KEY_FILLER, share: float = 0.5,
+    tokenizer: Any, text: str, *, count: int, filler: tuple[int, int] = KEY_FILLER, share: float = KEY_SHARE,
     seed: int = 0,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``count`` key-retrieval sequences (N,) and their position weights (N,): a number of 4–6 digits stated in
@@ -203,13 +219,12 @@ def key_sequences(
                                    f"{filler}/{share}")
 
     def ids(piece: str) -> list[int]:
-        return list(tokenizer(piece, add_special_tokens=False)["input_ids"])
+        return piece_ids(tokenizer, piece)
 
     source = ids(text)
     if not source:
         raise LinearAttentionError("text: no tokens to fill key-retrieval sequences with; pass a non-empty text")
-    bos = getattr(tokenizer, "bos_token_id", None)
-    prefix = [bos] if bos is not None and getattr(tokenizer, "add_bos_token", False) else []
+    prefix = bos_prefix(tokenizer)
     generator = random.Random(seed)
     sequences, weights = [], []
     for index in range(count):
@@ -218,8 +233,7 @@ def key_sequences(
         key = generator.randint(10 ** (digits - 1), 10**digits - 1)
         length, start = generator.randint(low, high), generator.randrange(len(source))
         answer = ids(f" {key}")
-        tokens = (prefix + ids(statement.format(key=key)) + [source[(start + i) % len(source)] for i in range(length)]
-                  + ids(question) + answer)
+        tokens = prefix + ids(statement.format(key=key)) + cyclic(source, start, length) + ids(question) + answer
         n, a = len(tokens), len(answer)
         weight = torch.ones(n)
         weight[n - a - 1 : n - 1] = share * (n - a) / ((1 - share) * a)  # position t predicts token t + 1
