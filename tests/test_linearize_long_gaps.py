@@ -144,6 +144,40 @@ def test_key_sequences_join_the_long_gaps_stage_alone(tiny, tmp_path, monkeypatc
     assert "other options (end_to_end_keys)" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~25 s: a run with key sequences on a tiny Llama, then one continuing it
+def test_a_continued_run_trains_on_new_key_sequences_and_holds_out_the_same(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """--init-from a run that trained on keys: the next draw of training keys (none of the source's again), the
+    same held-out keys in both runs, and none of them ever trained on."""
+    from linattn.cli import main
+    from linattn.evaluate import lm_stages
+
+    seen = []
+    real = lm_stages.fit_end_to_end
+
+    def spy(model, tokenizer, texts, **kwargs):
+        weights, held = kwargs["weights"] or [None] * len(texts), kwargs["held_out"]
+        keyed = [tuple(ids.tolist()) for ids, w in zip(texts, weights, strict=True)
+                 if w is not None and float(w.max()) > 1]
+        held_keys = [tuple(ids.tolist()) for ids, w in zip(texts[-held:], weights[-held:], strict=True)
+                     if w is not None and float(w.max()) > 1]
+        seen.append((set(keyed) - set(held_keys), set(held_keys)))
+        return real(model, tokenizer, texts, **kwargs)
+
+    monkeypatch.setattr(lm_stages, "fit_end_to_end", spy)
+    keys = ["--end-to-end-keys", "3", "--end-to-end-key-filler", "20", "40"]
+    source, more = tmp_path / "source", tmp_path / "more"
+    assert main(command(tiny, source, *LONG, *keys)) == 0
+    assert main(command(tiny, more, "--init-from", str(source), "--end-to-end-steps", "0", *LONG, *keys)) == 0
+    (first_trained, first_held), (second_trained, second_held) = [entry for entry in seen if entry[0]]
+    assert len(first_trained) == len(second_trained) == 3 and len(first_held) == 2
+    assert not first_trained & second_trained  # new keys
+    assert first_held == second_held and not (first_held & (first_trained | second_trained))
+    draws = [json.loads((out / "results.json").read_text())["stages"]["long_gaps"]["key_draw"]
+             for out in (source, more)]
+    assert draws == [0, 1]
+    assert json.loads((more / "stages" / "plan.json").read_text())["key_seed"] == 1
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--end-to-end-keys", "3", "--end-to-end-long-steps", "0"],
      "--end-to-end-keys: the key-retrieval sequences are trained on in the long_gaps"),

@@ -26,6 +26,8 @@ LM_FIT_TOKENS = 1024
 # hybrid); the plain hedgehog row is fitted without it
 DEFAULT_LM_MAPS = ("elu", "favor+", "hedgehog", "hedgehog+window")
 HELD_OUT_SAMPLES = 2  # the end-to-end stage's last samples, held out to pick its best step
+# the draw of the HELD_OUT_SAMPLES held-out key-retrieval sequences, apart from every run's training draw (0, 1, ...)
+HELD_OUT_KEY_SEED = 1_000_003
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,9 @@ class EndToEndOptions:
     # beside the rest, their fillers drawn from key_filler; 0: none
     keys: int = 0
     key_filler: tuple[int, int] = KEY_FILLER
+    # the draw of the key sequences trained on: a run continuing one that trained on keys takes the next, so it
+    # trains on new ones (the held-out ones are drawn apart, the same in every run: HELD_OUT_KEY_SEED)
+    key_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.samples < HELD_OUT_SAMPLES + 1 or self.tokens < 1:
@@ -102,6 +107,9 @@ class EndToEndOptions:
         if self.keys < 0 or not 1 <= self.key_filler[0] <= self.key_filler[1]:
             raise LinearAttentionError(f"--end-to-end-keys: need ≥ 0; --end-to-end-key-filler: 1 ≤ LOW ≤ HIGH tokens; "
                                        f"got {self.keys} and {self.key_filler[0]} {self.key_filler[1]}")
+        if not 0 <= self.key_seed < HELD_OUT_KEY_SEED:
+            raise LinearAttentionError(f"key_seed: need 0 ≤ seed < {HELD_OUT_KEY_SEED} (that one draws the held-out "
+                                       f"key sequences), got {self.key_seed}")
         if self.corpus_orders < 0:
             raise LinearAttentionError(f"--end-to-end-corpus-orders: need ≥ 0, got {self.corpus_orders}")
         self._check_lora()

@@ -35,7 +35,7 @@ from ..train.end_to_end import (
 )
 from ..train.lora import add_lora
 from .capture import capture_attention, reordered
-from .lm_config import HELD_OUT_SAMPLES, EndToEndOptions, LMCompareConfig
+from .lm_config import HELD_OUT_KEY_SEED, HELD_OUT_SAMPLES, EndToEndOptions, LMCompareConfig
 from .models import cache_folder
 
 PROMPT_WORDS = 20  # each sampled text starts from the first words of a train paragraph
@@ -171,12 +171,16 @@ def training_set(plain: list[torch.Tensor], corpus: list[torch.Tensor], options:
 
 def key_set(tokenizer: Any, train: str,
             options: EndToEndOptions) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """With ``options.keys``: that many key-retrieval sequences of the train text and HELD_OUT_SAMPLES more to hold
-    out (:func:`~linattn.train.end_to_end.key_sequences`), with their position weights; None without."""
+    """With ``options.keys``: that many key-retrieval sequences of the train text (draw ``options.key_seed``) and
+    HELD_OUT_SAMPLES more to hold out (drawn apart, HELD_OUT_KEY_SEED: never among any run's training ones), with
+    their position weights (:func:`~linattn.train.end_to_end.key_sequences`); None without."""
     if not options.keys:
         return None
-    return key_sequences(tokenizer, train, count=options.keys + HELD_OUT_SAMPLES, filler=options.key_filler,
-                         share=KEY_SHARE, seed=0)
+    trained = key_sequences(tokenizer, train, count=options.keys, filler=options.key_filler, share=KEY_SHARE,
+                            seed=options.key_seed)
+    held = key_sequences(tokenizer, train, count=HELD_OUT_SAMPLES, filler=options.key_filler, share=KEY_SHARE,
+                         seed=HELD_OUT_KEY_SEED)
+    return trained[0] + held[0], trained[1] + held[1]
 
 
 def corpus_sequences(tokenizer: Any, train: str, options: EndToEndOptions) -> list[torch.Tensor]:
@@ -226,6 +230,7 @@ def train_end_to_end(model: Any, tokenizer: Any, fitted: FittedFeatureMaps, conf
     model.set_attn_implementation("sdpa")
     return tuned, adapters, {"samples": len(plain), "copying_sequences": data.copying,
                              "corpus_sequences": data.corpus, "key_sequences": data.keys,
+                             **({"key_draw": options.key_seed} if data.keys else {}),
                              "tokens": options.tokens, "steps": options.steps,
                              "heads": None if heads is None else int(heads.sum()),
                              "repeat_weight": options.repeat_weight, "copy_gap": list(options.copy_gap),

@@ -143,13 +143,15 @@ def _long_steps(args: argparse.Namespace) -> int:
 
 def _long_options(options: EndToEndOptions, args: argparse.Namespace, plan: dict[str, Any]) -> EndToEndOptions | None:
     """The long_gaps stage's end-to-end options: ``plan``'s step count (None or 0: no such stage), the copying
-    gaps of --end-to-end-long-gap, the samples alone, and the --end-to-end-keys key-retrieval sequences."""
+    gaps of --end-to-end-long-gap, the samples alone, and the --end-to-end-keys key-retrieval sequences (of
+    ``plan``'s draw: :func:`_key_seed`)."""
     steps = plan.get("end_to_end_long_steps", 0)
     gap = tuple(getattr(args, "end_to_end_long_gap", LONG_GAP_TOKENS))
     keys = int(getattr(args, "end_to_end_keys", 0) or 0)
     try:
         long = replace(options, steps=max(int(steps or 0), 0), copy_gap=gap, corpus_orders=0, lora_rank=0,
-                       keys=keys, key_filler=tuple(getattr(args, "end_to_end_key_filler", KEY_FILLER_TOKENS)))
+                       keys=keys, key_filler=tuple(getattr(args, "end_to_end_key_filler", KEY_FILLER_TOKENS)),
+                       key_seed=int(plan.get("key_seed", 0)))
     except LinearAttentionError as error:
         raise LinearAttentionError(str(error).replace("--end-to-end-copy-gap", "--end-to-end-long-gap")) from error
     if keys and not long.steps:
@@ -256,6 +258,7 @@ class Job:
                               samples=self.args.end_to_end_samples, most_fit=self.args.fit_steps,
                               corpus=training_text_count(self.tokenizer, self.train, config.end_to_end),
                               sample_first=self._retrieval_split, long=long is not None)
+        plan["key_seed"] = _key_seed(self.source)
         plan["options"] = self._options()
         _config(self.args, plan, "")  # options refused there leave no plan behind (a corrected rerun is not "other")
         atomic_write(self.folder / "stages" / "plan.json", json.dumps(plan, indent=2))
@@ -558,6 +561,16 @@ def _source_run(args: argparse.Namespace) -> Path:
         raise LinearAttentionError(f"--init-from: {args.init_from!r} was made with other {', '.join(differ)}; give "
                                    "this run the same (its student, exact part and samples are taken as they are)")
     return source
+
+
+def _key_seed(source: Path | None) -> int:
+    """The draw of this run's key-retrieval sequences: 0, or with --init-from the one after the source's where the
+    source trained on keys (a plan from before the draw was kept drew 0), so that a continued run learns from new
+    sequences, not the same ones again."""
+    if source is None:
+        return 0
+    plan = json.loads((source / "stages" / "plan.json").read_text("utf-8"))
+    return int(plan.get("key_seed", 0)) + (1 if plan["options"].get("end_to_end_keys") else 0)
 
 
 def _cache_floor(args: argparse.Namespace) -> int:
