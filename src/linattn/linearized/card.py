@@ -131,6 +131,10 @@ def card_lines(result: dict[str, Any], plotted: bool) -> list[str]:
         lines += [f"- {name}: {info.get('summary', '')} ({info.get('seconds', 0):.0f} s)" for name, info in
                   stages.items()]
         lines += [""]
+    taken = result.get("rows_taken") or {}
+    if taken:
+        lines += ["Taken as measured by another run on the same inputs (the base model, texts and probes): "
+                  + "; ".join(f"{name}, from {where}" for name, where in taken.items()) + ".", ""]
     threads = int(result["threads"])
     lines += [f"{threads} thread{'s' if threads != 1 else ''}. The numbers are in `results.json`."]
     return lines

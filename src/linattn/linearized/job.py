@@ -24,6 +24,7 @@ than mixing stages made two ways.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -508,20 +509,40 @@ class Job:
                              lambda: hf.linearize(model, tuned, gates=self.gates, window=wide,
                                                   **attention_options(self.student))))
         switches.append(("linearized", lambda: hf.linearize(model, tuned, gates=self.gates, **cache)))
+        # rows measured before an interruption of this stage, and --init-from's rows of the original and the
+        # softmax window, where every input they depend on is the same: taken as they are
+        digest = _RowInputs(model, self.heldout, self.probe_text, self.config.probes,
+                            getattr(args, "repeat_gaps", []), positions)
+        student = _student_digest(tuned, self.gates, adapters)
+        taken = _measured_rows(self.folder, self.source, baselines=[name for name, _ in switches[:2]])
+        linearized_now = False
         for name, switch in switches:
+            inputs = digest(name, student if name == "linearized" or name.startswith(WIDER_ROW) else "")
+            if (row := taken.get((name, inputs))) is not None:
+                rows.append(row)
+                if not args.quiet:
+                    print(f"{name}: taken from {row.get('measured_in', 'this run')} (the same inputs)", flush=True)
+                continue
             switch()
             if adapters is not None and (name == "linearized" or name.startswith(WIDER_ROW)):
                 adapters.attach()
+            linearized_now = name == "linearized"
             row = {"name": name, **score_model(model, self.tokenizer, self.heldout, self.config.probes),
                    "by_position": perplexity_by_position(model, self.tokenizer, self.heldout, positions),
                    "repeat_by_gap": repeats_by_gap(model, self.tokenizer, self.probe_text,
                                                    getattr(args, "repeat_gaps", []),
                                                    passage_tokens=self.config.probes.passage_tokens,
-                                                   trials=self.config.probes.repeat_trials)}
+                                                   trials=self.config.probes.repeat_trials),
+                   "inputs": inputs, "measured_in": str(self.folder.resolve())}  # its tokens/s: of this run
             rows.append(row)
+            atomic_write(self.folder / "stages" / MEASURED_ROWS, json.dumps(rows))
             if not args.quiet:
                 print(f"{name}: perplexity {row['perplexity']:.2f}, repeated passage {row['repeat_perplexity']:.2f}",
                       flush=True)
+        if not linearized_now:  # its row was taken: the model is saved as it measured
+            switches[-1][1]()
+            if adapters is not None:
+                adapters.attach()
         stages = {name: info for name in STAGES[:-1] if (info := self.stages.done(name)) is not None}
         probes = self.config.probes
         result = {"model": self.name, "base": args.model, "student": self.student.name,
@@ -535,6 +556,8 @@ class Job:
                   "passage_tokens": probes.passage_tokens, "gap_tokens": probes.gap_tokens,
                   "repeat_trials": probes.repeat_trials, "passkey_trials": probes.passkey_trials,
                   "threads": torch.get_num_threads(), "rows": rows, "stages": stages,
+                  "rows_taken": {row["name"]: row["measured_in"] for row in rows
+                                 if row.get("measured_in") != str(self.folder.resolve())},
                   "fine_tuned": adapters is not None}
         save_linearized(model, self.folder, maps=tuned, options=cache, base=args.model, adapters=adapters,
                         results=result, gates=self.gates)
@@ -561,6 +584,61 @@ def _source_run(args: argparse.Namespace) -> Path:
         raise LinearAttentionError(f"--init-from: {args.init_from!r} was made with other {', '.join(differ)}; give "
                                    "this run the same (its student, exact part and samples are taken as they are)")
     return source
+
+
+# the measuring stage's rows so far (stages/): a rerun after an interruption measures only the others
+MEASURED_ROWS = "measure_rows.json"
+
+
+class _RowInputs:
+    """A digest of what a measured row depends on: its name (the window row's names its window and sinks), the
+    base model's fingerprint, the held-out and probe texts, the probes' options, the repeats' gaps, the positions
+    scored, and for the student's rows a digest of the student (:func:`_student_digest`)."""
+
+    def __init__(self, model: Any, heldout: str, probe_text: str, probes: Any, gaps: Any, positions: int) -> None:
+        from dataclasses import asdict
+
+        from .folder import fingerprint
+
+        self.common = json.dumps([fingerprint(model), heldout, probe_text, asdict(probes), list(gaps or []),
+                                  positions], default=str)
+
+    def __call__(self, name: str, student: str) -> str:
+        return hashlib.sha256(json.dumps([name, student, self.common]).encode()).hexdigest()
+
+
+def _student_digest(tuned: FittedFeatureMaps, gates: list[Any] | None, adapters: Any) -> str:
+    """A digest of every tensor of the student: its maps, its gates and its adapters."""
+    digest = hashlib.sha256()
+    tensors = [tensor for module in [*tuned.maps, *(gates or [])] for _, tensor in sorted(module.state_dict().items())]
+    tensors += [*(tuned.window_factors or []), *(adapters.parameters() if adapters is not None else [])]
+    for tensor in tensors:
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.detach().to(torch.float64).cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _measured_rows(folder: Path, source: Path | None, baselines: list[str]) -> dict[tuple[str, str], Any]:
+    """(name, inputs) → row: this run's rows measured so far, and the ``baselines`` rows of --init-from's run
+    (its results, or its rows so far); a row from before rows carried their inputs is never taken."""
+    taken: dict[tuple[str, str], Any] = {}
+
+    def read(path: Path) -> list[Any]:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return []
+        rows = data.get("rows", []) if isinstance(data, dict) else data
+        return [row for row in rows if isinstance(row, dict) and isinstance(row.get("inputs"), str)]
+
+    if source is not None:
+        for path in (source / "stages" / MEASURED_ROWS, source / "results.json"):
+            for row in read(path):
+                if row.get("name") in baselines:
+                    taken[(row["name"], row["inputs"])] = row
+    for row in read(folder / "stages" / MEASURED_ROWS):
+        taken[(row["name"], row["inputs"])] = row
+    return taken
 
 
 def _key_seed(source: Path | None) -> int:
