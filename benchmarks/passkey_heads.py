@@ -10,10 +10,11 @@ whole context, and its memory receives nothing) and measures the passkey at each
    ``--rank-seed``), never the held-out text the probes below use.
 2. For each count K of ``--counts``: the folder with its own cached heads and the top K of that ranking given
    ``--exact`` pairs each (the rest as the folder has them), scored on ``--trials`` passkey probes of the shipped
-   held-out text per filler length (``linattn linearize``'s probes, seed 0): hits (the key greedy at every key
-   token) with a 95 % Wilson interval, and the mean log-probability of the key's tokens (finer than hits, which a
-   135M model rarely scores). Also the original model, the folder as it is, and the folder with its memory's
-   read-out weight λ set to 0 (its key gates' ``readout``: the window, the sinks and the cache alone).
+   held-out text per filler length (``linattn linearize``'s probes, seed 0; ``--seed`` draws others): hits (the key
+   greedy at every key token) with a 95 % Wilson interval, and the mean log-probability of the key's tokens
+   (finer than hits, which a 135M model rarely scores). Also the original model, the folder as it is, and the
+   folder with its memory's read-out weight λ set to 0 (its key gates' ``readout``: the window, the sinks and the
+   cache alone).
 
 Rows are written to ``--out`` as they finish; a rerun skips those already there.
 
@@ -75,6 +76,8 @@ def main() -> None:
     parser.add_argument("--rank-filler", type=int, default=1024)
     parser.add_argument("--rank-trials", type=int, default=8)
     parser.add_argument("--rank-seed", type=int, default=11)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the held-out probes' draw (0: linattn linearize's own; another: new probes)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="docs/results/passkey_heads_smollm2.json")
     args = parser.parse_args()
@@ -89,8 +92,11 @@ def main() -> None:
                                 "trials": args.trials, "exact": args.exact, "rank_filler": args.rank_filler,
                                 "rank_trials": args.rank_trials, "rank_seed": args.rank_seed,
                                 "threads": torch.get_num_threads(),
-                                "heldout": "the shipped corpus's held-out part (probes, seed 0)",
+                                "heldout": f"the shipped corpus's held-out part (probes, seed {args.seed})",
                                 "ranking": "the shipped corpus's training part"})
+    if done["setting"]["heldout"] != f"the shipped corpus's held-out part (probes, seed {args.seed})":
+        raise SystemExit(f"--out {out} holds probes of another --seed ({done['setting']['heldout']}): pass another "
+                         "--out")
     rows = done.setdefault("rows", {})
 
     def save() -> None:
@@ -119,7 +125,7 @@ def main() -> None:
                 continue
             start = time.perf_counter()
             hits, logp = key_scores(model, passkeys(tokenizer, text, filler_tokens=length, trials=args.trials,
-                                                    seed=0))
+                                                    seed=args.seed))
             low, high = wilson_interval(hits, args.trials)
             row["lengths"][str(length)] = {"hits": hits, "trials": args.trials, "wilson_95": [low, high],
                                            "key_log_prob": logp, "seconds": time.perf_counter() - start}
