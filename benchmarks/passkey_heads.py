@@ -88,13 +88,14 @@ def main() -> None:
     entry = read_index(folder)
     out = Path(args.out)
     done: dict[str, Any] = json.loads(out.read_text(encoding="utf-8")) if out.is_file() else {}
+    heldout = f"the shipped corpus's held-out part (probes, seed {args.seed})"
     done.setdefault("setting", {"folder": "the shipped SmolLM2 folder" if args.folder is None else args.folder,
                                 "trials": args.trials, "exact": args.exact, "rank_filler": args.rank_filler,
                                 "rank_trials": args.rank_trials, "rank_seed": args.rank_seed,
                                 "threads": torch.get_num_threads(),
-                                "heldout": f"the shipped corpus's held-out part (probes, seed {args.seed})",
+                                "heldout": heldout,
                                 "ranking": "the shipped corpus's training part"})
-    if done["setting"]["heldout"] != f"the shipped corpus's held-out part (probes, seed {args.seed})":
+    if done["setting"]["heldout"] != heldout:
         raise SystemExit(f"--out {out} holds probes of another --seed ({done['setting']['heldout']}): pass another "
                          "--out")
     rows = done.setdefault("rows", {})

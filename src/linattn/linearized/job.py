@@ -29,7 +29,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ from ..state import SparseCache
 from ..train.end_to_end import COPY_GAP, cache_split
 from .arguments import KEY_FILLER_TOKENS, LONG_GAP_STEPS, LONG_GAP_TOKENS
 from .card import WIDER_ROW, perplexity_by_position, write_card
-from .folder import atomic_write, check_disk, prepare_out, save_linearized
+from .folder import atomic_write, check_disk, fingerprint, prepare_out, save_linearized
 from .students import (
     attention_options,
     fit_delta_student,
@@ -515,16 +515,18 @@ class Job:
                             getattr(args, "repeat_gaps", []), positions)
         student = _student_digest(tuned, self.gates, adapters)
         taken = _measured_rows(self.folder, self.source, baselines=[name for name, _ in switches[:2]])
+        here = str(self.folder.resolve())
         linearized_now = False
         for name, switch in switches:
-            inputs = digest(name, student if name == "linearized" or name.startswith(WIDER_ROW) else "")
+            of_student = name == "linearized" or name.startswith(WIDER_ROW)
+            inputs = digest(name, student if of_student else "")
             if (row := taken.get((name, inputs))) is not None:
                 rows.append(row)
                 if not args.quiet:
                     print(f"{name}: taken from {row.get('measured_in', 'this run')} (the same inputs)", flush=True)
                 continue
             switch()
-            if adapters is not None and (name == "linearized" or name.startswith(WIDER_ROW)):
+            if adapters is not None and of_student:
                 adapters.attach()
             linearized_now = name == "linearized"
             row = {"name": name, **score_model(model, self.tokenizer, self.heldout, self.config.probes),
@@ -533,7 +535,7 @@ class Job:
                                                    getattr(args, "repeat_gaps", []),
                                                    passage_tokens=self.config.probes.passage_tokens,
                                                    trials=self.config.probes.repeat_trials),
-                   "inputs": inputs, "measured_in": str(self.folder.resolve())}  # its tokens/s: of this run
+                   "inputs": inputs, "measured_in": here}  # its tokens/s: of this run
             rows.append(row)
             atomic_write(self.folder / "stages" / MEASURED_ROWS, json.dumps(rows))
             if not args.quiet:
@@ -557,7 +559,7 @@ class Job:
                   "repeat_trials": probes.repeat_trials, "passkey_trials": probes.passkey_trials,
                   "threads": torch.get_num_threads(), "rows": rows, "stages": stages,
                   "rows_taken": {row["name"]: row["measured_in"] for row in rows
-                                 if row.get("measured_in") != str(self.folder.resolve())},
+                                 if row.get("measured_in") != here},
                   "fine_tuned": adapters is not None}
         save_linearized(model, self.folder, maps=tuned, options=cache, base=args.model, adapters=adapters,
                         results=result, gates=self.gates)
@@ -596,10 +598,6 @@ class _RowInputs:
     scored, and for the student's rows a digest of the student (:func:`_student_digest`)."""
 
     def __init__(self, model: Any, heldout: str, probe_text: str, probes: Any, gaps: Any, positions: int) -> None:
-        from dataclasses import asdict
-
-        from .folder import fingerprint
-
         self.common = json.dumps([fingerprint(model), heldout, probe_text, asdict(probes), list(gaps or []),
                                   positions], default=str)
 
