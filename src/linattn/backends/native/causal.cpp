@@ -15,9 +15,10 @@
 // and, beside the sparse exact cache (exact/forms/sparse_composed.py), its boundary decisions under the recall score
 // (sparse_delta_decide) and its exact term (cache_exact), near the end of the file.
 //
-// The value rows are held in vectors of 64 bytes (GCC's vector extension: zmm registers where the build targets
-// AVX-512, pairs or quads of narrower registers elsewhere), so Dv must be a multiple of 16 (fp32) or 8 (fp64) and
-// at most 16 such vectors: the Python side checks it and leaves other sizes to the torch forms. Rows (batch x
+// The value rows are held in vectors of the build's register width (GCC's vector extension: 64 bytes where it
+// targets AVX-512, 32 with AVX2, 16 otherwise; a vector wider than the target's registers has no machine mode, so
+// GCC keeps it in memory and splits every operation: 10-25x slower on an AVX2 CPU). The Python side admits Dv in
+// multiples of 64 bytes (16 fp32 or 8 fp64), at most 16 of them, and leaves other sizes to the torch forms. Rows (batch x
 // heads) run in parallel in torch's OpenMP pool. Nothing here checks its inputs: the Python caller does, once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,10 +33,19 @@
 
 namespace {
 
+#if defined(__AVX512F__)
+constexpr int kLaneBytes = 64, kRegisters = 32;
+#elif defined(__AVX__)
+constexpr int kLaneBytes = 32, kRegisters = 16;
+#else
+constexpr int kLaneBytes = 16, kRegisters = 16;
+#endif
+constexpr int kPerBlock = 64 / kLaneBytes;  // vectors in the 64 bytes the Python side counts Dv in
+
 template <typename T>
 struct Lanes {
-  typedef T vec __attribute__((vector_size(64)));
-  static constexpr int count = 64 / sizeof(T);
+  typedef T vec __attribute__((vector_size(kLaneBytes)));
+  static constexpr int count = kLaneBytes / sizeof(T);
 };
 
 // a row-major (rows, tokens, width) view: x[r][t][i] at base + r * row + t * token + i
@@ -369,10 +379,11 @@ inline void rank_rest(int rest, T* S, const T* k, int64_t k_token, const T* v, i
   }
 }
 
-// accumulators a strip or tile keeps: 24 vectors (of 32 registers), 16 for the widest rows
+// accumulators a strip or tile keeps: three quarters of the registers (24 of AVX-512's 32, 12 of AVX2's 16), at
+// least one row
 template <int NV>
 constexpr int tile_rows() {
-  return NV >= 16 ? 1 : 24 / NV;
+  return NV >= kRegisters * 3 / 4 ? 1 : kRegisters * 3 / 4 / NV;
 }
 
 // z += the sum of `tokens` rows of `features` entries (rows `token` apart): a vector of z at a time over the rows
@@ -512,14 +523,15 @@ void read(View<T> q_in, const T* kv, const T* k_sum, View<T> out, int64_t rows, 
   });
 }
 
-// Dv in vectors of 64 bytes, dispatched to a compiled width (the Python side admits only these)
-#define LINATTN_VECTORS(vectors, ...)                       \
-  switch (vectors) {                                        \
-    case 1: { constexpr int NV = 1; __VA_ARGS__; break; }   \
-    case 2: { constexpr int NV = 2; __VA_ARGS__; break; }   \
-    case 4: { constexpr int NV = 4; __VA_ARGS__; break; }   \
-    case 8: { constexpr int NV = 8; __VA_ARGS__; break; }   \
-    case 16: { constexpr int NV = 16; __VA_ARGS__; break; } \
+// Dv in vectors of the build's width, dispatched by its count of 64-byte blocks to a compiled width (the Python
+// side admits only these)
+#define LINATTN_VECTORS(vectors, ...)                                     \
+  switch ((vectors) / kPerBlock) {                                        \
+    case 1: { constexpr int NV = 1 * kPerBlock; __VA_ARGS__; break; }   \
+    case 2: { constexpr int NV = 2 * kPerBlock; __VA_ARGS__; break; }   \
+    case 4: { constexpr int NV = 4 * kPerBlock; __VA_ARGS__; break; }   \
+    case 8: { constexpr int NV = 8 * kPerBlock; __VA_ARGS__; break; }   \
+    case 16: { constexpr int NV = 16 * kPerBlock; __VA_ARGS__; break; } \
     default: TORCH_CHECK(false, "linattn native: unsupported value width"); \
   }
 
