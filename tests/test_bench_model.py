@@ -90,3 +90,43 @@ def test_the_floor_is_the_original_without_attention_and_bounds_the_ratios(fitte
     assert bound["prefill_speedup"] == pytest.approx(by["original"]["prefill_ms"] / by["floor"]["prefill_ms"])
     assert bound["decode_speedup"] == pytest.approx(by["floor"]["decode_tokens_per_second"]
                                                     / by["original"]["decode_tokens_per_second"])
+
+
+def test_same_linears_times_the_original_with_the_linearized_models_linear_layers(fitted_dir, tmp_path):  # noqa: F811
+    """--same-linears: a row of the original whose nn.Linear layers are the linearized model's TokenLinear (the
+    same logits as the original up to rounding), and the attention's own ratios computed from it; the linearized
+    model and the floor run the same layers, the original does not."""
+    import torch
+
+    from linattn.cli import main
+    from linattn.evaluate import load_model
+    from linattn.linearized.folder import load_linearized
+    from linattn.nn.token_linear import TokenLinear
+
+    folder, _, tokenizer = fitted_dir
+    base = json.loads((folder / "linattn.json").read_text())["base"]["model"]
+    lean, original = speed.same_linears_model(base), load_model(base, causal_lm=True)[0]
+
+    def kinds(model: torch.nn.Module) -> set[type]:
+        return {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+
+    assert kinds(lean) == {TokenLinear} and kinds(speed.floor_model(base)) == {TokenLinear}
+    assert kinds(load_linearized(folder, base=base)[0]) == {TokenLinear} and kinds(original) == {torch.nn.Linear}
+    ids = speed.prompt_ids(tokenizer, 9)
+    with torch.no_grad():  # a decoding-sized call (one token after the prompt, no cache: a 1-row product)
+        for model in (lean, original):
+            model.config.use_cache = False
+        step = [model(input_ids=ids[:, -1:], position_ids=torch.tensor([[8]])).logits for model in (lean, original)]
+    torch.testing.assert_close(step[0], step[1], rtol=1e-5, atol=1e-5)  # the order of the sums alone differs
+    out = tmp_path / "bench"
+    assert main(["bench", "--model", base, "--linearized", str(folder), "--contexts", "24", "--new-tokens", "3",
+                 "--rounds", "1", "--out", str(out), "--no-plot", "--no-memory", "--same-linears"]) == 0
+    result = json.loads((out / "bench_model.json").read_text())
+    by = {row["model"]: row for row in result["rows"]}
+    assert set(by) == {"original", "linearized", speed.SAME_LINEARS} and result["meta"]["same_linears"]
+    same = result["summary"][0]["same_linears"]
+    assert same["decode_speedup"] == pytest.approx(by["linearized"]["decode_tokens_per_second"]
+                                                   / by[speed.SAME_LINEARS]["decode_tokens_per_second"])
+    assert same["prefill_speedup"] == pytest.approx(by[speed.SAME_LINEARS]["prefill_ms"]
+                                                    / by["linearized"]["prefill_ms"])
+    assert "same linears: prefill / decode" in speed.table(result["summary"])

@@ -123,7 +123,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     model.add_argument("--new-tokens", type=int, default=32, help="decoding steps timed after each prompt")
     model.add_argument("--rounds", type=int, default=2, help="rounds, the two models alternating in each")
     model.add_argument("--floor", action="store_true", help="also time the original without its attention (the "
-                       "projections, MLPs and head alone): the most any attention could gain, as bound columns")
+                       "projections, MLPs and head alone, as the linearized model runs them): the most any "
+                       "attention could gain, as bound columns")
+    model.add_argument("--same-linears", action="store_true", help="also time the original with the linearized "
+                       "model's one-token linear layers (TokenLinear): the decoding ratio against it is the "
+                       "attention's alone")
     bench.add_argument("--decays", nargs="*", default=[], choices=["decay", "gate", "gla"],
                        help="also time causal attention with a RetNet decay, a per-token or a per-feature gate")
     for flag, what in (("backward", "the backward pass"), ("sdpa", "torch's SDPA beside linattn"),

@@ -52,6 +52,7 @@ from .feature_maps import create
 from .feature_maps.fitted import load_feature_maps
 from .functional import linear_attention
 from .hf_options import cache_from_json, check_attention_options, check_gates, split_options
+from .nn.token_linear import lean_linears
 
 IMPLEMENTATION = "linattn"
 DEFAULT_FEATURE_MAP = "elu"
@@ -290,7 +291,9 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
     Returns the same model, modified in place: each attention module holds its map as the submodule
     ``linattn_feature_map`` (so ``model.to(...)`` moves it and it appears in ``state_dict``) and its options as
     ``linattn_options``. Switch back with ``model.set_attn_implementation("sdpa")``; the maps stay attached, unused.
-    A model with ``generate`` then generates with a :class:`~linattn.hf_cache.LinearAttentionCache`.
+    A model with ``generate`` then generates with a :class:`~linattn.hf_cache.LinearAttentionCache`, and its
+    ``nn.Linear`` layers become :class:`~linattn.nn.token_linear.TokenLinear` (the same layers; a decoding token's
+    product runs the native kernel that streams the weights at the memory's speed).
     """
     register()
     if isinstance(feature_maps, str | os.PathLike) and os.path.isfile(feature_maps):
@@ -373,6 +376,7 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
         from .hf_cache import install
 
         install(model)
+        lean_linears(model)  # a decoding token's projections, MLPs and head at the memory's speed
     set_implementation = getattr(model, "set_attn_implementation", None)
     if set_implementation is None:
         raise LinearAttentionError(f"model: {type(model).__name__} has no set_attn_implementation (transformers ≥ 5)")

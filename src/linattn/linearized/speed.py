@@ -15,10 +15,18 @@ during one more prefill (the profiler's allocation events, above what existed be
 timed calls. Threads: ``--threads`` (default 0: torch's); one thread gives each model the same core on a shared
 machine.
 
-``--floor`` adds a third model to every round: the original with its attention taken out (each query's output is
-its own value; no cache, no mask), so only the projections, the MLPs, the norms and the LM head run. No attention,
-linear or not, can make the model faster than that, so original / floor is the most a linearized model can gain
-at each context (the table's bound columns).
+The linearized model's ``nn.Linear`` layers are :class:`~linattn.nn.token_linear.TokenLinear` (what
+:func:`linattn.hf.linearize` installs): a decoding token's projections, MLPs and LM head run a native kernel that
+streams the weights about twice as fast as torch's BLAS call does here, so part of its decoding speed-up over the
+original comes from those layers, not from its attention. ``--same-linears`` adds the original with the same
+layers (row ``original_lean``): the decoding ratio against it is the attention's alone (the table's
+"same linears" column).
+
+``--floor`` adds a model to every round: the original with its attention taken out (each query's output is its own
+value; no cache, no mask) and the linearized model's linear layers, so only the projections, the MLPs, the norms
+and the LM head run, as fast as the linearized model runs them. No attention, linear or not, can make the model
+faster than that, so original / floor is the most a linearized model can gain at each context (the table's bound
+columns).
 """
 
 from __future__ import annotations
@@ -42,10 +50,12 @@ from ..errors import LinearAttentionError
 from ..evaluate.models import check_model_name, load_model
 from ..evaluate.perplexity import keeps_logits
 from ..measure import peak_memory
+from ..nn.token_linear import lean_linears
 from .folder import atomic_write, load_linearized, shipped
 from .generate import cache_bytes, new_cache
 
 FLOOR = "floor"  # the model name of --floor's row
+SAME_LINEARS = "original_lean"  # the model name of --same-linears' row
 _FLOOR_IMPLEMENTATION = "linattn_floor"
 
 
@@ -123,7 +133,8 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
 
 
 def floor_model(name: str) -> Any:
-    """The original model ``name`` with its attention taken out (module docstring): the time of everything else."""
+    """The original model ``name`` with its attention taken out and the linearized model's linear layers (module
+    docstring): the time of everything else."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -131,6 +142,14 @@ def floor_model(name: str) -> Any:
     AttentionMaskInterface.register(_FLOOR_IMPLEMENTATION, _no_mask)
     model, _, _ = load_model(name, causal_lm=True)
     model.set_attn_implementation(_FLOOR_IMPLEMENTATION)
+    lean_linears(model)
+    return model.eval()
+
+
+def same_linears_model(name: str) -> Any:
+    """The original model ``name`` with the linearized model's linear layers (module docstring)."""
+    model, _, _ = load_model(name, causal_lm=True)
+    lean_linears(model)
     return model.eval()
 
 
@@ -188,6 +207,11 @@ def ratios(rows: list[SpeedRow], base: str = "original", other: str = "linearize
             out[-1]["bound"] = {"prefill_ms": floor.prefill_ms, "prefill_speedup": a.prefill_ms / floor.prefill_ms,
                                 "decode_tokens_per_second": floor.decode_tokens_per_second,
                                 "decode_speedup": floor.decode_tokens_per_second / a.decode_tokens_per_second}
+        if SAME_LINEARS in pair:  # the attention's share: the original with the linearized model's linear layers
+            lean = pair[SAME_LINEARS]
+            out[-1]["same_linears"] = {"prefill_ms": lean.prefill_ms, "prefill_speedup": lean.prefill_ms / b.prefill_ms,
+                                       "decode_tokens_per_second": lean.decode_tokens_per_second,
+                                       "decode_speedup": b.decode_tokens_per_second / lean.decode_tokens_per_second}
     return out
 
 
@@ -201,20 +225,21 @@ def table(summary: list[dict[str, Any]]) -> str:
         values = entry["peak_prefill_mib"]
         return "—" if None in values.values() else " / ".join(f"{v:,.0f}" for v in values.values())
 
-    bounds = any("bound" in entry for entry in summary)
+    extra = [(key, title) for key, title in (("same_linears", "same linears"), ("bound", "bound"))
+             if any(key in entry for entry in summary)]
     lines = ["| context | prefill ms (original / linearized) | prefill speed-up | decode tokens/s (original / "
              "linearized) | decode speed-up | prefill peak MiB | cache MiB |"
-             + (" bound: prefill / decode |" if bounds else ""),
-             "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if bounds else "")]
+             + "".join(f" {title}: prefill / decode |" for _, title in extra),
+             "|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra)]
     for entry in summary:
         prefill, decode, cache = entry["prefill_ms"], entry["decode_tokens_per_second"], entry["cache_mib"]
-        bound = entry.get("bound")
         lines.append(f"| {entry['context']:,} | {' / '.join(f'{v:,.0f}' for v in prefill.values())} | "
                      f"{entry['prefill_speedup']:.2f}× | {' / '.join(f'{v:.2f}' for v in decode.values())} | "
                      f"{entry['decode_speedup']:.2f}× | {memory(entry)} | "
                      f"{' / '.join(f'{v:.1f}' for v in cache.values())} |"
-                     + ("" if not bounds else " — |" if bound is None else
-                        f" {bound['prefill_speedup']:.2f}× / {bound['decode_speedup']:.2f}× |"))
+                     + "".join(" — |" if key not in entry else
+                               f" {entry[key]['prefill_speedup']:.2f}× / {entry[key]['decode_speedup']:.2f}× |"
+                               for key, _ in extra))
     return "\n".join(lines)
 
 
@@ -238,6 +263,10 @@ def plot(summary: list[dict[str, Any]], path: Path) -> bool:
                   color="C0", alpha=0.5, label="prefill bound (original / no attention)")
         axis.plot([e["context"] for e in bounded], [e["bound"]["decode_speedup"] for e in bounded], "s--",
                   color="C1", alpha=0.5, label="decoding bound")
+    same = [e for e in summary if "same_linears" in e]
+    if same:  # --same-linears: the decoding speed-up of the attention alone
+        axis.plot([e["context"] for e in same], [e["same_linears"]["decode_speedup"] for e in same], "s:",
+                  color="C2", label="decoding, against the original with the same linear layers")
     axis.axhline(1.0, color="grey", linewidth=0.8)
     axis.set_xscale("log", base=2)
     axis.set_xlabel("context (tokens)")
@@ -267,6 +296,8 @@ def cli(args: argparse.Namespace) -> int:
     print(f"{args.model}: original against {folder} ({threads} thread{'s' if threads != 1 else ''}, "
           f"{args.rounds} round{'s' if args.rounds != 1 else ''}, {args.new_tokens} new tokens)", flush=True)
     models = {"original": original.eval(), "linearized": linearized}
+    if args.same_linears:
+        models[SAME_LINEARS] = same_linears_model(args.model)
     if args.floor:
         models[FLOOR] = floor_model(args.model)
     rows = measure(models, tokenizer, sorted(args.contexts), args.new_tokens, args.rounds, memory=not args.no_memory)
@@ -277,7 +308,7 @@ def cli(args: argparse.Namespace) -> int:
     meta = {"linattn": __version__, "torch": torch.__version__, "threads": threads, "machine": platform.machine(),
             "processor": platform.processor(), "load_average_1_5_15": list(os.getloadavg()), "model": args.model,
             "linearized": str(folder), "new_tokens": args.new_tokens, "rounds": args.rounds,
-            "floor": bool(args.floor)}
+            "floor": bool(args.floor), "same_linears": bool(args.same_linears)}
     atomic_write(out / "bench_model.json", dumps({"meta": meta, "summary": summary,
                                                   "rows": [asdict(row) for row in rows]}, indent=2))
     with open(out / "bench_model.csv", "w", newline="", encoding="utf-8") as handle:

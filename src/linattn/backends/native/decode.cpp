@@ -475,6 +475,34 @@ at::Tensor layer_token(at::Tensor memory, const at::Tensor& q, const at::Tensor&
   return out;
 }
 
+
+// A linear layer on a few tokens (decoding): y = x W^T + b for x (..., in) holding a few rows, W (out, in)
+// contiguous as nn.Linear keeps it; y (..., out). A token's matrix-vector products read every weight once and do
+// two flops per 4 bytes, so their speed is the memory's: the output rows are split over torch's threads, each row
+// of W streamed once against the rows of x (which stay in the first-level cache).
+at::Tensor linear_token(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const at::Tensor x = input.contiguous();
+  const int64_t in = weight.size(1), out = weight.size(0), tokens = x.numel() / in;
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = out;
+  at::Tensor y = at::empty(sizes, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "linear_token", [&] {
+    using T = scalar_t;
+    const T* x_p = x.data_ptr<T>();
+    const T* w_p = weight.data_ptr<T>();
+    const T* b_p = bias ? bias->data_ptr<T>() : nullptr;
+    T* y_p = y.data_ptr<T>();
+    at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* row = w_p + r * in;
+        const T shift = b_p ? b_p[r] : T(0);
+        for (int64_t t = 0; t < tokens; ++t) y_p[t * out + r] = dot(row, x_p + t * in, in) + shift;
+      }
+    });
+  });
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -486,4 +514,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("key_gates", &key_gates, "beta and a per-head log-gate of one token from its keys (KeyGates)");
   m.def("layer_token", &layer_token,
         "one decoding token of a layer's attention from its raw q, k, v: gates, maps and token fused (see decode.cpp)");
+  m.def("linear_token", &linear_token, "x W^T + b for a few tokens x, rows of W over the threads (see decode.cpp)");
 }
