@@ -293,7 +293,7 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
     ``linattn_options``. Switch back with ``model.set_attn_implementation("sdpa")``; the maps stay attached, unused.
     A model with ``generate`` then generates with a :class:`~linattn.hf_cache.LinearAttentionCache`, and its
     ``nn.Linear`` layers become :class:`~linattn.nn.token_linear.TokenLinear` (the same layers; a decoding token's
-    product runs the native kernel that streams the weights at the memory's speed).
+    product runs a native kernel that streams the weights faster than torch's one-row BLAS call).
     """
     register()
     if isinstance(feature_maps, str | os.PathLike) and os.path.isfile(feature_maps):
@@ -376,7 +376,7 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
         from .hf_cache import install
 
         install(model)
-        lean_linears(model)  # a decoding token's projections, MLPs and head at the memory's speed
+        lean_linears(model)  # a decoding token's projections, MLPs and head in the native kernel
     set_implementation = getattr(model, "set_attn_implementation", None)
     if set_implementation is None:
         raise LinearAttentionError(f"model: {type(model).__name__} has no set_attn_implementation (transformers ≥ 5)")

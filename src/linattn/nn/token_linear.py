@@ -1,4 +1,4 @@
-"""The linear layers of a decoding token at the memory's speed: :class:`TokenLinear`, and :func:`lean_linears` to
+"""The linear layers of a decoding token in a native kernel: :class:`TokenLinear`, and :func:`lean_linears` to
 switch a model's ``nn.Linear`` layers to it.
 
 A decoding token multiplies one vector by every weight matrix of the model: for SmolLM2-135M in fp32, 538 MB read
