@@ -118,17 +118,21 @@ inline T exp_nonpositive(T x) {
   const T clipped = x < C::low ? C::low : x;  // false for NaN: NaN goes on
   // round to nearest by adding and removing 1.5 * 2^mantissa (no libm call, so the loop vectorises)
   const T shifter = T(1.5) * static_cast<T>(Bits(1) << C::mantissa);
-  const T n = (clipped * T(1.4426950408889634) + shifter) - shifter;
+  const T rounded = clipped * T(1.4426950408889634) + shifter;  // n + 1.5 * 2^mantissa, n in the low bits
+  const T n = rounded - shifter;
   const T r = (clipped - n * T(0.693145751953125)) - n * T(1.4286068203094173e-06);
   // Horner's rule on the coefficients 1/i! (one fused multiply-add a degree; the nested form 1 + r/i (1 + ...)
   // took two operations a degree)
   T p = static_cast<T>(inverse_factorials[C::degree]);
 #pragma GCC unroll 16
   for (int i = C::degree - 1; i >= 0; --i) p = p * r + static_cast<T>(inverse_factorials[i]);
-  const Bits bits = (static_cast<Bits>(n) + C::bias) << C::mantissa;
-  const T e = p * __builtin_bit_cast(T, bits);  // 2^n (GCC and Clang; a memcpy here would stop vectorisation)
-  if (!floored) return x <= C::low ? T(0) : e;  // below the smallest normal number: 0, as softmax's exp gives
-  return x <= C::low || e < C::tiny ? C::tiny : e;
+  // 2^n with integer arithmetic on the bits (GCC and Clang; a memcpy here would stop vectorisation): n from the low
+  // bits of `rounded` rather than a float-to-int conversion, which AVX2 lacks for fp64
+  const Bits bits = (__builtin_bit_cast(Bits, rounded) - __builtin_bit_cast(Bits, shifter) + C::bias) << C::mantissa;
+  const T e = p * __builtin_bit_cast(T, bits);
+  const T unfloored = x <= C::low ? T(0) : e;  // below the smallest normal number: 0, as softmax's exp gives
+  if (!floored) return unfloored;
+  return unfloored < C::tiny ? C::tiny : unfloored;  // (two selects: GCC vectorised no loop over an || of them)
 }
 
 // phi(x) = elu(x) + 1 = e^{min(x, 0)} (floored) + max(x, 0) of one row, into `out`
@@ -234,7 +238,9 @@ void factors(T* out, const double* gate, int64_t gates, int64_t features) {
     const T a = static_cast<T>(std::exp(gate[0]));
     for (int64_t f = 0; f < features; ++f) out[f] = a;
   } else {
-    for (int64_t f = 0; f < features; ++f) out[f] = static_cast<T>(std::exp(gate[f]));
+    // log-gates are <= 0 (checked in Python): the vectorised exp, in fp64 and rounded once to T
+#pragma omp simd
+    for (int64_t f = 0; f < features; ++f) out[f] = static_cast<T>(exp_nonpositive<double, false>(gate[f]));
   }
 }
 
@@ -970,19 +976,36 @@ std::vector<at::Tensor> sparse_delta_decide(const at::Tensor& lin, const at::Ten
 // additions is the reference): query block g of a padded call (queries g B ... g B + B - 1) scores the pairs its
 // cache names, exactly where a pair has left the window (p + W <= t), against one shift per query, the larger of
 // the window's own row max and the block's; returns sum e^{s - top} v, sum e^{s - top} and top. Each (row, block)
-// gathers its cache's keys (transposed, in chunks of Dv) and values once, then runs register tiles of TQ queries:
-// the scores as Q K^T, the weights, and the weighted values as P V.
-template <typename T, int NV>
+// gathers its cache's keys and values once, then takes the scores Q K^T and the weighted values P V as two matrix
+// products of torch's BLAS, single-threaded inside the rows' OpenMP pool, into buffers of its own (the products
+// are B x D x L with L up to a few thousand pairs: register tiles of one query, all that AVX2's registers held at
+// Dv = 64, streamed the cache from the second-level cache for every query and ran 3-4x slower).
+// w[u] <- e^{scale w[u] - top} for u < seen, 0 for the rest of the row's width, where top is the larger of `best`
+// and the seen scores (0 where both are -inf); returns the sum of the weights and sets top. Out of line from its
+// caller, whose matrix products can throw: GCC vectorises no loop in a region that can throw (these ran scalar).
+template <typename T>
+T exact_weights(T* __restrict w, int64_t seen, int64_t width, T scale, T best, T& top) {
+#pragma omp simd reduction(max : best)
+  for (int64_t u = 0; u < seen; ++u) best = w[u] * scale > best ? w[u] * scale : best;
+  const T shift = best == -std::numeric_limits<T>::infinity() ? T(0) : best;
+  T total = 0;
+#pragma omp simd reduction(+ : total)
+  for (int64_t u = 0; u < seen; ++u) {
+    w[u] = exp_nonpositive<T, false>(w[u] * scale - shift);
+    total += w[u];
+  }
+  for (int64_t u = seen; u < width; ++u) w[u] = T(0);
+  top = shift;
+  return total;
+}
+
+template <typename T>
 void cache_exact_blocks(const T* q, const T* keys, const T* values, const T* ls, const int64_t* rows_at,
                         const int64_t* positions, T* ex_num, T* ex_den, T* top, int64_t rows, int64_t padded,
-                        int64_t xs, int64_t d, int64_t blocks, int64_t slots, int64_t first, int64_t block,
-                        int64_t window, T scale) {
-  using V = typename Lanes<T>::vec;
-  constexpr int dv = NV * Lanes<T>::count;
-  constexpr int TQ = tile_rows<NV>();
-  const T minus_infinity = -std::numeric_limits<T>::infinity();
+                        int64_t xs, int64_t d, int64_t dv, int64_t blocks, int64_t slots, int64_t first,
+                        int64_t block, int64_t window, T scale, const at::TensorOptions& options) {
   at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> kt, vals, weights;
+    std::vector<T> gathered_keys, gathered_values, weights;
     std::vector<int64_t> used_row, used_pos;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / blocks, g = item % blocks;
@@ -1008,58 +1031,27 @@ void cache_exact_blocks(const T* q, const T* keys, const T* values, const T* ls,
         used_row.swap(row_sorted);
         used_pos.swap(pos_sorted);
       }
-      const int64_t chunks = (used + dv - 1) / dv, width = chunks * dv;
-      kt.assign(chunks * d * dv, T(0));
-      vals.assign(width * dv, T(0));
+      const int64_t width = std::max<int64_t>(used, 1);
+      gathered_keys.assign(width * d, T(0));
+      gathered_values.assign(width * dv, T(0));
+      weights.resize(block * width);
       for (int64_t u = 0; u < used; ++u) {
-        const T* key = keys + (r * xs + used_row[u]) * d;
-        T* into = kt.data() + (u / dv) * d * dv + u % dv;
-        for (int64_t i = 0; i < d; ++i) into[i * dv] = key[i];
-        std::memcpy(vals.data() + u * dv, values + (r * xs + used_row[u]) * dv, sizeof(T) * dv);
+        std::memcpy(gathered_keys.data() + u * d, keys + (r * xs + used_row[u]) * d, sizeof(T) * d);
+        std::memcpy(gathered_values.data() + u * dv, values + (r * xs + used_row[u]) * dv, sizeof(T) * dv);
       }
-      weights.resize(TQ * std::max<int64_t>(width, 1));
-      for (int64_t i0 = 0; i0 < block; i0 += TQ) {
-        const int tile = static_cast<int>(std::min<int64_t>(TQ, block - i0));
-        const T* query_rows[TQ];
-        for (int i = 0; i < TQ; ++i) query_rows[i] = q + (r * padded + g * block + i0 + (i < tile ? i : 0)) * d;
-        for (int64_t c = 0; c < chunks; ++c) {  // scores, dv keys at a time
-          V acc[TQ][NV];
-#pragma GCC unroll 16
-          for (int i = 0; i < TQ; ++i)
-#pragma GCC unroll 16
-            for (int j = 0; j < NV; ++j) acc[i][j] = V{};
-          tile_product<T, NV, TQ>(acc, query_rows, kt.data() + c * d * dv, d);
-          for (int i = 0; i < tile; ++i) store_row<T, NV>(weights.data() + i * width + c * dv, acc[i], scale);
-        }
-        for (int i = 0; i < tile; ++i) {
-          const int64_t flat = g * block + i0 + i, t = first + flat;
-          T* w = weights.data() + i * width;
-          // the cache's positions ascend, so the pairs that have left query t's window are a prefix
-          const int64_t seen = std::upper_bound(used_pos.begin(), used_pos.end(), t - window) - used_pos.begin();
-          T best = ls[r * padded + flat];
-#pragma omp simd reduction(max : best)
-          for (int64_t u = 0; u < seen; ++u) best = w[u] > best ? w[u] : best;
-          const T shift = best == minus_infinity ? T(0) : best;
-          T total = 0;
-#pragma omp simd reduction(+ : total)
-          for (int64_t u = 0; u < seen; ++u) {
-            w[u] = exp_nonpositive<T, false>(w[u] - shift);
-            total += w[u];
-          }
-          for (int64_t u = seen; u < width; ++u) w[u] = T(0);
-          ex_den[r * padded + flat] = total;
-          top[r * padded + flat] = shift;
-        }
-        V acc[TQ][NV];
-#pragma GCC unroll 16
-        for (int i = 0; i < TQ; ++i)
-#pragma GCC unroll 16
-          for (int j = 0; j < NV; ++j) acc[i][j] = V{};
-        const T* weight_rows[TQ];
-        for (int i = 0; i < TQ; ++i) weight_rows[i] = weights.data() + (i < tile ? i : 0) * width;
-        tile_product<T, NV, TQ>(acc, weight_rows, vals.data(), width);
-        for (int i = 0; i < tile; ++i) store_row<T, NV>(ex_num + (r * padded + g * block + i0 + i) * dv, acc[i], T(1));
+      const int64_t row0 = r * padded + g * block;
+      at::Tensor scores = at::from_blob(weights.data(), {block, width}, options);
+      at::mm_out(scores, at::from_blob(const_cast<T*>(q) + row0 * d, {block, d}, options),
+                 at::from_blob(gathered_keys.data(), {width, d}, options).t());
+      for (int64_t i = 0; i < block; ++i) {
+        const int64_t t = first + g * block + i;
+        T* w = weights.data() + i * width;
+        // the cache's positions ascend, so the pairs that have left query t's window are a prefix
+        const int64_t seen = std::upper_bound(used_pos.begin(), used_pos.end(), t - window) - used_pos.begin();
+        ex_den[row0 + i] = exact_weights(w, seen, width, scale, ls[row0 + i], top[row0 + i]);
       }
+      at::Tensor num = at::from_blob(ex_num + row0 * dv, {block, dv}, options);
+      at::mm_out(num, scores, at::from_blob(gathered_values.data(), {width, dv}, options));
     }
   });
 }
@@ -1075,12 +1067,11 @@ std::vector<at::Tensor> cache_exact(const at::Tensor& q, const at::Tensor& keys,
   at::Tensor ex_num = at::empty({rows, padded, dv}, q.options());
   at::Tensor ex_den = at::empty({rows, padded}, q.options()), top = at::empty({rows, padded}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cache_exact", [&] {
-    const int vectors = static_cast<int>(dv / Lanes<scalar_t>::count);
-    LINATTN_VECTORS(vectors, cache_exact_blocks<scalar_t, NV>(
+    cache_exact_blocks<scalar_t>(
         q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(), ls.data_ptr<scalar_t>(),
         rows_at.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), ex_num.data_ptr<scalar_t>(),
-        ex_den.data_ptr<scalar_t>(), top.data_ptr<scalar_t>(), rows, padded, keys.size(1), d, rows_at.size(1),
-        rows_at.size(2), first, block, window, static_cast<scalar_t>(scale)));
+        ex_den.data_ptr<scalar_t>(), top.data_ptr<scalar_t>(), rows, padded, keys.size(1), d, dv, rows_at.size(1),
+        rows_at.size(2), first, block, window, static_cast<scalar_t>(scale), q.options());
   });
   return {ex_num, ex_den, top};
 }
