@@ -981,14 +981,6 @@ std::vector<at::Tensor> sparse_delta_decide(const at::Tensor& lin, const at::Ten
 }
 
 
-// The sparse cache's exact term in inference (exact/forms/cache_term.py's CacheTerm.forward without the linear
-// additions is the reference): query block g of a padded call (queries g B ... g B + B - 1) scores the pairs its
-// cache names, exactly where a pair has left the window (p + W <= t), against one shift per query, the larger of
-// the window's own row max and the block's; returns sum e^{s - top} v, sum e^{s - top} and top. Each (row, block)
-// gathers its cache's keys and values once, then takes the scores Q K^T and the weighted values P V as two matrix
-// products of torch's BLAS, single-threaded inside the rows' OpenMP pool, into buffers of its own (the products
-// are B x D x L with L up to a few thousand pairs: register tiles of one query, all that AVX2's registers held at
-// Dv = 64, streamed the cache from the second-level cache for every query and ran 3-4x slower).
 // w[u] <- e^{scale w[u] - top} for u < seen, 0 for the rest of the row's width, where top is the larger of `best`
 // and the seen scores (0 where both are -inf); returns the sum of the weights and sets top. Out of line from its
 // caller, whose matrix products can throw: GCC vectorises no loop in a region that can throw (these ran scalar).
@@ -1008,6 +1000,15 @@ T exact_weights(T* __restrict w, int64_t seen, int64_t width, T scale, T best, T
   return total;
 }
 
+// The sparse cache's exact term in inference (exact/forms/cache_term.py's CacheTerm.forward without the linear
+// additions is the reference): query block g of a padded call (queries g B ... g B + B - 1) scores the pairs its
+// cache names, exactly where a pair has left the window (p + W <= t), against one shift per query, the larger of
+// the window's own row max and the block's; returns sum e^{s - top} v, sum e^{s - top} and top. Each (row, block)
+// gathers its cache's keys and values once, then takes the scores Q K^T and the weighted values P V as two matrix
+// products of torch's BLAS, single-threaded inside the rows' OpenMP pool, into buffers of its own (the products
+// are B x D x L with L up to a few thousand pairs: register tiles of one query, all that AVX2's registers held at
+// Dv = 64, streamed the cache from the second-level cache for every query: 2-3x slower on a call of the
+// shipped student's at 8k, with the exponential's fix in both).
 template <typename T>
 void cache_exact_blocks(const T* q, const T* keys, const T* values, const T* ls, const int64_t* rows_at,
                         const int64_t* positions, T* ex_num, T* ex_den, T* top, int64_t rows, int64_t padded,
@@ -1067,8 +1068,8 @@ void cache_exact_blocks(const T* q, const T* keys, const T* values, const T* ls,
 
 // q (R, P, D) the queries padded to P = blocks x B; keys (R, X, D), values (R, X, Dv) the rows X; ls (R, P) the
 // window's row max (-inf: none); rows, positions (R, blocks, L) each block's cache (-1: none); first: the position
-// of padded query 0. Returns (ex_num (R, P, Dv), ex_den (R, P), top (R, P)). All contiguous; Dv a compiled width,
-// D any.
+// of padded query 0. Returns (ex_num (R, P, Dv), ex_den (R, P), top (R, P)). All contiguous; D and Dv any (the
+// Python side passes the compiled widths only).
 std::vector<at::Tensor> cache_exact(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                     const at::Tensor& ls, const at::Tensor& rows_at, const at::Tensor& positions,
                                     int64_t first, int64_t block, int64_t window, double scale) {
