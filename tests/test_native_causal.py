@@ -384,3 +384,31 @@ def test_hedgehog_delta_beside_the_window_float64(kernels, kind):
                                              sinks=4, **options)
         got = linattn.linear_attention(q, k, v, causal=True, feature_map=fmap, window=24, sinks=4, **options)
     torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("per_feature", [False, True], ids=["token", "feature"])
+def test_the_gated_delta_rule_under_strong_and_vanishing_gates(kernels, per_feature):
+    """Gates that empty most of the memory in one token (log a = −25), that vanish in fp32 (log a = −200: a = 0
+    there) and long stretches near 1, per token and per feature: the kernel against the torch forms in float64
+    (1e-12) and in fp32 (at most twice torch's own fp32 error, plus 1e-6 of the scale)."""
+    n = 900
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = _inputs(n, 16, torch.float64)
+    shape = (2, 3, n, 8) if per_feature else (2, 3, n)
+    log_gate = F.logsigmoid(torch.randn(shape, generator=gen, dtype=torch.float64) + 6)
+    pick = torch.rand(shape, generator=gen)
+    log_gate = torch.where(pick < 0.01, torch.full_like(log_gate, -25.0), log_gate)
+    log_gate = torch.where(pick > 0.995, torch.full_like(log_gate, -200.0), log_gate)
+    beta = torch.rand(2, 3, n, generator=gen, dtype=torch.float64)
+    options = dict(causal=True, update="delta", beta=beta, log_gate=log_gate)
+    with torch.no_grad():
+        exact = linattn.linear_attention(q, k, v, backend="torch", **options)
+        got = linattn.linear_attention(q, k, v, backend="native", **options)
+        torch.testing.assert_close(got, exact, rtol=0, atol=1e-12)
+        low = {name: x.float() if torch.is_tensor(x) else x for name, x in options.items()}
+        theirs = (linattn.linear_attention(q.float(), k.float(), v.float(), backend="torch", **low).double()
+                  - exact).abs().max()
+        mine = (linattn.linear_attention(q.float(), k.float(), v.float(), backend="native", **low).double()
+                - exact).abs().max()
+    assert torch.isfinite(got).all()
+    assert mine <= 2 * theirs + 1e-6 * exact.abs().max(), (mine.item(), theirs.item())

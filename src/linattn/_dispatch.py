@@ -480,7 +480,7 @@ def _hybrid(job: Job, factor: torch.Tensor | None, log_space: bool | None = None
             native: bool = False) -> Hybrid:
     """The window's options; ``row_scale``: a log-space map's features read at each row's own maximum, as an
     ordinary map's (for the delta family, whose unit rows cancel each row's scale). ``native``: the Hedgehog map's
-    activation in C++ where no gradient is needed (backends/native/forms.py)."""
+    activation and the band's softmax average in C++ where no gradient is needed (backends/native/forms.py)."""
     fmap, checks = job.fmap, job.checks()
     log_space = job.log_space if log_space is None else log_space  # False: the features as the map returns them
     hedgehog = fmap if native and type(fmap) is HedgehogFeatureMap and not any(checks.values()) else None
@@ -491,7 +491,8 @@ def _hybrid(job: Job, factor: torch.Tensor | None, log_space: bool | None = None
         return stabilise_queries(mapped)[0] if row_scale else mapped
 
     return Hybrid(features, log_space=log_space and not row_scale, window=job.window, sinks=job.sinks,
-                  factor=factor, scale=job.softmax_scale, eps=job.eps, min_denom=job.min_denom)
+                  factor=factor, scale=job.softmax_scale, eps=job.eps, min_denom=job.min_denom,
+                  band=native_forms.band_average if native else None)
 
 
 def _after(x: torch.Tensor | None, t: int, dim: int) -> torch.Tensor | None:

@@ -1086,6 +1086,166 @@ std::vector<at::Tensor> cache_exact(const at::Tensor& q, const at::Tensor& keys,
   return {ex_num, ex_den, top};
 }
 
+// The window's band in inference: the softmax average over each query's band of keys and its sinks
+// (exact/forms/flash_band.py's band_average is the reference, and its layout): query i of a row sees the key rows y
+// of [prefix; keys] with max(i, front) <= y <= min(i + width, P + N - 1), and the sink keys its mask admits. Queries
+// go in blocks of kBandQueries; each block copies its key rows transposed (D x (block + width), in the first-level
+// cache at D = 64, B = 64), so that a query's B + 1 scores are a row of vectors, q_i[x] broadcast against row x of
+// the copy (no horizontal sums); the weights are exact_weights', and the weighted values are summed in registers.
+// Torch's flash kernel scored each block of 32 queries against 32 + B keys through its own tiles.
+constexpr int64_t kBandQueries = 32;
+
+// s[c lanes ...] = sum_x q[x] kt[x][c lanes ...] for CV vectors of scores
+template <typename T, int CV>
+inline void band_scores(T* s, const T* q, const T* kt, int64_t stride, int64_t d) {
+  using V = typename Lanes<T>::vec;
+  constexpr int lanes = Lanes<T>::count;
+  V acc[CV];
+#pragma GCC unroll 16
+  for (int c = 0; c < CV; ++c) acc[c] = V{};
+  for (int64_t x = 0; x < d; ++x) {
+    const V b = V{} + q[x];
+    const T* row = kt + x * stride;
+#pragma GCC unroll 16
+    for (int c = 0; c < CV; ++c) {
+      V k;
+      std::memcpy(&k, row + c * lanes, sizeof(k));
+      acc[c] += b * k;
+    }
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < CV; ++c) std::memcpy(s + c * lanes, &acc[c], sizeof(acc[c]));
+}
+
+// band_scores over `count` scores: in one pass of up to 12 vectors (one chain of sums per vector: fewer than 8
+// would wait on the multiply-adds' latency), more in passes of 8 first
+template <typename T>
+void band_scores_any(T* s, const T* q, const T* kt, int64_t stride, int64_t d, int64_t count) {
+  constexpr int lanes = Lanes<T>::count;
+  int64_t c = 0, vectors = (count + lanes - 1) / lanes;  // the last one may run past `count`: spare lanes
+  for (; vectors > 12; c += 8 * lanes, vectors -= 8) band_scores<T, 8>(s + c, q, kt + c, stride, d);
+  switch (vectors) {
+    case 0: break;
+    case 1: band_scores<T, 1>(s + c, q, kt + c, stride, d); break;
+    case 2: band_scores<T, 2>(s + c, q, kt + c, stride, d); break;
+    case 3: band_scores<T, 3>(s + c, q, kt + c, stride, d); break;
+    case 4: band_scores<T, 4>(s + c, q, kt + c, stride, d); break;
+    case 5: band_scores<T, 5>(s + c, q, kt + c, stride, d); break;
+    case 6: band_scores<T, 6>(s + c, q, kt + c, stride, d); break;
+    case 7: band_scores<T, 7>(s + c, q, kt + c, stride, d); break;
+    case 8: band_scores<T, 8>(s + c, q, kt + c, stride, d); break;
+    case 9: band_scores<T, 9>(s + c, q, kt + c, stride, d); break;
+    case 10: band_scores<T, 10>(s + c, q, kt + c, stride, d); break;
+    case 11: band_scores<T, 11>(s + c, q, kt + c, stride, d); break;
+    default: band_scores<T, 12>(s + c, q, kt + c, stride, d); break;
+  }
+}
+
+template <typename T, int NV>
+void band_rows(View<T> q, View<T> k_pre, View<T> k_main, View<T> v_pre, View<T> v_main, const T* sink_k,
+               const T* sink_v, const bool* sink_mask, T* out, T* lse, int64_t rows, int64_t n, int64_t prefix,
+               int64_t sinks, int64_t d, int64_t width, int64_t front, T scale) {
+  using V = typename Lanes<T>::vec;
+  constexpr int lanes = Lanes<T>::count;
+  constexpr int64_t dv = NV * lanes;
+  const int64_t blocks = (n + kBandQueries - 1) / kBandQueries, end = prefix + n;
+  const int64_t band = width + 1, padded = (band + lanes - 1) / lanes * lanes;
+  // the copy's row: every key a block's queries read, and the lanes a query's last vector of scores reads past them
+  const int64_t stride = kBandQueries + padded + lanes;
+  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t stop) {
+    const int64_t row_w = padded + lanes;  // a query's scores, then weights (its last vector may run past the band)
+    std::vector<T> kt(d * stride), w(kBandQueries * row_w), sink_w(kBandQueries * std::max<int64_t>(sinks, 1));
+    std::vector<T> inverse(kBandQueries);
+    std::vector<const T*> value_rows(stride);
+    for (int64_t item = begin; item < stop; ++item) {
+      const int64_t r = item / blocks, i0 = (item % blocks) * kBandQueries;
+      const int64_t i1 = std::min(n, i0 + kBandQueries);
+      for (int64_t c = 0; c < stride; ++c) {  // key row i0 + c, transposed; rows past the end read as 0
+        const int64_t y = i0 + c;
+        const T* key = y < prefix ? k_pre.at(r, y) : y < end ? k_main.at(r, y - prefix) : nullptr;
+        value_rows[c] = y < prefix ? v_pre.at(r, y) : y < end ? v_main.at(r, y - prefix) : nullptr;
+        for (int64_t x = 0; x < d; ++x) kt[x * stride + c] = key != nullptr ? key[x] : T(0);
+      }
+      // the block's weights first (the key copy in the first-level cache), then its weighted values
+      for (int64_t i = i0; i < i1; ++i) {
+        const T* qi = q.at(r, i);
+        T* wi = w.data() + (i - i0) * row_w;
+        T* si = sink_w.data() + (i - i0) * sinks;
+        const int64_t lo = std::max<int64_t>(0, front - i), hi = std::min(band, end - i);  // its keys: i + lo ...
+        T best = -std::numeric_limits<T>::infinity();
+        for (int64_t u = 0; u < sinks; ++u) {
+          const bool sees = sink_mask[(r * n + i) * sinks + u];
+          si[u] = sees ? dot(qi, sink_k + (r * sinks + u) * d, d) * scale : -std::numeric_limits<T>::infinity();
+          best = si[u] > best ? si[u] : best;
+        }
+        T top = best, total = 0;
+        const int64_t seen = std::max<int64_t>(0, hi - lo);
+        if (seen > 0) {
+          band_scores_any(wi + lo, qi, kt.data() + (i - i0) + lo, stride, d, seen);
+          total = exact_weights(wi + lo, seen, seen, scale, best, top);
+        }
+        for (int64_t u = 0; u < sinks; ++u) {
+          si[u] = si[u] == -std::numeric_limits<T>::infinity() ? T(0) : exp_nonpositive<T, false>(si[u] - top);
+          total += si[u];
+        }
+        // no key at all: 0 and lse -inf (the caller's layout gives every query its own key)
+        inverse[i - i0] = total > T(0) ? T(1) / total : T(0);
+        lse[r * n + i] = total > T(0) ? top + std::log(total) : -std::numeric_limits<T>::infinity();
+      }
+      for (int64_t i = i0; i < i1; ++i) {
+        const T* wi = w.data() + (i - i0) * row_w;
+        const T* si = sink_w.data() + (i - i0) * sinks;
+        const int64_t lo = std::max<int64_t>(0, front - i), hi = std::min(band, end - i);
+        V acc[NV];
+#pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) acc[j] = V{};
+        for (int64_t u = lo; u < hi; ++u) {
+          const T* row = value_rows[i - i0 + u];
+          const V weight = V{} + wi[u];
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) {
+            V x;
+            std::memcpy(&x, row + j * lanes, sizeof(x));
+            acc[j] += weight * x;
+          }
+        }
+        for (int64_t u = 0; u < sinks; ++u) {
+          if (si[u] == T(0)) continue;
+          const T* row = sink_v + (r * sinks + u) * dv;
+          const V weight = V{} + si[u];
+#pragma GCC unroll 16
+          for (int j = 0; j < NV; ++j) {
+            V x;
+            std::memcpy(&x, row + j * lanes, sizeof(x));
+            acc[j] += weight * x;
+          }
+        }
+        store_row<T, NV>(out + (r * n + i) * dv, acc, inverse[i - i0]);
+      }
+    }
+  });
+}
+
+// q (R, N, D); k_pre (R, P, D), keys (R, N, D); v_pre (R, P, Dv), values (R, N, Dv): their last dimension
+// contiguous; sink_k (R, S, D), sink_v (R, S, Dv), sink_mask (R, N, S) bool (S may be 0): contiguous. Returns
+// (A (R, N, Dv), lse (R, N)).
+std::vector<at::Tensor> band_average(const at::Tensor& q, const at::Tensor& k_pre, const at::Tensor& keys,
+                                     const at::Tensor& v_pre, const at::Tensor& values, const at::Tensor& sink_k,
+                                     const at::Tensor& sink_v, const at::Tensor& sink_mask, int64_t width,
+                                     int64_t front, double scale) {
+  const int64_t rows = q.size(0), n = q.size(1), d = q.size(2), dv = values.size(2);
+  at::Tensor out = at::empty({rows, n, dv}, q.options()), lse = at::empty({rows, n}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_average", [&] {
+    const int vectors = static_cast<int>(dv / Lanes<scalar_t>::count);
+    LINATTN_VECTORS(vectors, band_rows<scalar_t, NV>(
+        view<scalar_t>(q), view<scalar_t>(k_pre), view<scalar_t>(keys), view<scalar_t>(v_pre),
+        view<scalar_t>(values), sink_k.data_ptr<scalar_t>(), sink_v.data_ptr<scalar_t>(),
+        sink_mask.data_ptr<bool>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), rows, n, k_pre.size(1),
+        sink_k.size(1), d, width, front, static_cast<scalar_t>(scale)));
+  });
+  return {out, lse};
+}
+
 // The chunked delta rule's two sequential sweeps, for the torch autograd form (kinds/delta/forms.py: _state_sweep
 // and adjoint_sweep are the reference; kinds/kda/forms.py shares them). Everything chunk-local is computed there in
 // batched products; what is left is a loop over the chunks of each (batch, head) row in which every step is three
@@ -1239,6 +1399,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hedgehog_activation", &hedgehog_activation, "the Hedgehog map from z = Wx + b (keys: with their weight)");
   m.def("hedgehog_map", &hedgehog_map, "the Hedgehog map of x: projection and activation (keys: with their weight)");
   m.def("delta_block", &delta_block, "the (gated, per-feature gated) delta rule over a block of tokens");
+  m.def("band_average", &band_average, "the window's band softmax average and log-sum-exp, with sinks, in inference");
   m.def("cache_exact", &cache_exact, "the sparse cache's exact term of a call's query blocks, in inference");
   m.def("sparse_delta_decide", &sparse_delta_decide,
         "the sparse cache's boundaries beside the delta rule (recall score) and the call's write stream");

@@ -341,3 +341,26 @@ def adjoint_sweep(bq: torch.Tensor, k_out: torch.Tensor, w_k: torch.Tensor, p_do
 
 
 SWEEPS = Sweeps(state_sweep, adjoint_sweep)  # the chunked delta family's loops over the chunks, in C++
+
+
+def band_average(
+    q: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor], values: tuple[torch.Tensor, torch.Tensor],
+    scale: float, width: int, front: int, sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The window's band average and log-sum-exp in one C++ call (causal.cpp, ``band_average``), with
+    :func:`linattn.exact.forms.flash_band.band_average`'s arguments and results; None where the kernels do not
+    take the call (a gradient needed, another device or dtype, a value width not compiled)."""
+    tensors = (q, *keys, *values, *(sinks[:2] if sinks is not None else ()))
+    if (module("causal") is None or any(t.device.type != "cpu" for t in tensors) or grad_reasons(*tensors)
+            or value_reasons(values[1].shape[-1], q.dtype) or any(t.dtype != q.dtype for t in tensors)):
+        return None
+    rows, n = q.shape[0], q.shape[1]
+    if sinks is None:
+        sink_keys, sink_values = keys[1][:, :0], values[1][:, :0]
+        mask = torch.zeros(rows, n, 0, dtype=torch.bool, device=q.device)
+    else:
+        sink_keys, sink_values, mask = sinks
+    rows_of = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, keys[0], keys[1], values[0], values[1]))
+    small = (x.contiguous() for x in (sink_keys, sink_values, mask))
+    a, lse = _kernels().band_average(*rows_of, *small, width, front, scale)
+    return a, lse

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+# the window's band average in inference (q, keys, values, scale, width, front, sinks) → (A, lse), or None where it
+# does not take the call: :func:`.flash_band.band_average`'s arguments and results
+BandAverage = Callable[..., "tuple[torch.Tensor, torch.Tensor] | None"]
 
 MIN_BAND_BLOCK = 16  # the band's query blocks: B rounded up to a multiple of this
 

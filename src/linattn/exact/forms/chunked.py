@@ -201,7 +201,7 @@ def causal_window_parts(
             sink_parts = (state.sink_keys, state.sink_values, sink_logs, sink_mask, fresh)
         exact = fused.exact_part(
             q, hybrid.scale, hybrid.factor is None, (prefix(k, state.keys), k), (prefix(v, state.values), v),
-            features, fused.tile_size(width - 1), width - 1, front, sink_parts, average=average,
+            features, fused.tile_size(width - 1), width - 1, front, sink_parts, average=average, band=hybrid.band,
         )
     else:  # padding, or the mass form with keys at their own log-scales: the band gathered in full
         sink = None

@@ -27,6 +27,7 @@ band (its own), and m and lse are finite on every row.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from ...features import NEG_INF
 from ...kinds.additive.forms import causal_fn
 from ...kinds.additive.forms._common import rowdot
 from . import flash_band
-from .band import rows
+from .band import BandAverage, rows
 
 # Score elements per tile: 2^18 fp32 = 1 MiB, so a tile's temporaries stay in cache. Measured (one thread, B·H = 8,
 # N = 16384): tiles of 2^16–2^18 ran this Function's forward + backward alike, 2^19–2^20 ~15% slower, and one
@@ -362,6 +363,7 @@ def exact_part(
     q: torch.Tensor, scale: float, shape_only: bool, keys: Pair, values: Pair,
     features: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, size: int, width: int, front: int,
     sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, int] | None, average: bool = False,
+    band: BandAverage | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """What :meth:`.window.Hybrid.exact_part` returns, from the banded Function. keys, values: (prefix (..., P, ·),
     this call's (..., N, ·)); features: (φ(q), φ(k) prefix, φ(k)) for the mass, or None; sinks: the carried sink
@@ -370,25 +372,34 @@ def exact_part(
     Mass form (``shape_only``): (A, None, M, lse) — the softmax over the exact keys already normalised, and
     lse = log Σ_exact e^s. Factor form: (Σ e^{s−m} v, Σ e^{s−m}, None, m) with m the exact row max
     (differentiable: the form's definition). ``average`` (the caller reads the softmax average alone; no
-    features): (A, None, None, lse), on CPU without gradients through torch's flash kernel (:mod:`.flash_band`).
+    features): (A, None, None, lse), without gradients through ``band`` where given and it takes the call, else on
+    CPU through torch's flash kernel (:mod:`.flash_band`).
     """
     batch, n = q.shape[:-2], q.shape[-2]
 
     def flat(x: torch.Tensor) -> torch.Tensor:  # to (..., L, D) with the batch dims; the Function flattens
         return x if x.shape[:-2] == batch else x.expand(*batch, *x.shape[-2:])
 
-    if average and features is None and flash_band.takes(q, keys[1], values[1], keys[0], values[0]):
-        def by_row(x: torch.Tensor) -> torch.Tensor:  # (R, L, ·), R = the batch dims' product
-            return flat(x).reshape(-1, *x.shape[-2:])
+    runner = band
+    if runner is None and flash_band.takes(q, keys[1], values[1], keys[0], values[0]):
+        runner = flash_band.band_average
+    if average and features is None and runner is not None:
+        def by_row(x: torch.Tensor) -> torch.Tensor:  # (R, L, ·), R = the batch dims' product (L may be 0)
+            return flat(x).reshape(math.prod(batch), *x.shape[-2:])
 
         joined = None
         if sinks is not None:
             count = sinks[4]
             joined = (by_row(torch.cat([sinks[0], keys[1][..., :count, :]], -2)),
                       by_row(torch.cat([sinks[1], values[1][..., :count, :]], -2)), by_row(sinks[3]))
-        a, lse = flash_band.band_average(by_row(q), (by_row(keys[0]), by_row(keys[1])),
-                                         (by_row(values[0]), by_row(values[1])), scale, width, front, joined)
-        return a.reshape(*batch, n, a.shape[-1]), None, None, lse.reshape(*batch, n)
+        args = ((by_row(keys[0]), by_row(keys[1])), (by_row(values[0]), by_row(values[1])), scale, width, front,
+                joined)
+        found = runner(by_row(q), *args)
+        if found is None and runner is band and flash_band.takes(q, keys[1], values[1], keys[0], values[0]):
+            found = flash_band.band_average(by_row(q), *args)
+        if found is not None:
+            a, lse = found
+            return a.reshape(*batch, n, a.shape[-1]), None, None, lse.reshape(*batch, n)
 
     fq = fk_pre = fk = fsk_pre = mask = None
     fresh = 0

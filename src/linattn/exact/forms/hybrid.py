@@ -11,7 +11,7 @@ import torch
 from ...features import NEG_INF, finite, scale_between, stabilise_queries, stored_at
 from ...kinds.additive.forms import causal_fn
 from ...kinds.additive.forms._common import finalize, rowdot
-from .band import Band, Sinks, band_sums
+from .band import Band, BandAverage, Sinks, band_sums
 
 Features = Callable[[torch.Tensor, bool], torch.Tensor]  # (x, is_query) → φ(x), or log φ(x) for log-space maps
 
@@ -21,9 +21,11 @@ class Hybrid:
 
     def __init__(
         self, features: Features, *, log_space: bool, window: int, sinks: int, factor: torch.Tensor | None,
-        scale: float, eps: float, min_denom: float | None,
+        scale: float, eps: float, min_denom: float | None, band: BandAverage | None = None,
     ) -> None:
-        self.features, self.log_space = features, log_space
+        """``band``: a faster way to the band's softmax average where nothing needs its gradient (the native
+        kernels), tried before :mod:`.flash_band`."""
+        self.features, self.log_space, self.band = features, log_space, band
         self.window, self.sinks, self.factor, self.scale = window, sinks, factor, scale
         self.eps, self.min_denom = eps, min_denom
 
