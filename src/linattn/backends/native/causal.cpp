@@ -274,7 +274,7 @@ void delta(View<T> q, View<T> k, View<T> v, View<T> beta, const double* gate, in
   constexpr int dv = NV * Lanes<T>::count;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<V> state(features * NV);
-    std::vector<T> now(features), next(features), recall(features), rows_buffer(3 * features);
+    std::vector<T> now(features), next(features), recall(features), rows_buffer(3 * features), wk(features), cf(features);
     T* query_buffer = rows_buffer.data();
     T* key_buffers[2] = {rows_buffer.data() + features, rows_buffer.data() + 2 * features};
     for (int64_t r = begin; r < end; ++r) {
@@ -319,17 +319,35 @@ void delta(View<T> q, View<T> k, View<T> v, View<T> beta, const double* gate, in
           for (int64_t f = 0; f < features; ++f) recall[f] = next[f] * following[f];
         }
         const T* query = prepare(query_buffer, q.at(r, t), features, elu, unit);
-        for (int64_t f = 0; f < features; ++f) {
-          V* s = S + f * NV;
-          const T a = now[f], written = writes ? key[f] : T(0), read = query[f], c = recalls ? recall[f] : T(0);
+        // the pass in strips of H value vectors, so that a strip's u, out and next-recall sums stay in registers
+        // (all NV of each spilled to the stack at Dv = 64 on AVX2), with no branch in it: a token that writes
+        // nothing has u = 0 and its key's row zero, a recall not wanted its row zero
+        if (!writes)
 #pragma GCC unroll 16
-          for (int j = 0; j < NV; ++j) {
-            V x = GATED ? a * s[j] : s[j];
-            if (writes) x += written * u[j];
-            s[j] = x;
-            o[j] += read * x;
-            ahead[j] += c * x;
+          for (int j = 0; j < NV; ++j) u[j] = V{};
+        for (int64_t f = 0; f < features; ++f) {
+          wk[f] = writes ? key[f] : T(0);
+          cf[f] = recalls ? recall[f] : T(0);
+        }
+        constexpr int H = NV < kRegisters / 4 ? NV : kRegisters / 4;  // 3 H accumulators + 4 broadcasts
+        for (int j0 = 0; j0 < NV; j0 += H) {
+          V uu[H], oo[H], aa[H];
+#pragma GCC unroll 16
+          for (int h = 0; h < H; ++h) { uu[h] = u[j0 + h]; oo[h] = aa[h] = V{}; }
+          for (int64_t f = 0; f < features; ++f) {
+            V* s = S + f * NV + j0;
+            const T a = now[f], w = wk[f], rd = query[f], c = cf[f];
+#pragma GCC unroll 16
+            for (int h = 0; h < H; ++h) {
+              V x = GATED ? a * s[h] : s[h];
+              x += w * uu[h];
+              s[h] = x;
+              oo[h] += rd * x;
+              aa[h] += c * x;
+            }
           }
+#pragma GCC unroll 16
+          for (int h = 0; h < H; ++h) { o[j0 + h] = oo[h]; ahead[j0 + h] = aa[h]; }
         }
         store_row<T, NV>(out.at(r, t), o, T(1));
 #pragma GCC unroll 16
