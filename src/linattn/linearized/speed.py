@@ -10,10 +10,11 @@ prefill of N tokens of the shipped long held-out text (repeated as needed) with 
 last position's logits only, as ``generate`` does: ``logits_to_keep=1`` where the model takes it), then
 ``--new-tokens`` greedy decoding steps from that cache, each timed; the rounds' medians are reported, with the
 ratios linearized / original (prefill: original time / linearized time, so > 1 means the linearized model is
-faster; decoding: linearized tokens/s / original tokens/s). Peak memory: the highest point of live allocations
-during one more prefill (the profiler's allocation events, above what existed before), measured apart from the
-timed calls. Threads: ``--threads`` (default 0: torch's); one thread gives each model the same core on a shared
-machine.
+faster; decoding: linearized tokens/s / original tokens/s). Before the rounds each model reads a 64-token prompt
+untimed, so one-time work (the native kernels' build on a fresh install) is not timed. Peak memory: the highest
+point of live allocations during one more prefill (the profiler's allocation events, above what existed before),
+measured apart from the timed calls. Threads: ``--threads`` (default 0: torch's); one thread gives each model the
+same core on a shared machine.
 
 The linearized model's ``nn.Linear`` layers are :class:`~linattn.nn.token_linear.TokenLinear` (what
 :func:`linattn.hf.linearize` installs): a decoding token's projections, MLPs and LM head run a native kernel that
@@ -157,6 +158,9 @@ def measure(models: dict[str, Any], tokenizer: Any, contexts: list[int], new_tok
             memory: bool = True, progress: bool = True) -> list[SpeedRow]:
     """Every model at every context, the models alternating within each round (see the module docstring)."""
     rows = []
+    warm = prompt_ids(tokenizer, 64)
+    for model in models.values():  # untimed: one-time work (the native kernels' build on a fresh install) lands here
+        run_once(model, warm, 2)
     for context in contexts:
         ids = prompt_ids(tokenizer, context)
         prefills: dict[str, list[float]] = {name: [] for name in models}

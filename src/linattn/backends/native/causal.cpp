@@ -868,15 +868,17 @@ void sparse_decide_rows(const T* lin, const T* values, const T* beta, const bool
         } else {
           score_tiles(0, tiles);
         }
-        // the `size` best: score descending (NaN first), ties the newer
-        std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-          const T sx = scores[x], sy = scores[y];
-          const bool nx = std::isnan(sx), ny = std::isnan(sy);
-          if (nx != ny) return nx;
-          if (!nx && sx != sy) return sx > sy;
-          return cand_pos[x] > cand_pos[y];
-        });
+        // the `size` best: score descending (NaN first), ties the newer. The order is strict (positions differ), so
+        // the set of the best is one: partitioned around it (linear time), not sorted
         const int64_t take = std::min<int64_t>(sizes[r], valid_count);
+        if (take < valid_count)
+          std::nth_element(order.begin(), order.begin() + take, order.end(), [&](int64_t x, int64_t y) {
+            const T sx = scores[x], sy = scores[y];
+            const bool nx = std::isnan(sx), ny = std::isnan(sy);
+            if (nx != ny) return nx;
+            if (!nx && sx != sy) return sx > sy;
+            return cand_pos[x] > cand_pos[y];
+          });
         for (int64_t i = 0; i < take; ++i) kept[order[i]] = 1;
         std::vector<int64_t>& out_rows = leaving[r * g.boundaries + b];
         out_rows.clear();
