@@ -22,7 +22,8 @@ in the chunked forms' passes over whole tensors; causal.cpp runs the recurrence 
 head) row's state in the first-level cache, block by block of features made in torch (:mod:`.forms`, the
 ``"native"`` backend of ``linear_attention``). Beside the sparse exact cache and the delta family it also takes
 what the torch forms do one boundary or one query block at a time: a call's boundary decisions under the recall
-score (``sparse_delta_decide``) and the cache's exact term (``cache_exact``).
+score (``sparse_delta_decide``) and the cache's exact term (``cache_exact``); beside the window, its softmax average
+over the band and the sinks (``band_average``).
 
 Where the build cannot run (no compiler, no ninja, a platform torch cannot build for) the steps run their torch
 code, with the same results up to rounding; :func:`status` says which and why. ``LINATTN_NATIVE=0`` turns the

@@ -13,7 +13,8 @@
 //                    (kinds/delta/forms.py and kinds/kda/forms.py; a_t = exp(g_t), one g per token or per feature)
 //
 // and, beside the sparse exact cache (exact/forms/sparse_composed.py), its boundary decisions under the recall score
-// (sparse_delta_decide) and its exact term (cache_exact), near the end of the file.
+// (sparse_delta_decide) and its exact term (cache_exact); beside the window, its band's softmax average with the
+// sinks (band_average), near the end of the file.
 //
 // The value rows are held in vectors of the build's register width (GCC's vector extension: 64 bytes where it
 // targets AVX-512, 32 with AVX2, 16 otherwise; a vector wider than the target's registers has no machine mode, so
