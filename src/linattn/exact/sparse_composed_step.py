@@ -129,12 +129,16 @@ class SparseComposedDecodeStep:
         self._fixed_beta = torch.full((rows,), self.beta, dtype=dtype, device=device)
         self._fused_log_rate = None if self.log_rate is None else self.log_rate.reshape(rows).contiguous()
         self._fused: FusedMemo | None = None  # what fused_call keeps
-        self.positions = self._held(held.positions.to(device).reshape(rows, self.slots))
-        self.cached_keys = self._held(held.keys.to(device, dtype).reshape(rows, self.slots, dim))
-        self.cached_values = self._held(held.values.to(device, dtype).reshape(rows, self.slots, values))
-        betas = held.betas
-        self.cached_betas = self._held(betas.to(device, dtype).reshape(rows, self.slots) if betas is not None
-                                       else torch.zeros(rows, self.slots, dtype=dtype, device=device))
+        # the rows with a budget unpacked straight from the packed cache (rows without one hold no packed slot)
+        held_sizes = self._held(self.sizes)
+        self.positions = SparseCacheState.unpack(held.packed_positions.to(device), held_sizes, self.slots, -1)
+        self.cached_keys = SparseCacheState.unpack(held.packed_keys.to(device, dtype), held_sizes, self.slots, 0.0)
+        self.cached_values = SparseCacheState.unpack(held.packed_values.to(device, dtype), held_sizes, self.slots,
+                                                     0.0)
+        betas = held.packed_betas
+        self.cached_betas = (SparseCacheState.unpack(betas.to(device, dtype), held_sizes, self.slots, 0.0)
+                             if betas is not None else torch.zeros(len(held_sizes), self.slots, dtype=dtype,
+                                                                   device=device))
         # the recall score's unit features of the rows with a budget alone, in C++ with each row's own head's
         # weights (a Hedgehog map beside the delta family); else the map over every row (:meth:`_held_features`)
         self._held_map: tuple[Any, ...] | None = None

@@ -68,21 +68,33 @@ def with_kept_pairs(cache: SparseCache, full: torch.Tensor, out: torch.Tensor, s
     linear = state.linear
     assert isinstance(linear, DeltaRuleState)
     emptied = DeltaRuleState(linear.kv.masked_fill(full.unsqueeze(-1).unsqueeze(-1), 0.0), linear.num_tokens)
-    slots = cache.largest
-    kept = min(pairs_kept(n, window, sinks, block), slots)  # slots 0: no head has a budget
-    positions = torch.full((*batch, slots), -1, dtype=torch.long, device=q.device)
-    positions[..., :kept] = torch.arange(sinks, sinks + kept, device=q.device)
-    spare = slots - kept
-
-    def held(x: torch.Tensor) -> torch.Tensor:  # the pairs S … S + kept − 1, zeros in the spare slots
-        picked = x.narrow(-2, sinks, kept) if x.dim() > beta.dim() else x.narrow(-1, sinks, kept)
-        pad = (0, 0, 0, spare) if x.dim() > beta.dim() else (0, spare)
-        return F.pad(picked, pad)
-
+    kept = min(pairs_kept(n, window, sinks, block), cache.largest)  # largest 0: no head has a budget
+    sizes = cache.sizes_for(batch, q.device)
     last = ((n - 1) // block) * block
     queries = q[..., last:, :] if cache.score == "attention" else q[..., :0, :]
-    packed = SparseCacheState.from_slots(positions, held(k), held(v), queries, block,
-                                         cache.sizes_for(batch, q.device), held(beta))
     return out, WindowAttentionState(emptied, state.keys, state.values, state.keep, state.sink_keys,
-                                     state.sink_values, state.sink_keep, window, sinks, state.num_tokens, packed,
+                                     state.sink_values, state.sink_keep, window, sinks, state.num_tokens,
+                                     _packed_front(sizes, kept, sinks, flat(k), flat(v), flat(beta), queries, block),
                                      state.betas)
+
+
+def _packed_front(sizes: torch.Tensor, kept: int, sinks: int, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                  queries: torch.Tensor, block: int) -> SparseCacheState:
+    """The packed cache of rows that hold the pairs S … S + kept − 1 in their first slots, then empty slots to their
+    budget: what :meth:`SparseCacheState.from_slots` packs from those slots, made from the rows with a budget alone
+    (no (..., L, D) slot tensors). k, v (R, N, ·) and beta (R, N) by flat batch row."""
+    positions, keys, values, betas = [], [], [], []
+    for row, size in enumerate(sizes.reshape(-1).tolist()):
+        if size == 0:
+            continue
+        take, empty = min(kept, size), size - min(kept, size)
+        positions += [torch.arange(sinks, sinks + take, device=k.device),
+                      torch.full((empty,), -1, dtype=torch.long, device=k.device)]
+        keys += [k[row, sinks : sinks + take], k.new_zeros(empty, k.shape[-1])]
+        values += [v[row, sinks : sinks + take], v.new_zeros(empty, v.shape[-1])]
+        betas += [beta[row, sinks : sinks + take], beta.new_zeros(empty)]
+    if not positions:  # no row has a budget
+        return SparseCacheState(sizes, torch.zeros(0, dtype=torch.long, device=k.device), k.new_zeros(0, k.shape[-1]),
+                                v.new_zeros(0, v.shape[-1]), queries, block, beta.new_zeros(0))
+    return SparseCacheState(sizes, torch.cat(positions), torch.cat(keys), torch.cat(values), queries, block,
+                            torch.cat(betas))
