@@ -412,3 +412,39 @@ def test_the_gated_delta_rule_under_strong_and_vanishing_gates(kernels, per_feat
                 - exact).abs().max()
     assert torch.isfinite(got).all()
     assert mine <= 2 * theirs + 1e-6 * exact.abs().max(), (mine.item(), theirs.item())
+
+
+@pytest.mark.parametrize("kind", ["gated", "kda"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_delta_pass_in_column_strips_across_threads(kernels, kind, dtype):
+    """Three rows on two threads: the kernel cuts each row's value columns into strips that run apart where that
+    evens out the threads (the rule is independent across value columns), at Dv = 64 and 128. Against the torch
+    form in float64 (1e-12) and fp32 (1e-5 of the output's scale: the same products summed in another order), and
+    against the kernel on one thread, which runs whole rows (1e-12 of the scale: a column's arithmetic is the same in
+    a strip and in a whole row)."""
+    n = 700
+    gen = torch.Generator().manual_seed(33)
+    for dv in (64, 128):
+        q = torch.randn(1, 3, n, 16, generator=gen, dtype=torch.float64)
+        k = torch.randn(1, 3, n, 16, generator=gen, dtype=torch.float64)
+        v = torch.randn(1, 3, n, dv, generator=gen, dtype=torch.float64)
+        options = _delta_options(kind, (1, 3, n), gen)
+        if kind == "kda":
+            options["log_gate"] = torch.cat([options["log_gate"]] * 2, dim=-1)  # 16 features
+        low = {name: x.to(dtype) if torch.is_tensor(x) else x for name, x in options.items()}
+        threads = torch.get_num_threads()
+        try:
+            with torch.no_grad():
+                exact = linattn.linear_attention(q, k, v, causal=True, backend="torch", **options)
+                torch.set_num_threads(2)
+                got = linattn.linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=True, backend="native",
+                                               **low)
+                torch.set_num_threads(1)
+                alone = linattn.linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=True,
+                                                 backend="native", **low)
+        finally:
+            torch.set_num_threads(threads)
+        scale = exact.abs().max().item()
+        tolerance = 1e-12 if dtype == torch.float64 else 1e-5 * scale
+        torch.testing.assert_close(got.double(), exact, rtol=0, atol=tolerance)
+        torch.testing.assert_close(got, alone, rtol=0, atol=1e-12 * scale)

@@ -152,7 +152,7 @@ class SparseComposedDecodeStep:
             weight = fmap.weight.detach()[index].to(dtype).index_select(0, head)  # (R_c, m, d)
             self._held_map = (causal, weight.transpose(-1, -2).contiguous(),
                               fmap.bias.detach()[index].to(dtype).index_select(0, head).contiguous(),
-                              fmap.gate.detach()[0].to(dtype).index_select(0, head).unsqueeze(-1),
+                              fmap.gate.detach()[0].to(dtype).index_select(0, head).contiguous(),
                               fmap.GATE_LIMIT, torch.finfo(dtype).tiny)
         self.oracle = None  # the oracle's marks for the rows with a budget
         if cache.keep is not None:
@@ -221,9 +221,7 @@ class SparseComposedDecodeStep:
         if self._held_map is None:
             return self._rows(self._features(self._every(keys, 0.0), False))
         causal, weight_t, bias, gate, limit, floor = self._held_map
-        keys = keys.contiguous()
-        scale = torch.bmm(keys, gate).squeeze(-1).clamp_(-limit, limit).exp_()  # (R_c, N)
-        return unit_rows(causal.hedgehog_map(keys, weight_t, bias, scale, floor))
+        return unit_rows(causal.hedgehog_map(keys.contiguous(), weight_t, bias, None, gate, limit, floor))
 
     def _stored(self, x: torch.Tensor) -> torch.Tensor:
         """Key rows x (R, ·, d) as the additive sums hold them: φ, or (log-space maps) e^{log φ − R} (≤ 1 for every

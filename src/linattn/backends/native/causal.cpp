@@ -48,6 +48,8 @@ struct Lanes {
   typedef T vec __attribute__((vector_size(kLaneBytes)));
   static constexpr int count = kLaneBytes / sizeof(T);
 };
+template <typename T>
+using V_of = typename Lanes<T>::vec;
 
 // a row-major (rows, tokens, width) view: x[r][t][i] at base + r * row + t * token + i
 template <typename T>
@@ -245,121 +247,173 @@ void factors(T* out, const double* gate, int64_t gates, int64_t features) {
   }
 }
 
-// one query or key row as the delta rule reads it: the map (elu + 1 here, or features given) and, with `unit`,
-// divided by max(|row|, 1e-12) (linattn.features.unit_rows)
+// a query or key row as the delta rule reads it, before its unit scale: mapped by elu + 1 into `into`, or the row
+// itself
 template <typename T>
-const T* prepare(T* into, const T* row, int64_t features, bool elu, bool unit) {
-  if (!elu && !unit) return row;
-  if (elu) {
-    elu_row(into, row, features);
-  } else {
-    for (int64_t f = 0; f < features; ++f) into[f] = row[f];
-  }
-  if (unit) {
-    T norm = 0;
-#pragma omp simd reduction(+ : norm)
-    for (int64_t f = 0; f < features; ++f) norm += into[f] * into[f];
-    norm = std::sqrt(norm);
-    const T inverse = T(1) / (norm > T(1e-12) ? norm : T(1e-12));
-    for (int64_t f = 0; f < features; ++f) into[f] *= inverse;
-  }
+const T* mapped_row(T* into, const T* row, int64_t features, bool elu) {
+  if (!elu) return row;
+  elu_row(into, row, features);
   return into;
 }
 
+// with `unit`, 1 / max(|row|, 1e-12) (linattn.features.unit_rows); else 1. The pass reads row · scale, formed in the
+// loops that lay out its coefficients (no copy of the row and no pass that rescales it)
+template <typename T>
+T unit_scale(const T* row, int64_t features, bool unit) {
+  if (!unit) return T(1);
+  T norm = 0;
+#pragma omp simd reduction(+ : norm)
+  for (int64_t f = 0; f < features; ++f) norm += row[f] * row[f];
+  norm = std::sqrt(norm);
+  return T(1) / (norm > T(1e-12) ? norm : T(1e-12));
+}
+
+// value vectors of a strip of the delta pass: 3 accumulators each and 4 broadcasts in the registers
+template <int NV>
+constexpr int delta_strip() {
+  return NV < kRegisters / 4 ? NV : kRegisters / 4;
+}
+
+// The delta rule over one work item: a row's value columns `column` … `column` + W·lanes − 1 (all of them with
+// W = NV). The rule is independent across value columns (S^T k of a column reads that column alone), so a row can
+// be cut into strips that run apart; each strip repeats the row's per-token work (the norms, the gates' factors).
 // GATED: the state decays (a log-gate given); without one the decay's multiply is left out of the pass (a quarter
-// of its arithmetic)
+// of its arithmetic).
+template <typename T, int NV, int W, bool GATED>
+void delta_item(View<T> q, View<T> k, View<T> v, View<T> beta, const double* g, int64_t gate_token, int64_t gates,
+                T* row_kv, View<T> out, int64_t r, int64_t column, int64_t n, int64_t features, bool elu, bool unit,
+                V_of<T>* S, T* buffers) {
+  using V = V_of<T>;
+  constexpr int dv = NV * Lanes<T>::count, H = delta_strip<NV>();
+  T *now = buffers, *next = buffers + features, *wk = buffers + 2 * features, *cf = buffers + 3 * features;
+  T *rq = buffers + 4 * features, *query_buffer = buffers + 5 * features;
+  T* key_buffers[2] = {buffers + 6 * features, buffers + 7 * features};
+  for (int64_t f = 0; f < features; ++f) load_row<T, W>(S + f * W, row_kv + f * dv);
+  const T* b = beta.at(r, 0);
+  // S^T (a_0 * k_0) for the first token: each later one is summed in the pass before it
+  V recalled[W];
+#pragma GCC unroll 16
+  for (int j = 0; j < W; ++j) recalled[j] = V{};
+  factors(now, g, gates, features);
+  const T* key = nullptr;  // token t's key row, mapped in the pass before (never for a token that writes nothing)
+  T key_scale = 0;
+  int slot = 0;
+  if (n > 0 && b[0] != T(0)) {
+    key = mapped_row(key_buffers[slot], k.at(r, 0), features, elu);
+    key_scale = unit_scale(key, features, unit);
+    for (int64_t f = 0; f < features; ++f) {
+      const T c = now[f] * (key[f] * key_scale);
+#pragma GCC unroll 16
+      for (int j = 0; j < W; ++j) recalled[j] += c * S[f * W + j];
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const T strength = b[t * beta.token];
+    const bool writes = strength != T(0);  // a masked token writes nothing (its key is never read)
+    V u[W], o[W], ahead[W];
+    if (writes) {
+      V value[W];
+      load_row<T, W>(value, v.at(r, t) + column);
+#pragma GCC unroll 16
+      for (int j = 0; j < W; ++j) u[j] = strength * (value[j] - recalled[j]);
+    } else {
+#pragma GCC unroll 16
+      for (int j = 0; j < W; ++j) u[j] = V{};
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < W; ++j) o[j] = ahead[j] = V{};
+    // the next token's recall S_t^T (a_{t+1} * k_{t+1}) is summed in this token's pass over S
+    const bool recalls = t + 1 < n && b[(t + 1) * beta.token] != T(0);
+    if (t + 1 < n) factors(next, g != nullptr ? g + (t + 1) * gate_token : nullptr, gates, features);
+    const T* following = nullptr;
+    T following_scale = 0;
+    if (recalls) {
+      following = mapped_row(key_buffers[1 - slot], k.at(r, t + 1), features, elu);
+      following_scale = unit_scale(following, features, unit);
+    }
+    const T* query = mapped_row(query_buffer, q.at(r, t), features, elu);
+    const T query_scale = unit_scale(query, features, unit);
+    // the pass's coefficients, so that it has no branch: a token that writes nothing has u = 0 and its key's row
+    // zero, a recall not wanted its row zero
+    if (writes) {
+      for (int64_t f = 0; f < features; ++f) wk[f] = key[f] * key_scale;
+    } else {
+      for (int64_t f = 0; f < features; ++f) wk[f] = T(0);
+    }
+    if (recalls) {
+      for (int64_t f = 0; f < features; ++f) cf[f] = next[f] * (following[f] * following_scale);
+    } else {
+      for (int64_t f = 0; f < features; ++f) cf[f] = T(0);
+    }
+    for (int64_t f = 0; f < features; ++f) rq[f] = query[f] * query_scale;
+    // the pass in strips of H value vectors, so that a strip's u, out and next-recall sums stay in registers
+    for (int j0 = 0; j0 < W; j0 += H) {
+      V uu[H], oo[H], aa[H];
+#pragma GCC unroll 16
+      for (int h = 0; h < H; ++h) { uu[h] = u[j0 + h]; oo[h] = aa[h] = V{}; }
+      for (int64_t f = 0; f < features; ++f) {
+        V* s = S + f * W + j0;
+        const T a = now[f], w = wk[f], rd = rq[f], c = cf[f];
+#pragma GCC unroll 16
+        for (int h = 0; h < H; ++h) {
+          V x = GATED ? a * s[h] : s[h];
+          x += w * uu[h];
+          s[h] = x;
+          oo[h] += rd * x;
+          aa[h] += c * x;
+        }
+      }
+#pragma GCC unroll 16
+      for (int h = 0; h < H; ++h) { o[j0 + h] = oo[h]; ahead[j0 + h] = aa[h]; }
+    }
+    store_row<T, W>(out.at(r, t) + column, o, T(1));
+#pragma GCC unroll 16
+    for (int j = 0; j < W; ++j) recalled[j] = ahead[j];
+    std::swap(now, next);
+    key = following;
+    key_scale = following_scale;
+    slot = 1 - slot;
+  }
+  for (int64_t f = 0; f < features; ++f) store_row<T, W>(row_kv + f * dv, S + f * W, T(1));
+}
+
+// Whether the delta pass runs rows cut into strips: when that evens out the threads' work by more than the strips'
+// repeated per-token work costs. That work, against a whole row's pass, is about 0.05 with one gate per token and
+// 0.25 with one per feature at Dv = 64 fp32 on AVX2 (the exp of every feature's gate), and shrinks as 1 / Dv. Nine
+// rows on two threads: 5 rows against 4.5 on the busier thread, so strips pay with a token gate and not with
+// per-feature gates.
+inline bool delta_in_strips(int64_t rows, int strips, int64_t dv, bool feature_gates) {
+  const int64_t threads = at::get_num_threads();
+  if (strips == 1 || threads == 1 || rows <= 0) return false;
+  const double repeated = (feature_gates ? 0.25 : 0.05) * 64.0 / static_cast<double>(dv);
+  const double whole = static_cast<double>((rows + threads - 1) / threads) * (1.0 + repeated);
+  const double cut = static_cast<double>((rows * strips + threads - 1) / threads) * (1.0 / strips + repeated);
+  return cut < whole;
+}
+
 template <typename T, int NV, bool GATED>
 void delta(View<T> q, View<T> k, View<T> v, View<T> beta, const double* gate, int64_t gate_row, int64_t gate_token,
            int64_t gates, T* kv, View<T> out, int64_t rows, int64_t n, int64_t features, bool elu, bool unit) {
-  using V = typename Lanes<T>::vec;
-  constexpr int dv = NV * Lanes<T>::count;
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<V> state(features * NV);
-    std::vector<T> now(features), next(features), recall(features), rows_buffer(3 * features), wk(features), cf(features);
-    T* query_buffer = rows_buffer.data();
-    T* key_buffers[2] = {rows_buffer.data() + features, rows_buffer.data() + 2 * features};
-    for (int64_t r = begin; r < end; ++r) {
-      V* S = state.data();
-      T* row_kv = kv + r * features * dv;
-      for (int64_t f = 0; f < features; ++f) load_row<T, NV>(S + f * NV, row_kv + f * dv);
-      const double* g = gate != nullptr ? gate + r * gate_row : nullptr;
-      const T* b = beta.at(r, 0);
-      // S^T (a_0 * k_0) for the first token: each later one is summed in the pass before it
-      V recalled[NV];
-#pragma GCC unroll 16
-      for (int j = 0; j < NV; ++j) recalled[j] = V{};
-      factors(now.data(), g, gates, features);
-      const T* key = nullptr;  // token t's key row, prepared in the pass before (never for a token that writes nothing)
-      int slot = 0;
-      if (n > 0 && b[0] != T(0)) {
-        key = prepare(key_buffers[slot], k.at(r, 0), features, elu, unit);
-        for (int64_t f = 0; f < features; ++f) {
-          const T c = now[f] * key[f];
-#pragma GCC unroll 16
-          for (int j = 0; j < NV; ++j) recalled[j] += c * S[f * NV + j];
-        }
+  constexpr int lanes = Lanes<T>::count, dv = NV * lanes, H = delta_strip<NV>(), strips = NV / H;
+  static_assert(NV % H == 0, "the strips cover the value vectors");
+  const auto run = [&](auto width) {
+    constexpr int W = decltype(width)::value, pieces = NV / W;
+    at::parallel_for(0, rows * pieces, 1, [&](int64_t begin, int64_t end) {
+      std::vector<V_of<T>> state(features * W);
+      std::vector<T> buffers(8 * features);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t r = item / pieces, column = (item % pieces) * W * lanes;
+        delta_item<T, NV, W, GATED>(q, k, v, beta, gate != nullptr ? gate + r * gate_row : nullptr, gate_token,
+                                    gates, kv + r * features * dv + column, out, r, column, n, features, elu, unit,
+                                    state.data(), buffers.data());
       }
-      for (int64_t t = 0; t < n; ++t) {
-        const T strength = b[t * beta.token];
-        const bool writes = strength != T(0);  // a masked token writes nothing (its key is never read)
-        V u[NV], o[NV], ahead[NV];
-        if (writes) {
-          V value[NV];
-          load_row<T, NV>(value, v.at(r, t));
-#pragma GCC unroll 16
-          for (int j = 0; j < NV; ++j) u[j] = strength * (value[j] - recalled[j]);
-        }
-#pragma GCC unroll 16
-        for (int j = 0; j < NV; ++j) o[j] = ahead[j] = V{};
-        // the next token's recall S_t^T (a_{t+1} * k_{t+1}) is summed in this token's pass over S
-        const bool recalls = t + 1 < n && b[(t + 1) * beta.token] != T(0);
-        if (t + 1 < n) factors(next.data(), g != nullptr ? g + (t + 1) * gate_token : nullptr, gates, features);
-        const T* following = nullptr;
-        if (recalls) {
-          following = prepare(key_buffers[1 - slot], k.at(r, t + 1), features, elu, unit);
-          for (int64_t f = 0; f < features; ++f) recall[f] = next[f] * following[f];
-        }
-        const T* query = prepare(query_buffer, q.at(r, t), features, elu, unit);
-        // the pass in strips of H value vectors, so that a strip's u, out and next-recall sums stay in registers
-        // (all NV of each spilled to the stack at Dv = 64 on AVX2), with no branch in it: a token that writes
-        // nothing has u = 0 and its key's row zero, a recall not wanted its row zero
-        if (!writes)
-#pragma GCC unroll 16
-          for (int j = 0; j < NV; ++j) u[j] = V{};
-        for (int64_t f = 0; f < features; ++f) {
-          wk[f] = writes ? key[f] : T(0);
-          cf[f] = recalls ? recall[f] : T(0);
-        }
-        constexpr int H = NV < kRegisters / 4 ? NV : kRegisters / 4;  // 3 H accumulators + 4 broadcasts
-        for (int j0 = 0; j0 < NV; j0 += H) {
-          V uu[H], oo[H], aa[H];
-#pragma GCC unroll 16
-          for (int h = 0; h < H; ++h) { uu[h] = u[j0 + h]; oo[h] = aa[h] = V{}; }
-          for (int64_t f = 0; f < features; ++f) {
-            V* s = S + f * NV + j0;
-            const T a = now[f], w = wk[f], rd = query[f], c = cf[f];
-#pragma GCC unroll 16
-            for (int h = 0; h < H; ++h) {
-              V x = GATED ? a * s[h] : s[h];
-              x += w * uu[h];
-              s[h] = x;
-              oo[h] += rd * x;
-              aa[h] += c * x;
-            }
-          }
-#pragma GCC unroll 16
-          for (int h = 0; h < H; ++h) { o[j0 + h] = oo[h]; ahead[j0 + h] = aa[h]; }
-        }
-        store_row<T, NV>(out.at(r, t), o, T(1));
-#pragma GCC unroll 16
-        for (int j = 0; j < NV; ++j) recalled[j] = ahead[j];
-        now.swap(next);
-        key = following;
-        slot = 1 - slot;
-      }
-      for (int64_t f = 0; f < features; ++f) store_row<T, NV>(row_kv + f * dv, S + f * NV, T(1));
-    }
-  });
+    });
+  };
+  if (delta_in_strips(rows, strips, dv, gates > 1)) {
+    run(std::integral_constant<int, H>{});
+  } else {
+    run(std::integral_constant<int, NV>{});
+  }
 }
 
 // Non-causal linear attention in two passes over the tokens (kinds/additive/forms/global.py is the reference):
@@ -668,8 +722,8 @@ void hedgehog_rows(const T* z, const T* weight, T* out, int64_t rows, int64_t ha
 // W^T's d rows of m = 16 NV entries in the first-level cache), then the activation of each tile's rows from the
 // stack. Row r uses head r % H: weight_t (H, d, m) = W^T per head, bias (H, m); key_weight (R, n) or none.
 template <typename T, int NV>
-void hedgehog_map_rows(View<T> x, const T* weight_t, const T* bias, int64_t heads, const T* key_weight, T* out,
-                       int64_t rows, int64_t n, int64_t d, double floor) {
+void hedgehog_map_rows(View<T> x, const T* weight_t, const T* bias, int64_t heads, const T* key_weight,
+                       const T* key_gate, double limit, T* out, int64_t rows, int64_t n, int64_t d, double floor) {
   using V = typename Lanes<T>::vec;
   constexpr int m = NV * Lanes<T>::count;
   constexpr int TQ = tile_rows<NV>();
@@ -681,6 +735,7 @@ void hedgehog_map_rows(View<T> x, const T* weight_t, const T* bias, int64_t head
       const int64_t r = item / blocks, first = (item % blocks) * span, last = std::min(n, first + span);
       const T* S = weight_t + (r % heads) * d * m;
       const T* b = bias + (r % heads) * m;
+      const T* u = key_gate != nullptr ? key_gate + (r % heads) * d : nullptr;
       for (int64_t t0 = first; t0 < last; t0 += TQ) {
         const int tokens = static_cast<int>(std::min<int64_t>(TQ, last - t0));
         V acc[TQ][NV];
@@ -691,7 +746,14 @@ void hedgehog_map_rows(View<T> x, const T* weight_t, const T* bias, int64_t head
         tile_product<T, NV, TQ>(acc, rows_in, S, d);
         for (int i = 0; i < tokens; ++i) {
           store_row<T, NV>(z + i * m, acc[i], T(1));
-          const T scale_row = key_weight == nullptr ? T(1) : key_weight[r * n + t0 + i];
+          T scale_row = key_weight == nullptr ? T(1) : key_weight[r * n + t0 + i];
+          if (u != nullptr) {  // e^{clamp(u.k)}: the key's weight from its row
+            const T* row = rows_in[i];
+            T dot = 0;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t e = 0; e < d; ++e) dot += u[e] * row[e];
+            scale_row = std::exp(std::min(std::max(dot, static_cast<T>(-limit)), static_cast<T>(limit)));
+          }
           activate_row(z + i * m, out + (r * n + t0 + i) * 2 * m, m, scale_row, static_cast<T>(floor));
         }
       }
@@ -699,17 +761,20 @@ void hedgehog_map_rows(View<T> x, const T* weight_t, const T* bias, int64_t head
   });
 }
 
-// x (R, n, d) last dimension contiguous; weight_t (H, d, m), bias (H, m) contiguous; key_weight (R, n) contiguous or
-// none. Returns phi (R, n, 2m).
+// x (R, n, d) last dimension contiguous; weight_t (H, d, m), bias (H, m) contiguous; the keys' weights given,
+// key_weight (R, n) contiguous, or made here from key_gate (H, d) contiguous as e^{clamp(u.k, +-limit)}; neither for
+// queries. Returns phi (R, n, 2m).
 at::Tensor hedgehog_map(const at::Tensor& x, const at::Tensor& weight_t, const at::Tensor& bias,
-                        const std::optional<at::Tensor>& key_weight, double floor) {
+                        const std::optional<at::Tensor>& key_weight, const std::optional<at::Tensor>& key_gate,
+                        double limit, double floor) {
   const int64_t rows = x.size(0), n = x.size(1), d = x.size(2), heads = weight_t.size(0), m = weight_t.size(2);
   at::Tensor out = at::empty({rows, n, 2 * m}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hedgehog_map", [&] {
     const int vectors = static_cast<int>(m / Lanes<scalar_t>::count);
     LINATTN_VECTORS(vectors, hedgehog_map_rows<scalar_t, NV>(
         view<scalar_t>(x), weight_t.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(), heads,
-        key_weight ? key_weight->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), rows, n, d, floor));
+        key_weight ? key_weight->data_ptr<scalar_t>() : nullptr, key_gate ? key_gate->data_ptr<scalar_t>() : nullptr,
+        limit, out.data_ptr<scalar_t>(), rows, n, d, floor));
   });
   return out;
 }

@@ -222,18 +222,19 @@ def hedgehog_features(fmap: HedgehogFeatureMap, x: torch.Tensor, is_query: bool)
     kernels = module("causal")
     if kernels is None or x.dtype not in (torch.float32, torch.float64) or grad_reasons(x, *fmap.parameters()):
         return None
-    weight = None if is_query else fmap.key_weight(x).squeeze(-1).contiguous()  # e^{clamp(u·k)} (..., N)
     floor = torch.finfo(x.dtype).tiny
     heads = fmap.num_heads or 1
     if not value_reasons(fmap.num_features, x.dtype) and x.dim() >= 3 and x.shape[-1] == fmap.head_dim \
             and (fmap.num_heads is None or x.shape[-3] == heads):
-        # projection and activation in one pass: z = Wx + b of a tile of tokens never leaves the registers
+        # projection and activation in one pass: z = Wx + b of a tile of tokens never leaves the registers, and a
+        # key's weight e^{clamp(u·k)} is made from its row there
         index = 0 if is_query or fmap.tied else 1
         weight_t = fmap.weight[index].to(x.dtype).transpose(-1, -2).contiguous()  # (H, d, m)
         bias = fmap.bias[index].to(x.dtype).contiguous()  # (H, m)
-        rows = _rows(x)
-        keys = weight.reshape(rows.shape[0], rows.shape[1]) if weight is not None else None
-        return kernels.hedgehog_map(rows, weight_t, bias, keys, floor).view(*x.shape[:-1], 2 * fmap.num_features)
+        gate = None if is_query else fmap.gate[0].to(x.dtype).contiguous()  # (H, d)
+        return kernels.hedgehog_map(_rows(x), weight_t, bias, None, gate, fmap.GATE_LIMIT,
+                                    floor).view(*x.shape[:-1], 2 * fmap.num_features)
+    weight = None if is_query else fmap.key_weight(x).squeeze(-1).contiguous()  # e^{clamp(u·k)} (..., N)
     z = fmap.project(x, is_query=is_query, mirror=False).contiguous()  # (..., m): Wx + b; the kernel makes −z
     return kernels.hedgehog_activation(z, weight, floor)
 
