@@ -34,9 +34,9 @@ def kernels():
     (1, 0, 0, 0, 0),  # one query, its own key
     (37, 5, 5, 5, 0),  # a fresh causal call: the band's first rows empty
     (100, 31, 10, 31, 3),  # a carried window: 21 real prefix rows
-    (257, 63, 0, 63, 4),  # a full carried window; N not a multiple of the block
+    (257, 63, 0, 63, 4),  # a full carried window; N not a multiple of the block (128 queries)
     (300, 64, 64, 64, 4),  # the shipped student's window (B + 1 = 65 keys: one lane past whole vectors)
-    (64, 40, 40, 40, 2),  # the band wider than a block
+    (64, 40, 40, 40, 2),  # a band of most of the call
     (90, 20, 10, 10, 0),  # the non-causal layout: B = 2·front, keys past the last row empty
     (70, 150, 0, 150, 1),  # a band wider than the block and the call
 ])

@@ -37,7 +37,7 @@ from .exact.forms.naive import exact_parallel, maps_features
 from .exact.forms.sparse import sparse_chunked, sparse_parallel, sparse_recurrent
 from .exact.forms.sparse_composed import sparse_composed
 from .exact.forms.sparse_heads import HeadRows, joined_state, split_heads
-from .exact.forms.sparse_kept import keeps_all_or_none, with_kept_pairs
+from .exact.forms.sparse_kept import keeps_all_or_none, pairs_kept, with_kept_pairs
 from .exact.forms.sparse_stream import LinearPart
 from .feature_maps.learned import HedgehogFeatureMap
 from .features import (
@@ -325,11 +325,19 @@ def _sparse_route(job: Job, form: str) -> str | None:
 def _kept_prefix(job: Job) -> int:
     """The most whole blocks, fewer tokens than the call's, over which every head of a first call keeps every pair
     or none (a head's pairs grow with the tokens, so the longest such part is the first); 0 where none does."""
-    assert job.sparse_cache is not None
-    block = job.sparse_cache.block_for(job.window)
+    cache = job.sparse_cache
+    assert cache is not None
+    block = cache.block_for(job.window)
     n = (job.q.shape[-2] - 1) // block * block
-    while n >= block and keeps_all_or_none(job.sparse_cache, job.q.shape[:-2], n, job.window, job.sinks) is None:
-        n -= block
+    if n < block or keeps_all_or_none(cache, job.q.shape[:-2], block, job.window, job.sinks) is None:
+        return 0  # not a cache this covers (a first block keeps no pair)
+    # the pairs a head keeps grow with n: the longest part is the one whose pairs fit the least positive budget
+    sizes = cache.sizes_for(job.q.shape[:-2])
+    positive = sizes[sizes > 0]
+    if positive.numel():
+        least = int(positive.min())
+        while n >= block and pairs_kept(n, job.window, job.sinks, block) > least:
+            n -= block
     return n if n >= block else 0
 
 
