@@ -1235,6 +1235,19 @@ void band_scores_any(T* s, const T* q, const T* kt, int64_t stride, int64_t d, i
   }
 }
 
+// acc += weight * row over NV vectors
+template <typename T, int NV>
+inline void add_scaled_row(typename Lanes<T>::vec* acc, const T* row, T weight) {
+  using V = typename Lanes<T>::vec;
+  const V w = V{} + weight;
+#pragma GCC unroll 16
+  for (int j = 0; j < NV; ++j) {
+    V x;
+    std::memcpy(&x, row + j * Lanes<T>::count, sizeof(x));
+    acc[j] += w * x;
+  }
+}
+
 template <typename T, int NV>
 void band_rows(View<T> q, View<T> k_pre, View<T> k_main, View<T> v_pre, View<T> v_main, const T* sink_k,
                const T* sink_v, const bool* sink_mask, T* out, T* lse, int64_t rows, int64_t n, int64_t prefix,
@@ -1293,27 +1306,9 @@ void band_rows(View<T> q, View<T> k_pre, View<T> k_main, View<T> v_pre, View<T> 
         V acc[NV];
 #pragma GCC unroll 16
         for (int j = 0; j < NV; ++j) acc[j] = V{};
-        for (int64_t u = lo; u < hi; ++u) {
-          const T* row = value_rows[i - i0 + u];
-          const V weight = V{} + wi[u];
-#pragma GCC unroll 16
-          for (int j = 0; j < NV; ++j) {
-            V x;
-            std::memcpy(&x, row + j * lanes, sizeof(x));
-            acc[j] += weight * x;
-          }
-        }
-        for (int64_t u = 0; u < sinks; ++u) {
-          if (si[u] == T(0)) continue;
-          const T* row = sink_v + (r * sinks + u) * dv;
-          const V weight = V{} + si[u];
-#pragma GCC unroll 16
-          for (int j = 0; j < NV; ++j) {
-            V x;
-            std::memcpy(&x, row + j * lanes, sizeof(x));
-            acc[j] += weight * x;
-          }
-        }
+        for (int64_t u = lo; u < hi; ++u) add_scaled_row<T, NV>(acc, value_rows[i - i0 + u], wi[u]);
+        for (int64_t u = 0; u < sinks; ++u)
+          if (si[u] != T(0)) add_scaled_row<T, NV>(acc, sink_v + (r * sinks + u) * dv, si[u]);
         store_row<T, NV>(out + (r * n + i) * dv, acc, inverse[i - i0]);
       }
     }
