@@ -278,8 +278,9 @@ constexpr int delta_strip() {
 // W = NV). The rule is independent across value columns (S^T k of a column reads that column alone), so a row can
 // be cut into strips that run apart; each strip repeats the row's per-token work (the norms, the gates' factors).
 // GATED: the state decays (a log-gate given); without one the decay's multiply is left out of the pass (a quarter
-// of its arithmetic).
-template <typename T, int NV, int W, bool GATED>
+// of its arithmetic). READS: each token's query reads the state into `out` (without, the writes alone: q and out
+// are not read).
+template <typename T, int NV, int W, bool GATED, bool READS = true>
 void delta_item(View<T> q, View<T> k, View<T> v, View<T> beta, const double* g, int64_t gate_token, int64_t gates,
                 T* row_kv, View<T> out, int64_t r, int64_t column, int64_t n, int64_t features, bool elu, bool unit,
                 V_of<T>* S, T* buffers) {
@@ -331,8 +332,11 @@ void delta_item(View<T> q, View<T> k, View<T> v, View<T> beta, const double* g, 
       following = mapped_row(key_buffers[1 - slot], k.at(r, t + 1), features, elu);
       following_scale = unit_scale(following, features, unit);
     }
-    const T* query = mapped_row(query_buffer, q.at(r, t), features, elu);
-    const T query_scale = unit_scale(query, features, unit);
+    if constexpr (READS) {
+      const T* query = mapped_row(query_buffer, q.at(r, t), features, elu);
+      const T query_scale = unit_scale(query, features, unit);
+      for (int64_t f = 0; f < features; ++f) rq[f] = query[f] * query_scale;
+    }
     // the pass's coefficients, so that it has no branch: a token that writes nothing has u = 0 and its key's row
     // zero, a recall not wanted its row zero
     if (writes) {
@@ -345,7 +349,6 @@ void delta_item(View<T> q, View<T> k, View<T> v, View<T> beta, const double* g, 
     } else {
       for (int64_t f = 0; f < features; ++f) cf[f] = T(0);
     }
-    for (int64_t f = 0; f < features; ++f) rq[f] = query[f] * query_scale;
     // the pass in strips of H value vectors, so that a strip's u, out and next-recall sums stay in registers
     for (int j0 = 0; j0 < W; j0 += H) {
       V uu[H], oo[H], aa[H];
@@ -353,20 +356,20 @@ void delta_item(View<T> q, View<T> k, View<T> v, View<T> beta, const double* g, 
       for (int h = 0; h < H; ++h) { uu[h] = u[j0 + h]; oo[h] = aa[h] = V{}; }
       for (int64_t f = 0; f < features; ++f) {
         V* s = S + f * W + j0;
-        const T a = now[f], w = wk[f], rd = rq[f], c = cf[f];
+        const T a = now[f], w = wk[f], rd = READS ? rq[f] : T(0), c = cf[f];
 #pragma GCC unroll 16
         for (int h = 0; h < H; ++h) {
           V x = GATED ? a * s[h] : s[h];
           x += w * uu[h];
           s[h] = x;
-          oo[h] += rd * x;
+          if constexpr (READS) oo[h] += rd * x;
           aa[h] += c * x;
         }
       }
 #pragma GCC unroll 16
       for (int h = 0; h < H; ++h) { o[j0 + h] = oo[h]; ahead[j0 + h] = aa[h]; }
     }
-    store_row<T, W>(out.at(r, t) + column, o, T(1));
+    if constexpr (READS) store_row<T, W>(out.at(r, t) + column, o, T(1));
 #pragma GCC unroll 16
     for (int j = 0; j < W; ++j) recalled[j] = ahead[j];
     std::swap(now, next);
@@ -829,9 +832,10 @@ void sparse_decide_rows(const T* lin, const T* values, const T* beta, const bool
   // scores shared among the threads instead, the rows one after another
   const bool inner = rows % at::get_num_threads() != 0;
   auto run_rows = [&](int64_t begin, int64_t end) {
-    std::vector<V> state(F * NV);
-    std::vector<T> a(F), scores;
-    std::vector<int64_t> table(L), members(L), cand_pos, cand_row, order;
+    std::vector<V> state(F * NV), pass(F * NV);
+    std::vector<T> a(F), scores, pass_buffers(8 * F), write_k, write_v, write_beta;
+    std::vector<double> carry(std::max<int64_t>(g.gates, 1)), write_gates;
+    std::vector<int64_t> table(L), members(L), cand_pos, cand_row, order, writes;
     std::vector<char> ok, kept;
     for (int64_t r = begin; r < end; ++r) {
       V* S = state.data();
@@ -847,40 +851,65 @@ void sparse_decide_rows(const T* lin, const T* values, const T* beta, const bool
         members[i] = carried[r * L + i];
         table[i] = members[i] >= 0 ? members[i] : kNever;
       }
-      // S <- S + k u^T with u = beta (v - S^T k): the write of row j (none where beta is 0, as the kernel above)
-      auto write = [&](int64_t j) {
-        const T strength = b_row[j];
-        if (strength == T(0)) return;
-        const T* k = k_rows + j * F;
-        V u[NV];
-        load_row<T, NV>(u, v_rows + j * dv);
-        V recalled[NV];
-#pragma GCC unroll 16
-        for (int q = 0; q < NV; ++q) recalled[q] = V{};
-        for (int64_t f = 0; f < F; ++f)
-#pragma GCC unroll 16
-          for (int q = 0; q < NV; ++q) recalled[q] += k[f] * S[f * NV + q];
-#pragma GCC unroll 16
-        for (int q = 0; q < NV; ++q) u[q] = strength * (u[q] - recalled[q]);
-        for (int64_t f = 0; f < F; ++f)
-#pragma GCC unroll 16
-          for (int q = 0; q < NV; ++q) S[f * NV + q] += k[f] * u[q];
-      };
       int64_t cursor = g.n0;
       const std::vector<int64_t>* extras = nullptr;  // the rows leaving the cache at the boundary `cursor`
       for (int64_t b = 0; b < g.boundaries; ++b) {
         const int64_t t0 = g.first + b * g.block;
-        for (int64_t t = cursor; t < t0; ++t) {  // the memory to the end of step t0 - 1
+        // the memory to the end of step t0 - 1. Each step decays it, then writes (S <- S + k u^T with
+        // u = beta (v - S^T k); none where beta is 0): the writes are gathered, each with the log-decay of the steps
+        // since the write before it (carried to it, a sum of log-gates), and run as the delta rule's pass
+        // (delta_item: a write's decay, the write and the next one's recall in one pass over S); decays after the
+        // last write scale S once
+        writes.clear();
+        std::fill(carry.begin(), carry.end(), 0.0);
+        bool carrying = false;
+        auto gather = [&](int64_t j) {
+          if (b_row[j] == T(0)) return;
+          const int64_t w = static_cast<int64_t>(writes.size());
+          writes.push_back(j);
+          write_k.resize((w + 1) * F);
+          write_v.resize((w + 1) * dv);
+          std::memcpy(write_k.data() + w * F, k_rows + j * F, sizeof(T) * F);
+          std::memcpy(write_v.data() + w * dv, v_rows + j * dv, sizeof(T) * dv);
+          write_beta.push_back(b_row[j]);
           if (gate_row != nullptr) {
-            factors(a.data(), gate_row + (t - g.n0) * g.gates, g.gates, F);
-            for (int64_t f = 0; f < F; ++f)
-#pragma GCC unroll 16
-              for (int q = 0; q < NV; ++q) S[f * NV + q] *= a[f];
+            write_gates.insert(write_gates.end(), carry.begin(), carry.begin() + g.gates);
+            std::fill(carry.begin(), carry.end(), 0.0);
+            carrying = false;
+          }
+        };
+        write_beta.clear();
+        write_gates.clear();
+        for (int64_t t = cursor; t < t0; ++t) {
+          if (gate_row != nullptr) {
+            const double* step = gate_row + (t - g.n0) * g.gates;
+            for (int64_t i = 0; i < g.gates; ++i) carry[i] += step[i];
+            carrying = true;
           }
           if (extras != nullptr && t == cursor)
-            for (const int64_t j : *extras) write(j);
+            for (const int64_t j : *extras) gather(j);
           const int64_t key = row_of(t - g.window, g, table);
-          if (key >= 0 && e[key] == t) write(key);
+          if (key >= 0 && e[key] == t) gather(key);
+        }
+        const int64_t written = static_cast<int64_t>(writes.size());
+        if (written > 0) {
+          const View<T> keys_w{write_k.data(), 0, F}, values_w{write_v.data(), 0, dv};
+          const View<T> beta_w{write_beta.data(), 0, 1}, none{nullptr, 0, 0};
+          T* memory = reinterpret_cast<T*>(S);  // (F, Dv) as the pass loads and stores it
+          if (gate_row != nullptr) {
+            delta_item<T, NV, NV, true, false>(keys_w, keys_w, values_w, beta_w, write_gates.data(), g.gates, g.gates,
+                                               memory, none, 0, 0, written, F, false, false, pass.data(),
+                                               pass_buffers.data());
+          } else {
+            delta_item<T, NV, NV, false, false>(keys_w, keys_w, values_w, beta_w, nullptr, 0, 0, memory, none, 0, 0,
+                                                written, F, false, false, pass.data(), pass_buffers.data());
+          }
+        }
+        if (carrying) {
+          factors(a.data(), carry.data(), g.gates, F);
+          for (int64_t f = 0; f < F; ++f)
+#pragma GCC unroll 16
+            for (int q = 0; q < NV; ++q) S[f * NV + q] *= a[f];
         }
         // the candidates: the cache, then the pairs leaving the window before the next boundary
         const int64_t lo = std::max<int64_t>(t0 - g.window, 0), hi = std::max(lo, t0 - g.window + g.block);
