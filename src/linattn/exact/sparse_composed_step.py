@@ -221,7 +221,7 @@ class SparseComposedDecodeStep:
         if self._held_map is None:
             return self._rows(self._features(self._every(keys, 0.0), False))
         causal, weight_t, bias, gate, limit, floor = self._held_map
-        return unit_rows(causal.hedgehog_map(keys.contiguous(), weight_t, bias, None, gate, limit, floor))
+        return unit_rows(causal.hedgehog_map(keys.contiguous(), weight_t, bias, gate, limit, floor))
 
     def _stored(self, x: torch.Tensor) -> torch.Tensor:
         """Key rows x (R, ·, d) as the additive sums hold them: φ, or (log-space maps) e^{log φ − R} (≤ 1 for every

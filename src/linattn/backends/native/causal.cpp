@@ -723,10 +723,11 @@ void hedgehog_rows(const T* z, const T* weight, T* out, int64_t rows, int64_t ha
 
 // The whole map of x (R, n, d): the projection z = Wx + b as a register-blocked product (tiles of 24/NV tokens,
 // W^T's d rows of m = 16 NV entries in the first-level cache), then the activation of each tile's rows from the
-// stack. Row r uses head r % H: weight_t (H, d, m) = W^T per head, bias (H, m); key_weight (R, n) or none.
+// stack. Row r uses head r % H: weight_t (H, d, m) = W^T per head, bias (H, m); key_gate (H, d) for keys (their
+// weight e^{clamp(u.k)}), none for queries.
 template <typename T, int NV>
-void hedgehog_map_rows(View<T> x, const T* weight_t, const T* bias, int64_t heads, const T* key_weight,
-                       const T* key_gate, double limit, T* out, int64_t rows, int64_t n, int64_t d, double floor) {
+void hedgehog_map_rows(View<T> x, const T* weight_t, const T* bias, int64_t heads, const T* key_gate, double limit,
+                       T* out, int64_t rows, int64_t n, int64_t d, double floor) {
   using V = typename Lanes<T>::vec;
   constexpr int m = NV * Lanes<T>::count;
   constexpr int TQ = tile_rows<NV>();
@@ -749,13 +750,10 @@ void hedgehog_map_rows(View<T> x, const T* weight_t, const T* bias, int64_t head
         tile_product<T, NV, TQ>(acc, rows_in, S, d);
         for (int i = 0; i < tokens; ++i) {
           store_row<T, NV>(z + i * m, acc[i], T(1));
-          T scale_row = key_weight == nullptr ? T(1) : key_weight[r * n + t0 + i];
+          T scale_row = T(1);
           if (u != nullptr) {  // e^{clamp(u.k)}: the key's weight from its row
-            const T* row = rows_in[i];
-            T dot = 0;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t e = 0; e < d; ++e) dot += u[e] * row[e];
-            scale_row = std::exp(std::min(std::max(dot, static_cast<T>(-limit)), static_cast<T>(limit)));
+            const T logit = dot(u, rows_in[i], d);
+            scale_row = std::exp(std::min(std::max(logit, static_cast<T>(-limit)), static_cast<T>(limit)));
           }
           activate_row(z + i * m, out + (r * n + t0 + i) * 2 * m, m, scale_row, static_cast<T>(floor));
         }
@@ -764,20 +762,17 @@ void hedgehog_map_rows(View<T> x, const T* weight_t, const T* bias, int64_t head
   });
 }
 
-// x (R, n, d) last dimension contiguous; weight_t (H, d, m), bias (H, m) contiguous; the keys' weights given,
-// key_weight (R, n) contiguous, or made here from key_gate (H, d) contiguous as e^{clamp(u.k, +-limit)}; neither for
-// queries. Returns phi (R, n, 2m).
+// x (R, n, d) last dimension contiguous; weight_t (H, d, m), bias (H, m) contiguous; key_gate (H, d) contiguous for
+// keys, whose weights e^{clamp(u.k, +-limit)} are made here, none for queries. Returns phi (R, n, 2m).
 at::Tensor hedgehog_map(const at::Tensor& x, const at::Tensor& weight_t, const at::Tensor& bias,
-                        const std::optional<at::Tensor>& key_weight, const std::optional<at::Tensor>& key_gate,
-                        double limit, double floor) {
+                        const std::optional<at::Tensor>& key_gate, double limit, double floor) {
   const int64_t rows = x.size(0), n = x.size(1), d = x.size(2), heads = weight_t.size(0), m = weight_t.size(2);
   at::Tensor out = at::empty({rows, n, 2 * m}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hedgehog_map", [&] {
     const int vectors = static_cast<int>(m / Lanes<scalar_t>::count);
     LINATTN_VECTORS(vectors, hedgehog_map_rows<scalar_t, NV>(
         view<scalar_t>(x), weight_t.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(), heads,
-        key_weight ? key_weight->data_ptr<scalar_t>() : nullptr, key_gate ? key_gate->data_ptr<scalar_t>() : nullptr,
-        limit, out.data_ptr<scalar_t>(), rows, n, d, floor));
+        key_gate ? key_gate->data_ptr<scalar_t>() : nullptr, limit, out.data_ptr<scalar_t>(), rows, n, d, floor));
   });
   return out;
 }
@@ -861,6 +856,8 @@ void sparse_decide_rows(const T* lin, const T* values, const T* beta, const bool
         // (delta_item: a write's decay, the write and the next one's recall in one pass over S); decays after the
         // last write scale S once
         writes.clear();
+        write_beta.clear();
+        write_gates.clear();
         std::fill(carry.begin(), carry.end(), 0.0);
         bool carrying = false;
         auto gather = [&](int64_t j) {
@@ -878,8 +875,6 @@ void sparse_decide_rows(const T* lin, const T* values, const T* beta, const bool
             carrying = false;
           }
         };
-        write_beta.clear();
-        write_gates.clear();
         for (int64_t t = cursor; t < t0; ++t) {
           if (gate_row != nullptr) {
             const double* step = gate_row + (t - g.n0) * g.gates;

@@ -232,7 +232,7 @@ def hedgehog_features(fmap: HedgehogFeatureMap, x: torch.Tensor, is_query: bool)
         weight_t = fmap.weight[index].to(x.dtype).transpose(-1, -2).contiguous()  # (H, d, m)
         bias = fmap.bias[index].to(x.dtype).contiguous()  # (H, m)
         gate = None if is_query else fmap.gate[0].to(x.dtype).contiguous()  # (H, d)
-        return kernels.hedgehog_map(_rows(x), weight_t, bias, None, gate, fmap.GATE_LIMIT,
+        return kernels.hedgehog_map(_rows(x), weight_t, bias, gate, fmap.GATE_LIMIT,
                                     floor).view(*x.shape[:-1], 2 * fmap.num_features)
     weight = None if is_query else fmap.key_weight(x).squeeze(-1).contiguous()  # e^{clamp(u·k)} (..., N)
     z = fmap.project(x, is_query=is_query, mirror=False).contiguous()  # (..., m): Wx + b; the kernel makes −z
