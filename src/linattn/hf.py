@@ -156,8 +156,7 @@ def linattn_attention_forward(
     options, weight = readout_options(gates, query.shape[1], options)
     if layer is not None:
         out = _hf_cache().attend(layer, fmap, query, key, value, keep, options, gates)
-        out = out if weight is None else out * weight.to(out.dtype)[:, None, None]
-        return out.transpose(1, 2).contiguous(), None
+        return _heads_last(out, weight), None
     if causal and num_queries < num_keys:
         # the queries are the last positions (a KV cache): causal attention over all keys with placeholder
         # queries in front; their outputs are discarded, and query t still sees keys ≤ its own position only
@@ -173,10 +172,19 @@ def linattn_attention_forward(
     else:
         out = linear_attention(query, key, value, feature_map=fmap, causal=causal, key_padding_mask=keep, **options,
                                **per_token(key))
-    out = out[..., -num_queries:, :]  # (B, H, Nq, dv)
-    if weight is not None:
-        out = out * weight.to(out.dtype)[:, None, None]
-    return out.transpose(1, 2).contiguous(), None  # (B, Nq, H, dv)
+    return _heads_last(out[..., -num_queries:, :], weight), None
+
+
+def _heads_last(out: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """(B, H, Nq, dv) → (B, Nq, H, dv) contiguous, as transformers takes it, times the read-out weight λ (H,)
+    where there is one: the copy and the product in one pass."""
+    moved = out.transpose(1, 2)
+    if weight is None:
+        return moved.contiguous()
+    if torch.is_grad_enabled() and (out.requires_grad or weight.requires_grad):  # out= records no gradient
+        return (moved * weight.to(out.dtype)[:, None]).contiguous()
+    return torch.mul(moved, weight.to(out.dtype)[:, None], out=torch.empty(moved.shape, dtype=out.dtype,
+                                                                          device=out.device))
 
 
 def readout_options(gates: Any, heads: int, options: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:

@@ -47,14 +47,20 @@ def fill_slots(step: Any, state: WindowAttentionState, first: int) -> None:
     dims as the state's or flattened into one (the sparse cache's step)."""
     buffered, sunk, device = state.keys.shape[-2], state.sink_keys.shape[-2], step.keys.device
     leading = step.keys.shape[:-2]
-    if buffered:
-        index = (step.sinks + (first + torch.arange(buffered, device=device)) % step.window)
-        step.keys[..., index, :] = state.keys.reshape(*leading, buffered, -1).to(step.keys)
-        step.values[..., index, :] = state.values.reshape(*leading, buffered, -1).to(step.values)
-        step.kept[..., index] = state.keep.reshape(*leading, buffered).to(device)
-        if state.betas is not None:
-            step.betas[..., index] = state.betas.reshape(*leading, buffered).to(step.betas)
-        step.live[index] = True
+    if buffered:  # at most W positions, so two runs of slots: from S + first mod W to the end, then from S
+        keys, values = state.keys.reshape(*leading, buffered, -1), state.values.reshape(*leading, buffered, -1)
+        keep = state.keep.reshape(*leading, buffered)
+        betas = state.betas.reshape(*leading, buffered) if state.betas is not None else None
+        start = first % step.window
+        ahead = min(buffered, step.window - start)
+        for source, slot, count in ((0, step.sinks + start, ahead), (ahead, step.sinks, buffered - ahead)):
+            if count:
+                step.keys[..., slot : slot + count, :] = keys[..., source : source + count, :]
+                step.values[..., slot : slot + count, :] = values[..., source : source + count, :]
+                step.kept[..., slot : slot + count] = keep[..., source : source + count]
+                if betas is not None:
+                    step.betas[..., slot : slot + count] = betas[..., source : source + count]
+                step.live[slot : slot + count] = True
     if sunk:
         step.keys[..., :sunk, :] = state.sink_keys.reshape(*leading, sunk, -1)
         step.values[..., :sunk, :] = state.sink_values.reshape(*leading, sunk, -1)

@@ -160,10 +160,10 @@ class SparseComposedDecodeStep:
                 cache.keep.to(device).expand(batch, heads, cache.keep.shape[-1]).reshape(rows, -1)))
         # per ring slot of a position p: whether the last boundary kept the pair (it stays exact when it leaves)
         self.stays = torch.zeros(rows, self.window, dtype=torch.bool, device=device)
-        ring = torch.arange(max(0, self.num_tokens - self.window), self.num_tokens, device=device)
-        if ring.numel() and self.slots:
+        if self.num_tokens and self.slots:  # the cached positions still in the ring (every position is < N)
             every = self._every(self.positions, -1)
-            self.stays[:, ring % self.window] = (ring.view(1, -1, 1) == every.unsqueeze(1)).any(-1)
+            row, slot = (every >= max(0, self.num_tokens - self.window)).nonzero(as_tuple=True)
+            self.stays[row, every[row, slot] % self.window] = True
         self.queries = None
         if cache.score == "attention":
             self.queries = torch.zeros(rows, self.block, dim, dtype=dtype, device=device)

@@ -101,8 +101,11 @@ class KeyGates(nn.Module):
     def descriptor(self, key: torch.Tensor) -> torch.Tensor:
         """u = log(1 + r), r the lengths of the RoPE pairs (i, i + d/2): (B, Hkv, N, d/2)."""
         half = self.head_dim // 2
-        pairs = key[..., :half].square() + key[..., half:].square()
-        return torch.log1p(torch.sqrt(pairs + 1e-12))
+        first, second = key[..., :half], key[..., half:]
+        pairs = torch.addcmul(first * first, second, second)
+        if torch.is_grad_enabled() and key.requires_grad:
+            return torch.log1p(torch.sqrt(pairs + 1e-12))
+        return pairs.add_(1e-12).sqrt_().log1p_()  # in place: no gradient to keep the steps for
 
     def forward(self, key: torch.Tensor) -> dict[str, torch.Tensor]:
         if key.dim() != 4 or key.shape[1] != self.num_kv_heads or key.shape[-1] != self.head_dim:
@@ -111,14 +114,29 @@ class KeyGates(nn.Module):
                 f"{tuple(key.shape)}"
             )
         u = self.descriptor(key.to(self._dtype()))  # (B, Hkv, N, d/2)
-        out: dict[str, torch.Tensor] = {}
+        # β and a per-token gate as rows of one product W·uᵀ (B, Hkv, ·, N): a product with one or two output
+        # columns is cheaper with the tokens along the rows' length; per-feature gates keep (N, F)
+        weights: list[torch.Tensor] = []
+        biases: list[torch.Tensor] = []
         if self.beta_weight is not None and self.beta_bias is not None:
-            logit = torch.matmul(u, self.beta_weight.unsqueeze(-1)).squeeze(-1) + self.beta_bias[:, None]
-            out["beta"] = torch.sigmoid(logit)
-        if self.gate_weight is not None and self.gate_bias is not None:
-            logit = torch.matmul(u, self.gate_weight) + self.gate_bias[:, None, :]
-            gate = F.logsigmoid(logit)
-            out["log_gate"] = gate.squeeze(-1) if self.gate == "token" else gate
+            weights.append(self.beta_weight.unsqueeze(-1))
+            biases.append(self.beta_bias[:, None])
+        token_gate = self.gate == "token" and self.gate_weight is not None and self.gate_bias is not None
+        if token_gate:
+            assert self.gate_weight is not None and self.gate_bias is not None
+            weights.append(self.gate_weight)
+            biases.append(self.gate_bias)
+        out: dict[str, torch.Tensor] = {}
+        if weights:
+            weight = weights[0] if len(weights) == 1 else torch.cat(weights, dim=-1)  # (Hkv, d/2, 1 or 2)
+            bias = biases[0] if len(biases) == 1 else torch.cat(biases, dim=-1)  # (Hkv, 1 or 2)
+            logits = torch.matmul(weight.transpose(-1, -2), u.transpose(-1, -2)) + bias[..., None]  # (B, Hkv, ·, N)
+            if self.beta_weight is not None:
+                out["beta"] = torch.sigmoid(logits[..., 0, :])
+            if token_gate:
+                out["log_gate"] = F.logsigmoid(logits[..., -1, :])
+        if self.gate == "feature" and self.gate_weight is not None and self.gate_bias is not None:
+            out["log_gate"] = F.logsigmoid(torch.matmul(u, self.gate_weight) + self.gate_bias[:, None, :])
         return out
 
     def step_arguments(self, key: torch.Tensor, num_heads: int) -> dict[str, torch.Tensor] | None:

@@ -86,15 +86,25 @@ def softmax_average(exact: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
 
 def add_to_average(average: torch.Tensor, linear_out: torch.Tensor, factor: torch.Tensor | None,
                    start: int = 0) -> torch.Tensor:
-    """The unnormalised combiner: γ·A_t + S_tᵀφ̂(q_t), γ per head (..., 1) or 1. ``start``: linear_out holds queries
-    start … only (the ones before read an empty memory: γ·A_t alone)."""
-    if start:
-        out = average * factor.unsqueeze(-1).unsqueeze(-1) if factor is not None else average.clone()
-        out[..., start:, :] += linear_out
-        return out
-    if factor is None:
-        return average + linear_out
-    return torch.addcmul(linear_out, factor.unsqueeze(-1).unsqueeze(-1), average)  # one pass
+    """The unnormalised combiner: γ·A_t + S_tᵀφ̂(q_t), γ per head (..., 1) or 1, in one pass over a new tensor.
+    ``start``: linear_out holds queries start … only (the ones before read an empty memory: γ·A_t alone)."""
+    scale = None if factor is None else factor.unsqueeze(-1).unsqueeze(-1)
+    if not start:
+        return average + linear_out if scale is None else torch.addcmul(linear_out, scale, average)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (average, linear_out, scale)):
+        head = average[..., :start, :] if scale is None else average[..., :start, :] * scale
+        tail = average[..., start:, :] + linear_out if scale is None else torch.addcmul(
+            linear_out, scale, average[..., start:, :])
+        return torch.cat([head, tail], dim=-2)  # out= records no gradient
+    out = torch.empty_like(average, memory_format=torch.contiguous_format)
+    head, tail = out[..., :start, :], out[..., start:, :]  # each written once, in place (out= on the views)
+    if scale is None:
+        head.copy_(average[..., :start, :])
+        torch.add(average[..., start:, :], linear_out, out=tail)
+    else:
+        torch.mul(average[..., :start, :], scale, out=head)
+        torch.addcmul(linear_out, scale, average[..., start:, :], out=tail)
+    return out
 
 
 def with_sums(state: LinearAttentionState, log_space: bool) -> LinearAttentionState:
