@@ -94,3 +94,19 @@ def test_the_shipped_linearized_smollm2_loads_and_predicts_the_held_out_text():
     assert fitted < 0.9 * untrained
     # 512 tokens of the held-out text against the card's whole-text figure: the same model, a shorter piece
     assert fitted < 1.25 * linear["perplexity"]
+
+
+def test_smollm2s_linear_layers_are_its_gguf_blocks_exactly(smollm2):
+    """Every linear layer of the dequantised GGUF model (Q4_1 projections and MLPs, the Q8_0 head tied to the
+    embedding) is found as blocks of codes that rebuild its fp32 weights bit for bit: a decoding token reads those."""
+    from linattn.nn.token_linear import block_weights
+
+    model, _, _ = smollm2
+    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    assert len(linears) == 30 * 7 + 1
+    kinds = []
+    for module in linears:
+        blocks = block_weights(module.weight)
+        assert blocks is not None and torch.equal(blocks.weight(), module.weight)
+        kinds.append(blocks.nibbles)
+    assert kinds.count(False) == 1 and not kinds[-1]  # the head: 8-bit codes; every other layer 4-bit

@@ -107,3 +107,91 @@ def test_lean_linears_switches_plain_linears_in_place_and_keeps_the_state_dict()
     assert lean_linears(model) == 0  # already switched
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[key], after[key]) for key in before)
+
+
+# ------------------------------------------------------------------------ weights that are blocks of integer codes
+# The two GGUF block kinds as llama.cpp's reference quantizers make them (written here from the format's definition):
+# Q4_1 keeps per block of 32 m = fp16(min) and d = fp16((max − min) / 15), codes q = min(15, ⌊(x − min)/d + ½⌋);
+# Q8_0 keeps d = fp16(max|x| / 127), codes round(x / d). A reader's fp32 weights are then d·q + m (Q8_0: d·q).
+
+def _q4_1(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols // 32, 32, generator=gen) * 0.05
+    low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    d = ((high - low) / 15).half().float()
+    m = low.half().float()
+    q = torch.floor((x - low) * torch.where(d > 0, 1 / d, torch.zeros(())) + 0.5).clamp(max=15)
+    return (d * q + m).reshape(rows, cols)
+
+
+def _q8_0(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols // 32, 32, generator=gen) * 0.05
+    d = (x.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = torch.round(x / d).clamp(-127, 127)
+    return (d * q).reshape(rows, cols)
+
+
+@pytest.mark.parametrize(("make", "nibbles", "bits"), [(_q4_1, True, 4), (_q8_0, False, 8)])
+def test_block_weights_find_both_kinds_and_rebuild_every_weight_exactly(make, nibbles, bits):
+    w = make(40, 96)
+    blocks = token_linear.block_weights(w)
+    assert blocks is not None and blocks.nibbles is nibbles
+    assert torch.equal(blocks.weight(), w)  # bit for bit: the same weights
+    assert blocks.codes.numel() * blocks.codes.element_size() == w.numel() * bits // 8
+
+
+def test_weights_that_are_not_blocks_have_none():
+    assert token_linear.block_weights(torch.randn(8, 64)) is None  # learnt or given in fp32
+    nearly = _q4_1(8, 64)
+    nearly[3, 17] += 1e-6  # one weight off its block's grid
+    assert token_linear.block_weights(nearly) is None
+    assert token_linear.block_weights(_q4_1(8, 64)[:, :48].contiguous()) is None  # rows not whole blocks
+    assert token_linear.block_weights(_q4_1(8, 64).double()) is None
+    assert token_linear.block_weights(_q4_1(8, 64).t()) is None  # not contiguous
+
+
+def _block_layer(make, inp: int, out: int, bias: bool) -> TokenLinear:
+    layer = nn.Linear(inp, out, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(make(out, inp, seed=1))
+    lean_linears(layer)
+    assert layer.blocks is not None
+    return layer  # type: ignore[return-value]
+
+
+@needs_kernels
+@pytest.mark.parametrize("make", [_q4_1, _q8_0])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 8])
+def test_the_blocks_kernel_is_within_the_dot_products_rounding_bound_of_float64(monkeypatch, make, tokens):
+    kernels = native.module()
+    seen = []
+
+    def blocks_kernel(*args):
+        seen.append(tuple(args[0].shape))
+        return kernels.linear_token_blocks(*args)
+
+    monkeypatch.setattr(token_linear.native, "module", lambda name="decode": SimpleNamespace(
+        linear_token=kernels.linear_token, linear_token_blocks=blocks_kernel))
+    layer = _block_layer(make, 576, 200, bias=True)
+    x = torch.randn(tokens, 576)
+    with torch.no_grad():
+        got = layer(x)
+    assert seen == [(tokens, 576)]
+    w64, x64, b64 = layer.weight.double(), x.double(), layer.bias.double()
+    exact = F.linear(x64, w64, b64)
+    bound = 577 * 2.0**-24 * F.linear(x64.abs(), w64.abs(), b64.abs())
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+@needs_kernels
+def test_a_weight_changed_after_its_codes_were_found_is_read_as_it_now_is():
+    layer = _block_layer(_q4_1, 64, 16, bias=False)
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # in place (an optimizer's step): the codes are stale
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-6)
+        layer.weight = nn.Parameter(_q8_0(16, 64))  # replaced
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-6)
+    assert layer.blocks is not None and not layer.blocks.current(layer.weight)
+    assert "blocks" not in "".join(layer.state_dict())  # the codes are not part of the layer's state

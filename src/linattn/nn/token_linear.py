@@ -12,11 +12,18 @@ a CPU tensor of the weight's dtype, fp32 or fp64, at most :data:`MAX_TOKENS` row
 kernels built. Everywhere else (training, a prompt's prefill, a GPU) it is ``nn.Linear`` itself. The results agree
 with ``F.linear`` up to the order of the sums (a dot product of ``in_features`` terms; tests/test_token_linear.py
 bounds it against float64).
+
+**Weights that are blocks of integer codes.** A model read from a GGUF file of the Q4_1 or Q8_0 kind (SmolLM2's
+shipped file) has fp32 weights that are exactly w = d·q + m per block of 32 along a row: q a 4-bit code with a scale
+d and an offset m (Q4_1), or an 8-bit signed code with a scale alone (Q8_0), d and m fp16 values. :func:`block_weights`
+finds those codes where every block of a matrix is such a block (and returns None otherwise), and a
+:class:`TokenLinear` that holds them streams 4.5 or 8.5 bits a weight instead of 32 (``linear_token_blocks``): the
+same weights, formed in fp32 as the model's copy has them, so the results differ from the fp32 kernel's by the
+order of the sums alone. For SmolLM2-135M a token reads 111 MB instead of 538. The fp32 weights stay (a prompt's
+rows are BLAS's); a weight changed in place or replaced after the codes were found turns them off.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,18 +34,113 @@ from ..backends import native
 # rows up to which the kernel runs: a decoding step of a small batch; a prompt's rows are a GEMM, BLAS's domain
 MAX_TOKENS = 8
 _DTYPES = (torch.float32, torch.float64)
+BLOCK = 32  # weights per block along a row in GGUF's Q4_1 and Q8_0
+# the block kinds block_weights looks for: (lowest code, highest code, with an offset m)
+_KINDS = ((0, 15, True), (-127, 127, False))
+_FP16_STEPS = (0, 1, -1, 2, -2)  # the scales tried, in fp16 steps from the nearest fp16 to span / highest code
 
 
-def _kernel() -> Any:
-    """The native ``linear_token``, or None where the kernels are not built (looked up at each call: it is a dict
-    lookup, and a test or ``LINATTN_NATIVE`` may change it)."""
-    kernels = native.module()
-    return None if kernels is None else kernels.linear_token
+class BlockWeights:
+    """A weight matrix (out, in) as blocks of :data:`BLOCK` along its rows, w = d·q + m for every weight (module
+    docstring): ``codes`` (uint8 (out, in/32, 16), two 4-bit codes a byte, q_j low and q_{j+16} high, when
+    ``nibbles``; else int8 (out, in/32, 32)), ``scales`` d and ``mins`` m (out, in/32) fp32 (``mins`` None: m = 0),
+    and the storage and version of the weight they were found in."""
+
+    __slots__ = ("codes", "scales", "mins", "nibbles", "_made_from")
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, nibbles: bool,
+                 weight: torch.Tensor) -> None:
+        self.codes, self.scales, self.mins, self.nibbles = codes, scales, mins, nibbles
+        self._made_from = (weight.data_ptr(), weight._version)
+
+    def current(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` is still the tensor these codes were found in, unchanged."""
+        return (weight.data_ptr(), weight._version) == self._made_from
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a token reads: codes, scales and offsets."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+    def weight(self) -> torch.Tensor:
+        """The fp32 weights (out, in) the codes stand for (for a check; the kernel forms them block by block)."""
+        codes = self.codes
+        if self.nibbles:
+            codes = torch.cat([codes & 15, codes >> 4], dim=-1)
+        w = self.scales.unsqueeze(-1) * codes.to(torch.float32)
+        if self.mins is not None:
+            w = w + self.mins.unsqueeze(-1)
+        return w.reshape(codes.shape[0], -1)
+
+
+def block_weights(weight: torch.Tensor) -> BlockWeights | None:
+    """The codes of ``weight`` (out, in) fp32 where every block of 32 along its rows is exactly d·q + m with q in
+    0…15 (Q4_1) or d·q with q in −127…127 (Q8_0), d and m fp16 values; None where some block is not (any weight a
+    model learnt or was given in fp32) or the weight is not a contiguous fp32 CPU matrix with rows of whole blocks.
+    The offset m of a Q4_1 block is its least weight (code 0) and d is within two fp16 steps of its span / 15; a
+    Q8_0 block's d likewise of its largest magnitude / 127; a candidate counts where it rebuilds the block's
+    weights exactly."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu" or not weight.numel() \
+            or weight.shape[1] % BLOCK or not weight.is_contiguous():
+        return None
+    with torch.no_grad():
+        w = weight.detach()
+        for low, high, offset in _KINDS:
+            # a few rows first: a matrix that is not of this kind fails there, without a pass over all of it
+            if _codes(w[:8], low, high, offset) is None:
+                continue
+            found = _codes(w, low, high, offset)
+            if found is None:
+                continue
+            codes, scales, mins = found
+            if offset:  # two 4-bit codes a byte: q_j in the low and q_{j+16} in the high four bits
+                half = BLOCK // 2
+                packed = (codes[..., :half] | (codes[..., half:] << 4)).contiguous()
+                return BlockWeights(packed, scales, mins, True, weight)
+            return BlockWeights(codes.to(torch.int8).contiguous(), scales, None, False, weight)
+    return None
+
+
+def _codes(w: torch.Tensor, low: int, high: int, offset: bool
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(codes uint8 or int16 (rows, blocks, 32), scales (rows, blocks), offsets or None) that rebuild every weight of
+    w exactly as d·q + m in fp32, or None."""
+    blocks = w.reshape(w.shape[0], -1, BLOCK)
+    mins = blocks.amin(-1) if offset else None
+    span = blocks.amax(-1) - mins if mins is not None else blocks.abs().amax(-1)
+    nearest = (span / high).to(torch.float16)
+    if not bool(torch.isfinite(nearest).all()):
+        return None
+    bits = nearest.view(torch.int16).to(torch.int32)  # span ≥ 0: the next fp16 up is the next bit pattern
+    base = blocks - mins.unsqueeze(-1) if mins is not None else blocks
+    codes: torch.Tensor | None = None
+    scales = span
+    done = torch.zeros(span.shape, dtype=torch.bool)
+    for step in _FP16_STEPS:
+        scale = (bits + step).clamp(0, 0x7BFF).to(torch.int16).view(torch.float16).to(torch.float32)
+        ratio = torch.where(scale.unsqueeze(-1) > 0, base / scale.unsqueeze(-1), torch.zeros((), dtype=w.dtype))
+        q = ratio.round_().clamp_(low, high)
+        rebuilt = scale.unsqueeze(-1) * q  # exact: an fp16 scale times a code of at most 8 bits
+        if mins is not None:
+            rebuilt += mins.unsqueeze(-1)
+        fits = (rebuilt == blocks).all(-1)
+        if codes is None:  # the nearest fp16 scale: every block of SmolLM2's matrices
+            codes, scales = q, scale
+        else:
+            new = fits & ~done
+            codes = torch.where(new.unsqueeze(-1), q, codes)
+            scales = torch.where(new, scale, scales)
+        done |= fits
+        if bool(done.all()):
+            return codes.to(torch.uint8 if low >= 0 else torch.int16), scales, mins
+    return None
 
 
 class TokenLinear(nn.Linear):
     """``nn.Linear`` whose few-token calls without gradients run the native ``linear_token`` kernel (module
     docstring); the same parameters, state dict and results up to the order of the sums."""
+
+    blocks: BlockWeights | None = None  # the weight's codes where it is blocks of them (module docstring)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's argument name
         weight, bias = self.weight, self.bias
@@ -48,19 +150,27 @@ class TokenLinear(nn.Linear):
                 and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                                       or (bias is not None and bias.requires_grad)))
                 and (bias is None or bias.dtype == weight.dtype) and weight.is_contiguous() and input.numel()):
-            kernel = _kernel()
-            if kernel is not None:
-                return kernel(input, weight, bias)
+            kernels = native.module()
+            if kernels is not None:
+                blocks = self.blocks
+                if blocks is not None and blocks.current(weight):  # fp32, as block_weights found them
+                    return kernels.linear_token_blocks(input, blocks.codes, blocks.scales, blocks.mins, bias,
+                                                       blocks.nibbles)
+                return kernels.linear_token(input, weight, bias)
         return F.linear(input, weight, bias)
 
 
-def lean_linears(model: nn.Module) -> int:
+def lean_linears(model: nn.Module, blocks: bool = True) -> int:
     """Make every plain ``nn.Linear`` in ``model`` a :class:`TokenLinear` (in place: the same module objects,
     parameters and hooks); returns how many were switched. Subclasses (a LoRA wrapper's own layers, quantized
-    layers) are left as they are."""
+    layers) are left as they are. ``blocks``: each switched layer also takes its weight's codes where the weight
+    is blocks of them (:func:`block_weights`; a GGUF model's Q4_1 and Q8_0 matrices), which its decoding tokens
+    then read instead of the fp32 weights."""
     switched = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = TokenLinear
             switched += 1
+        if blocks and type(module) is TokenLinear and module.blocks is None:
+            module.blocks = block_weights(module.weight)
     return switched

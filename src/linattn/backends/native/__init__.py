@@ -14,8 +14,9 @@ Hedgehog map of one token, normalised) and ``key_gates`` (:meth:`linattn.nn.KeyG
 ``layer_token``, fuses the three a layer's token needs (the gates, the maps and either token) into one parallel
 pass from the layer's raw q, k and v to its output, times the key gates' read-out weight λ (the steps'
 ``fused_token``, which :mod:`linattn.hf`'s attention function calls first). ``linear_token`` is a decoding token's
-linear layer (a few rows times a weight matrix, the matrix's rows over the threads):
-:class:`~linattn.nn.token_linear.TokenLinear`.
+linear layer (a few rows times a weight matrix, the matrix's rows over the threads), and ``linear_token_blocks``
+the same with the matrix held as blocks of integer codes with a scale and an offset each, where the weights are
+exactly such blocks (a model read from a Q4_1 or Q8_0 GGUF file): :class:`~linattn.nn.token_linear.TokenLinear`.
 
 What ``causal`` is for: a causal forward without gradients (inference, a prompt's prefill) spends most of its time
 in the chunked forms' passes over whole tensors; causal.cpp runs the recurrence token by token with each (batch,

@@ -18,9 +18,14 @@
 #include <torch/python.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -503,6 +508,136 @@ at::Tensor linear_token(const at::Tensor& input, const at::Tensor& weight, const
   return y;
 }
 
+
+// linear_token with W held as blocks of 32 weights along each row, w = d * q + m (q an integer code, d and m one
+// fp32 scale and offset per block; m absent: 0): the block formats of GGUF files (Q4_1: q in 0..15, two codes a
+// byte, byte j holding q_j in its low and q_{j+16} in its high four bits; Q8_0: q a signed byte, no offset). Each
+// block's weights are formed in fp32 as the fp32 model has them (d * q is exact: d has an fp16 significand and q at
+// most 8 bits, so only the + m rounds, as it does in the model's own copy, fused or not), then multiplied with x:
+// the same weights, read as 4.5 or 8.5 bits each instead of 32. `in` is a multiple of 32; x, the codes, d and m
+// contiguous. With AVX2 the codes widen to fp32 in registers (the compiler does not vectorise that widening well).
+constexpr int64_t kBlock = 32, kBlockTokens = 8;
+
+// one block's 32 weights from its codes
+inline void block_weights(const uint8_t* codes, bool nibbles, float d, float m, float* w) {
+  if (nibbles) {
+    for (int64_t j = 0; j < kBlock / 2; ++j) {
+      w[j] = d * static_cast<float>(codes[j] & 15) + m;
+      w[j + kBlock / 2] = d * static_cast<float>(codes[j] >> 4) + m;
+    }
+  } else {
+    const int8_t* q = reinterpret_cast<const int8_t*>(codes);
+    for (int64_t j = 0; j < kBlock; ++j) w[j] = d * static_cast<float>(q[j]) + m;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// the 32 weights of a block as four vectors of 8
+inline void block_vectors(const uint8_t* codes, bool nibbles, float d, float m, __m256* w) {
+  const __m256 scale = _mm256_set1_ps(d), offset = _mm256_set1_ps(m);
+  __m256i wide[4];
+  if (nibbles) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    wide[0] = _mm256_cvtepu8_epi32(low);
+    wide[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(low, 8));
+    wide[2] = _mm256_cvtepu8_epi32(high);
+    wide[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(high, 8));
+  } else {
+    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16));
+    wide[0] = _mm256_cvtepi8_epi32(first);
+    wide[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(first, 8));
+    wide[2] = _mm256_cvtepi8_epi32(second);
+    wide[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(second, 8));
+  }
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(wide[i]), offset);
+}
+
+inline float horizontal_sum(__m256 v) {
+  const __m128 pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+// one output row for up to TOKENS tokens (``tokens`` of them): y[t * out] = x_t . w + shift
+template <int TOKENS>
+void block_row(const uint8_t* row, int64_t block_bytes, int64_t blocks, bool nibbles, const float* d_row,
+               const float* m_row, const float* x, int64_t in, float shift, float* y, int64_t out,
+               int64_t tokens = TOKENS) {
+  __m256 acc[TOKENS][4];
+  for (int t = 0; t < TOKENS; ++t)
+    for (int i = 0; i < 4; ++i) acc[t][i] = _mm256_setzero_ps();
+  __m256 w[4];
+  for (int64_t b = 0; b < blocks; ++b) {
+    block_vectors(row + b * block_bytes, nibbles, d_row[b], m_row ? m_row[b] : 0.0f, w);
+    for (int t = 0; t < TOKENS; ++t) {
+      if (t >= tokens) break;
+      const float* xs = x + t * in + b * kBlock;
+      for (int i = 0; i < 4; ++i) acc[t][i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xs + 8 * i), acc[t][i]);
+    }
+  }
+  for (int t = 0; t < TOKENS && t < tokens; ++t)
+    y[t * out] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][1]),
+                                              _mm256_add_ps(acc[t][2], acc[t][3]))) + shift;
+}
+#endif
+
+at::Tensor linear_token_blocks(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                               bool nibbles) {
+  const at::Tensor x = input.contiguous();
+  const int64_t out = scales.size(0), blocks = scales.size(1), in = blocks * kBlock, tokens = x.numel() / in;
+  TORCH_CHECK(tokens >= 1 && tokens <= kBlockTokens, "linear_token_blocks: 1 to 8 rows");  // acc's bound
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = out;
+  at::Tensor y = at::empty(sizes, x.options());
+  const float* x_p = x.data_ptr<float>();
+  const uint8_t* c_p = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* d_p = scales.data_ptr<float>();
+  const float* m_p = mins ? mins->data_ptr<float>() : nullptr;
+  const float* b_p = bias ? bias->data_ptr<float>() : nullptr;
+  float* y_p = y.data_ptr<float>();
+  const int64_t block_bytes = nibbles ? kBlock / 2 : kBlock, row_bytes = blocks * block_bytes;
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* row = c_p + r * row_bytes;
+      const float* d_row = d_p + r * blocks;
+      const float* m_row = m_p ? m_p + r * blocks : nullptr;
+      const float shift = b_p ? b_p[r] : 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+      const float* m_or_null = m_row;
+      switch (tokens) {  // the token count a constant: the accumulators stay in registers
+        case 1: block_row<1>(row, block_bytes, blocks, nibbles, d_row, m_or_null, x_p, in, shift, y_p + r, out); break;
+        case 2: block_row<2>(row, block_bytes, blocks, nibbles, d_row, m_or_null, x_p, in, shift, y_p + r, out); break;
+        case 3: block_row<3>(row, block_bytes, blocks, nibbles, d_row, m_or_null, x_p, in, shift, y_p + r, out); break;
+        case 4: block_row<4>(row, block_bytes, blocks, nibbles, d_row, m_or_null, x_p, in, shift, y_p + r, out); break;
+        default: block_row<kBlockTokens>(row, block_bytes, blocks, nibbles, d_row, m_or_null, x_p, in, shift, y_p + r,
+                                         out, tokens);
+      }
+#else
+      float acc[kBlockTokens][kBlock] = {};
+      float w[kBlock];
+      for (int64_t b = 0; b < blocks; ++b) {
+        block_weights(row + b * block_bytes, nibbles, d_row[b], m_row ? m_row[b] : 0.0f, w);
+        for (int64_t t = 0; t < tokens; ++t) {
+          const float* xs = x_p + t * in + b * kBlock;
+#pragma omp simd
+          for (int64_t j = 0; j < kBlock; ++j) acc[t][j] += w[j] * xs[j];
+        }
+      }
+      for (int64_t t = 0; t < tokens; ++t) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < kBlock; ++j) sum += acc[t][j];
+        y_p[t * out + r] = sum + shift;
+      }
+#endif
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -515,4 +650,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_token", &layer_token,
         "one decoding token of a layer's attention from its raw q, k, v: gates, maps and token fused (see decode.cpp)");
   m.def("linear_token", &linear_token, "x W^T + b for a few tokens x, rows of W over the threads (see decode.cpp)");
+  m.def("linear_token_blocks", &linear_token_blocks,
+        "linear_token with W as blocks of 32 codes, w = d q + m (GGUF's Q4_1 and Q8_0; see decode.cpp)");
 }
