@@ -533,10 +533,11 @@ inline void block_weights(const uint8_t* codes, bool nibbles, float d, float m, 
 
 #if defined(__AVX2__) && defined(__FMA__)
 // the 32 weights of a block as four vectors of 8
-inline void block_vectors(const uint8_t* codes, bool nibbles, float d, float m, __m256* w) {
-  const __m256 scale = _mm256_set1_ps(d), offset = _mm256_set1_ps(m);
+template <bool NIBBLES, bool OFFSET>
+inline void block_vectors(const uint8_t* codes, const float* d, const float* m, __m256* w) {
+  const __m256 scale = _mm256_broadcast_ss(d);
   __m256i wide[4];
-  if (nibbles) {
+  if (NIBBLES) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
     const __m128i mask = _mm_set1_epi8(15);
     const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
@@ -545,14 +546,15 @@ inline void block_vectors(const uint8_t* codes, bool nibbles, float d, float m, 
     wide[2] = _mm256_cvtepu8_epi32(high);
     wide[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(high, 8));
   } else {
-    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16));
-    wide[0] = _mm256_cvtepi8_epi32(first);
-    wide[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(first, 8));
-    wide[2] = _mm256_cvtepi8_epi32(second);
-    wide[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(second, 8));
+    for (int i = 0; i < 4; ++i)
+      wide[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i)));
   }
-  for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(wide[i]), offset);
+  if (OFFSET) {
+    const __m256 offset = _mm256_broadcast_ss(m);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(wide[i]), offset);
+  } else {
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(wide[i]));
+  }
 }
 
 inline float horizontal_sum(__m256 v) {
@@ -562,16 +564,16 @@ inline float horizontal_sum(__m256 v) {
 }
 
 // one output row for up to TOKENS tokens (``tokens`` of them): y[t * out] = x_t . w + shift
-template <int TOKENS>
-void block_row(const uint8_t* row, int64_t block_bytes, int64_t blocks, bool nibbles, const float* d_row,
-               const float* m_row, const float* x, int64_t in, float shift, float* y, int64_t out,
-               int64_t tokens = TOKENS) {
+template <int TOKENS, bool NIBBLES, bool OFFSET>
+void block_row(const uint8_t* row, int64_t blocks, const float* d_row, const float* m_row, const float* x,
+               int64_t in, float shift, float* y, int64_t out, int64_t tokens) {
+  constexpr int64_t bytes = NIBBLES ? kBlock / 2 : kBlock;
   __m256 acc[TOKENS][4];
   for (int t = 0; t < TOKENS; ++t)
     for (int i = 0; i < 4; ++i) acc[t][i] = _mm256_setzero_ps();
   __m256 w[4];
   for (int64_t b = 0; b < blocks; ++b) {
-    block_vectors(row + b * block_bytes, nibbles, d_row[b], m_row ? m_row[b] : 0.0f, w);
+    block_vectors<NIBBLES, OFFSET>(row + b * bytes, d_row + b, m_row + b, w);
     for (int t = 0; t < TOKENS; ++t) {
       if (t >= tokens) break;
       const float* xs = x + t * in + b * kBlock;
@@ -581,6 +583,17 @@ void block_row(const uint8_t* row, int64_t block_bytes, int64_t blocks, bool nib
   for (int t = 0; t < TOKENS && t < tokens; ++t)
     y[t * out] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][1]),
                                               _mm256_add_ps(acc[t][2], acc[t][3]))) + shift;
+}
+
+// block_row for a row's token count and block kind
+template <bool NIBBLES, bool OFFSET>
+void block_row_for(int64_t tokens, const uint8_t* row, int64_t blocks, const float* d_row, const float* m_row,
+                   const float* x, int64_t in, float shift, float* y, int64_t out) {
+  switch (tokens) {  // the token count a constant: the accumulators stay in registers
+    case 1: block_row<1, NIBBLES, OFFSET>(row, blocks, d_row, m_row, x, in, shift, y, out, 1); break;
+    case 2: block_row<2, NIBBLES, OFFSET>(row, blocks, d_row, m_row, x, in, shift, y, out, 2); break;
+    default: block_row<kBlockTokens, NIBBLES, OFFSET>(row, blocks, d_row, m_row, x, in, shift, y, out, tokens);
+  }
 }
 #endif
 
@@ -607,15 +620,14 @@ at::Tensor linear_token_blocks(const at::Tensor& input, const at::Tensor& codes,
       const float* m_row = m_p ? m_p + r * blocks : nullptr;
       const float shift = b_p ? b_p[r] : 0.0f;
 #if defined(__AVX2__) && defined(__FMA__)
-      const float* m_or_null = m_row;
-      switch (tokens) {  // the token count a constant: the accumulators stay in registers
-        case 1: block_row<1>(row, block_bytes, blocks, nibbles, d_row, m_or_null, x_p, in, shift, y_p + r, out); break;
-        case 2: block_row<2>(row, block_bytes, blocks, nibbles, d_row, m_or_null, x_p, in, shift, y_p + r, out); break;
-        case 3: block_row<3>(row, block_bytes, blocks, nibbles, d_row, m_or_null, x_p, in, shift, y_p + r, out); break;
-        case 4: block_row<4>(row, block_bytes, blocks, nibbles, d_row, m_or_null, x_p, in, shift, y_p + r, out); break;
-        default: block_row<kBlockTokens>(row, block_bytes, blocks, nibbles, d_row, m_or_null, x_p, in, shift, y_p + r,
-                                         out, tokens);
-      }
+      if (nibbles && m_row)
+        block_row_for<true, true>(tokens, row, blocks, d_row, m_row, x_p, in, shift, y_p + r, out);
+      else if (nibbles)
+        block_row_for<true, false>(tokens, row, blocks, d_row, d_row, x_p, in, shift, y_p + r, out);
+      else if (m_row)
+        block_row_for<false, true>(tokens, row, blocks, d_row, m_row, x_p, in, shift, y_p + r, out);
+      else
+        block_row_for<false, false>(tokens, row, blocks, d_row, d_row, x_p, in, shift, y_p + r, out);
 #else
       float acc[kBlockTokens][kBlock] = {};
       float w[kBlock];
