@@ -8,8 +8,9 @@ linearized on the spot with ``--linear`` (elu+1 beside a softmax window of 64 to
 ship with linattn, so this is the untrained hybrid). Decoding is greedy. After the text: the decoding rate
 (tokens/s after the prompt), the prompt's time, the bytes of the cache after the last token (linear: the states;
 softmax: every key and value) and the peak memory (CUDA: allocated; CPU: the process's resident memory, sampled at
-each token). ``--compare-softmax`` generates with the original model too and prints both side by side; ``--plot``
-draws ms/token and cache bytes against position.
+each token). ``--compare-softmax`` generates with the original model too and prints both side by side, the original
+with the same one-token linear layers as the linearized model (:func:`~linattn.nn.token_linear.lean_linears`), so
+that the two differ in their attention alone; ``--plot`` draws ms/token and cache bytes against position.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .. import hf
 from ..data import check_text_file
 from ..errors import LinearAttentionError
 from ..evaluate.models import check_model_name, is_causal_lm, load_model, looks_causal
+from ..nn.token_linear import lean_linears
 from .folder import is_linearized, load_linearized, read_index, shipped
 
 
@@ -286,6 +288,8 @@ def cli(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace, decode_threads: int) -> int:
     model, tokenizer, original, label = _load(args)
+    if original is not None:
+        lean_linears(original)  # the linearized model's linear layers: the comparison is of the attention
     runs = []
     for run_label, chosen in ((label, model), ("softmax (original)", original)):
         if chosen is None:
