@@ -106,8 +106,11 @@ def _codes(w: torch.Tensor, low: int, high: int, offset: bool
     """(codes uint8 or int16 (rows, blocks, 32), scales (rows, blocks), offsets or None) that rebuild every weight of
     w exactly as d·q + m in fp32, or None."""
     blocks = w.reshape(w.shape[0], -1, BLOCK)
-    mins = blocks.amin(-1) if offset else None
-    span = blocks.amax(-1) - mins if mins is not None else blocks.abs().amax(-1)
+    if offset:
+        mins, most = torch.aminmax(blocks, dim=-1)
+        span = most - mins
+    else:
+        mins, span = None, blocks.abs().amax(-1)
     nearest = (span / high).to(torch.float16)
     if not bool(torch.isfinite(nearest).all()):
         return None
@@ -118,8 +121,7 @@ def _codes(w: torch.Tensor, low: int, high: int, offset: bool
     done = torch.zeros(span.shape, dtype=torch.bool)
     for step in _FP16_STEPS:
         scale = (bits + step).clamp(0, 0x7BFF).to(torch.int16).view(torch.float16).to(torch.float32)
-        ratio = torch.where(scale.unsqueeze(-1) > 0, base / scale.unsqueeze(-1), torch.zeros((), dtype=w.dtype))
-        q = ratio.round_().clamp_(low, high)
+        q = (base / scale.unsqueeze(-1)).nan_to_num_(0.0).round_().clamp_(low, high)  # a 0 scale: 0/0 → code 0
         rebuilt = scale.unsqueeze(-1) * q  # exact: an fp16 scale times a code of at most 8 bits
         if mins is not None:
             rebuilt += mins.unsqueeze(-1)
