@@ -195,3 +195,21 @@ def test_a_weight_changed_after_its_codes_were_found_is_read_as_it_now_is():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-6)
     assert layer.blocks is not None and not layer.blocks.current(layer.weight)
     assert "blocks" not in "".join(layer.state_dict())  # the codes are not part of the layer's state
+
+
+@needs_kernels
+def test_a_copied_or_saved_layer_reads_its_own_weight():
+    import copy
+    import io
+
+    layer = _block_layer(_q4_1, 64, 16, bias=True)
+    x = torch.randn(1, 64)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    for other in (copy.deepcopy(layer), torch.load(buffer, weights_only=False)):
+        assert other.blocks is not None and not other.blocks.current(other.weight)  # codes of no weight of its own
+        with torch.no_grad():
+            other.weight.mul_(-1.0)
+            torch.testing.assert_close(other(x), F.linear(x, other.weight, other.bias), rtol=1e-5, atol=1e-6)
+    assert layer.blocks is not None and layer.blocks.current(layer.weight)  # the original keeps reading its codes

@@ -25,6 +25,9 @@ rows are BLAS's); a weight changed in place or replaced after the codes were fou
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,18 +47,27 @@ class BlockWeights:
     """A weight matrix (out, in) as blocks of :data:`BLOCK` along its rows, w = d·q + m for every weight (module
     docstring): ``codes`` (uint8 (out, in/32, 16), two 4-bit codes a byte, q_j low and q_{j+16} high, when
     ``nibbles``; else int8 (out, in/32, 32)), ``scales`` d and ``mins`` m (out, in/32) fp32 (``mins`` None: m = 0),
-    and the storage and version of the weight they were found in."""
+    and (weakly) the weight they were found in, with its version."""
 
-    __slots__ = ("codes", "scales", "mins", "nibbles", "_made_from")
+    __slots__ = ("codes", "scales", "mins", "nibbles", "_source", "_version")
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, nibbles: bool,
                  weight: torch.Tensor) -> None:
         self.codes, self.scales, self.mins, self.nibbles = codes, scales, mins, nibbles
-        self._made_from = (weight.data_ptr(), weight._version)
+        # the weight itself, weakly (not its address, which a new tensor may take once the weight is freed)
+        self._source: Callable[[], torch.Tensor | None] = weakref.ref(weight)
+        self._version = weight._version
 
     def current(self, weight: torch.Tensor) -> bool:
         """Whether ``weight`` is still the tensor these codes were found in, unchanged."""
-        return (weight.data_ptr(), weight._version) == self._made_from
+        return self._source() is weight and weight._version == self._version
+
+    def __getstate__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+        return self.codes, self.scales, self.mins, self.nibbles  # a copy belongs to no weight: never current
+
+    def __setstate__(self, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]) -> None:
+        self.codes, self.scales, self.mins, self.nibbles = state
+        self._source, self._version = (lambda: None), -1
 
     @property
     def nbytes(self) -> int:
