@@ -126,8 +126,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        "projections, MLPs and head alone, as the linearized model runs them): the most any "
                        "attention could gain, as bound columns")
     model.add_argument("--same-linears", action="store_true", help="also time the original with the linearized "
-                       "model's one-token linear layers (TokenLinear): the decoding ratio against it is the "
-                       "attention's alone")
+                       "model's one-token linear layers (TokenLinear) and decoding route (linattn.hf_decode): the "
+                       "decoding ratio against it is the attention's alone")
     bench.add_argument("--decays", nargs="*", default=[], choices=["decay", "gate", "gla"],
                        help="also time causal attention with a RetNet decay, a per-token or a per-feature gate")
     for flag, what in (("backward", "the backward pass"), ("sdpa", "torch's SDPA beside linattn"),

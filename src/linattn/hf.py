@@ -143,20 +143,12 @@ def linattn_attention_forward(
                 f"attention_mask: expected (B, Nk) or (B, 1, Nq, Nk), got {tuple(attention_mask.shape)}"
             )
 
-    s = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
-    c = math.sqrt(s * math.sqrt(head_dim))  # maps are built for 1/√d: c²/√d = s (module docstring)
-    if c != 1.0:
-        query, key = query * c, key * c
+    query, key = _scaled(query, key, scaling)
+    if layer is not None:
+        return _layer_attention(module, layer, query, key, value, keep), None
     gates = getattr(module, GATES_ATTRIBUTE, None)  # per-token β / log-gates from the keys (linattn.nn.KeyGates)
-    if layer is not None and num_queries == 1:
-        out = _hf_cache().fused_token(layer, query, key, value, keep, gates)  # λ included: one C++ call
-        if out is not None:
-            return out.transpose(1, 2), None  # (B, 1, H, dv): the size-1 dim moved, contiguous as it is
     fmap, options = _feature_map_of(module, head_dim), getattr(module, OPTIONS_ATTRIBUTE, None) or {}
     options, weight = readout_options(gates, query.shape[1], options)
-    if layer is not None:
-        out = _hf_cache().attend(layer, fmap, query, key, value, keep, options, gates)
-        return _heads_last(out, weight), None
     if causal and num_queries < num_keys:
         # the queries are the last positions (a KV cache): causal attention over all keys with placeholder
         # queries in front; their outputs are discarded, and query t still sees keys ≤ its own position only
@@ -173,6 +165,30 @@ def linattn_attention_forward(
         out = linear_attention(query, key, value, feature_map=fmap, causal=causal, key_padding_mask=keep, **options,
                                **per_token(key))
     return _heads_last(out[..., -num_queries:, :], weight), None
+
+
+def _scaled(query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k times c, for the feature maps, built for 1/√d: c²/√d = ``scaling`` (module docstring)."""
+    head_dim = query.shape[-1]
+    s = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
+    c = math.sqrt(s * math.sqrt(head_dim))
+    return (query * c, key * c) if c != 1.0 else (query, key)
+
+
+def _layer_attention(module: nn.Module, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     keep: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention of q (B, H, Nq, d) (scaled), k and v after the keys in the LinearAttentionCache layer
+    ``layer``, updating its state → (B, Nq, H, dv): a decoding token of a kept key in one C++ call where the
+    step has one, else the step or the chunked form."""
+    gates = getattr(module, GATES_ATTRIBUTE, None)  # per-token β / log-gates from the keys (linattn.nn.KeyGates)
+    if query.shape[-2] == 1:
+        out = _hf_cache().fused_token(layer, query, key, value, keep, gates)  # λ included: one C++ call
+        if out is not None:
+            return out.transpose(1, 2)  # (B, 1, H, dv): the size-1 dim moved, contiguous as it is
+    fmap, options = _feature_map_of(module, query.shape[-1]), getattr(module, OPTIONS_ATTRIBUTE, None) or {}
+    options, weight = readout_options(gates, query.shape[1], options)
+    out = _hf_cache().attend(layer, fmap, query, key, value, keep, options, gates)
+    return _heads_last(out, weight)
 
 
 def _heads_last(out: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
@@ -385,6 +401,9 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
 
         install(model)
         lean_linears(model)  # a decoding token's projections, MLPs and head in the native kernel
+        from .hf_decode import install as install_decoding
+
+        install_decoding(model)  # a token's decoder layers in native calls
     set_implementation = getattr(model, "set_attn_implementation", None)
     if set_implementation is None:
         raise LinearAttentionError(f"model: {type(model).__name__} has no set_attn_implementation (transformers ≥ 5)")

@@ -9,8 +9,9 @@ ship with linattn, so this is the untrained hybrid). Decoding is greedy. After t
 (tokens/s after the prompt), the prompt's time, the bytes of the cache after the last token (linear: the states;
 softmax: every key and value) and the peak memory (CUDA: allocated; CPU: the process's resident memory, sampled at
 each token). ``--compare-softmax`` generates with the original model too and prints both side by side, the original
-with the same one-token linear layers as the linearized model (:func:`~linattn.nn.token_linear.lean_linears`), so
-that the two differ in their attention alone; ``--plot`` draws ms/token and cache bytes against position.
+with the same one-token linear layers and decoder-layer route as the linearized model
+(:func:`~linattn.nn.token_linear.lean_linears`, :mod:`linattn.hf_decode`), so that the two differ in their attention
+alone; ``--plot`` draws ms/token and cache bytes against position.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .. import hf
 from ..data import check_text_file
 from ..errors import LinearAttentionError
 from ..evaluate.models import check_model_name, is_causal_lm, load_model, looks_causal
+from ..hf_decode import install as install_decoding
 from ..nn.token_linear import lean_linears
 from .folder import is_linearized, load_linearized, read_index, shipped
 
@@ -289,7 +291,8 @@ def cli(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace, decode_threads: int) -> int:
     model, tokenizer, original, label = _load(args)
     if original is not None:
-        lean_linears(original)  # the linearized model's linear layers: the comparison is of the attention
+        lean_linears(original)  # the linearized model's linear layers and decoding route: the two differ in
+        install_decoding(original)  # their attention alone
     runs = []
     for run_label, chosen in ((label, model), ("softmax (original)", original)):
         if chosen is None:

@@ -18,16 +18,17 @@ same core on a shared machine.
 
 The linearized model's ``nn.Linear`` layers are :class:`~linattn.nn.token_linear.TokenLinear` (what
 :func:`linattn.hf.linearize` installs): a decoding token's projections, MLPs and LM head run a native kernel that
-streams the weights 1.5–1.7 times as fast as torch's BLAS call does on 2 AVX2 cores, so part of its decoding
-speed-up over the original comes from those layers, not from its attention. ``--same-linears`` adds the original
-with the same layers (row ``original_lean``): the decoding ratio against it is the attention's alone (the table's
-"same linears" column).
+streams the weights (SmolLM2's as their GGUF blocks) faster than torch's BLAS call does, and its decoder layers
+run as a few native calls around the attention (:mod:`linattn.hf_decode`), so part of its decoding speed-up over
+the original comes from that code, not from its attention. ``--same-linears`` adds the original with the same
+layers and the same route (row ``original_lean``): the decoding ratio against it is the attention's alone (the
+table's "same linears" column).
 
 ``--floor`` adds a model to every round: the original with its attention taken out (each query's output is its own
-value; no cache, no mask) and the linearized model's linear layers, so only the projections, the MLPs, the norms
-and the LM head run, as fast as the linearized model runs them. No attention, linear or not, can make the model
-faster than that, so original / floor is the most a linearized model can gain at each context (the table's bound
-columns).
+value; no cache, no mask) and the linearized model's linear layers and decoding route, so only the projections,
+the MLPs, the norms and the LM head run, as fast as the linearized model runs them. No attention, linear or not,
+can make the model faster than that, so original / floor is the most a linearized model can gain at each context
+(the table's bound columns).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ..data import load_text
 from ..errors import LinearAttentionError
 from ..evaluate.models import check_model_name, load_model
 from ..evaluate.perplexity import keeps_logits
+from ..hf_decode import install as install_decoding
 from ..measure import peak_memory
 from ..nn.token_linear import lean_linears
 from .folder import atomic_write, load_linearized, shipped
@@ -144,13 +146,16 @@ def floor_model(name: str) -> Any:
     model, _, _ = load_model(name, causal_lm=True)
     model.set_attn_implementation(_FLOOR_IMPLEMENTATION)
     lean_linears(model)
+    install_decoding(model)
     return model.eval()
 
 
 def same_linears_model(name: str) -> Any:
-    """The original model ``name`` with the linearized model's linear layers (module docstring)."""
+    """The original model ``name`` with the linearized model's linear layers and decoding route (module
+    docstring)."""
     model, _, _ = load_model(name, causal_lm=True)
     lean_linears(model)
+    install_decoding(model)
     return model.eval()
 
 

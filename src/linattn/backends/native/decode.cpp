@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -650,6 +652,134 @@ at::Tensor linear_token_blocks(const at::Tensor& input, const at::Tensor& codes,
   return y;
 }
 
+
+// A decoder layer of a Llama-architecture model for a decoding token (linattn.hf_decode): the RMSNorms, the
+// projections, the rotary embedding, the residuals and the SwiGLU MLP around the attention, in two calls a layer
+// (before and after the attention, which stays the decoding step's) instead of some twenty torch operations. The
+// arithmetic is transformers' (modeling_llama): h = w * x / sqrt(mean(x^2) + eps) (the mean here in double),
+// q' = q cos + rotate_half(q) sin, the MLP down(silu(gate(h)) * up(h)); the linear layers linear_token's or, where a
+// weight is blocks of codes, linear_token_blocks'. Rows: the batch's tokens, one per row.
+
+// One linear layer: (weight, bias, codes, scales, offsets, two codes a byte), as TokenLinear holds it
+using TokenLinearSpec = std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
+                                   std::optional<at::Tensor>, std::optional<at::Tensor>, bool>;
+
+at::Tensor apply_linear(const TokenLinearSpec& spec, const at::Tensor& x) {
+  const auto& [weight, bias, codes, scales, mins, nibbles] = spec;
+  if (x.numel() / x.size(-1) > kBlockTokens) return at::linear(x, weight, bias);  // more rows: a GEMM's
+  if (codes) return linear_token_blocks(x, *codes, *scales, mins, bias, nibbles);
+  return linear_token(x, weight, bias);
+}
+
+// out = w * x / sqrt(mean(x^2) + eps), row by row (rows of n)
+template <typename T>
+void rms_rows(const T* x, const T* w, double eps, T* out, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * n;
+    double sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(xr[i]) * xr[i];
+    const T inverse = static_cast<T>(1.0 / std::sqrt(sum / static_cast<double>(n) + eps));
+    for (int64_t i = 0; i < n; ++i) out[r * n + i] = w[i] * (xr[i] * inverse);
+  }
+}
+
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_norm_rows", [&] {
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), eps, out.data_ptr<scalar_t>(),
+                       x.numel() / x.size(-1), x.size(-1));
+  });
+  return out;
+}
+
+// x (rows, heads * d) in place: each head's x cos + rotate_half(x) sin; cos and sin (rows | 1, d)
+template <typename T>
+void rotate_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t d, bool shared) {
+  const int64_t half = d / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* c = cos + (shared ? 0 : r * d);
+    const T* s = sin + (shared ? 0 : r * d);
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = x + (r * heads + h) * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const T a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+class DecoderLayers {
+ public:
+  // linears: 7 a layer (q, k, v, o, gate, up, down), then the LM head; norms: 2 a layer (input, post-attention),
+  // then the final one
+  DecoderLayers(std::vector<TokenLinearSpec> linears, std::vector<at::Tensor> norms, double eps, int64_t head_dim)
+      : linears_(std::move(linears)), norms_(std::move(norms)), eps_(eps), head_dim_(head_dim) {
+    TORCH_CHECK(linears_.size() % 7 == 1 && norms_.size() == 2 * (linears_.size() / 7) + 1,
+                "DecoderLayers: 7 linear layers and 2 norms a layer, then the head and the final norm");
+    for (const auto& spec : linears_) versions_.push_back(std::get<0>(spec)._version());
+    for (const auto& norm : norms_) versions_.push_back(norm._version());
+  }
+
+  // whether every weight is as it was when these layers were made (none changed in place since)
+  bool current() const {
+    size_t i = 0;
+    for (const auto& spec : linears_)
+      if (std::get<0>(spec)._version() != versions_[i++]) return false;
+    for (const auto& norm : norms_)
+      if (norm._version() != versions_[i++]) return false;
+    return true;
+  }
+
+  // x (B, 1, hidden) -> q (B, H, 1, d), k and v (B, Hkv, 1, d), q and k rotated (cos, sin (B | 1, 1, d))
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> pre(int64_t layer, const at::Tensor& x, const at::Tensor& cos,
+                                                     const at::Tensor& sin) const {
+    const at::Tensor h = rms_norm_rows(x, norms_[2 * layer], eps_);
+    at::Tensor q = apply_linear(linears_[7 * layer], h).contiguous();
+    at::Tensor k = apply_linear(linears_[7 * layer + 1], h).contiguous();
+    at::Tensor v = apply_linear(linears_[7 * layer + 2], h).contiguous();
+    const int64_t rows = x.numel() / x.size(-1), d = head_dim_;
+    const bool shared = cos.numel() == d;
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "decoder_pre", [&] {
+      rotate_rows<scalar_t>(q.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), rows,
+                            q.size(-1) / d, d, shared);
+      rotate_rows<scalar_t>(k.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), rows,
+                            k.size(-1) / d, d, shared);
+    });
+    return {q.view({rows, -1, 1, d}), k.view({rows, -1, 1, d}), v.view({rows, -1, 1, d})};
+  }
+
+  // x + the attention's output (B, 1, H, dv) through o, then + the MLP of the post-attention norm: the next x
+  at::Tensor post(int64_t layer, const at::Tensor& x, const at::Tensor& attention) const {
+    const int64_t rows = x.numel() / x.size(-1);
+    at::Tensor y = x + apply_linear(linears_[7 * layer + 3], attention.reshape({rows, 1, -1}));
+    const at::Tensor h = rms_norm_rows(y, norms_[2 * layer + 1], eps_);
+    at::Tensor gate = apply_linear(linears_[7 * layer + 4], h).contiguous();
+    const at::Tensor up = apply_linear(linears_[7 * layer + 5], h).contiguous();
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "decoder_post", [&] {
+      scalar_t* g = gate.data_ptr<scalar_t>();
+      const scalar_t* u = up.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < gate.numel(); ++i) g[i] = g[i] / (scalar_t(1) + std::exp(-g[i])) * u[i];  // silu
+    });
+    y.add_(apply_linear(linears_[7 * layer + 6], gate));
+    return y;
+  }
+
+  // the final norm and the LM head: logits (B, 1, vocab)
+  at::Tensor head(const at::Tensor& x) const {
+    return apply_linear(linears_.back(), rms_norm_rows(x, norms_.back(), eps_));
+  }
+
+ private:
+  std::vector<TokenLinearSpec> linears_;
+  std::vector<at::Tensor> norms_;
+  std::vector<int64_t> versions_;
+  double eps_;
+  int64_t head_dim_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -664,4 +794,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_token", &linear_token, "x W^T + b for a few tokens x, rows of W over the threads (see decode.cpp)");
   m.def("linear_token_blocks", &linear_token_blocks,
         "linear_token with W as blocks of 32 codes, w = d q + m (GGUF's Q4_1 and Q8_0; see decode.cpp)");
+  m.def("rms_norm_rows", &rms_norm_rows, "w * x / sqrt(mean(x^2) + eps) along the last dim (see decode.cpp)");
+  pybind11::class_<DecoderLayers>(m, "DecoderLayers",
+                                  "a Llama-architecture model's decoder layers for a decoding token (see decode.cpp)")
+      .def(pybind11::init<std::vector<TokenLinearSpec>, std::vector<at::Tensor>, double, int64_t>())
+      .def("current", &DecoderLayers::current)
+      .def("pre", &DecoderLayers::pre)
+      .def("post", &DecoderLayers::post)
+      .def("head", &DecoderLayers::head);
 }
