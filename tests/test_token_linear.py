@@ -173,15 +173,17 @@ def test_the_blocks_kernel_is_within_the_dot_products_rounding_bound_of_float64(
 
     monkeypatch.setattr(token_linear.native, "module", lambda name="decode": SimpleNamespace(
         linear_token=kernels.linear_token, linear_token_blocks=blocks_kernel))
-    layer = _block_layer(make, 576, 200, bias=True)
-    x = torch.randn(tokens, 576)
-    with torch.no_grad():
-        got = layer(x)
-    assert seen == [(tokens, 576)]
-    w64, x64, b64 = layer.weight.double(), x.double(), layer.bias.double()
-    exact = F.linear(x64, w64, b64)
-    bound = 577 * 2.0**-24 * F.linear(x64.abs(), w64.abs(), b64.abs())
-    assert ((got.double() - exact).abs() <= bound).all()
+    for inputs in (576, 544, 32):  # 18 blocks (9 groups of two), 17 (a half group last), 1 (the half group alone)
+        seen.clear()
+        layer = _block_layer(make, inputs, 200, bias=True)
+        x = torch.randn(tokens, inputs)
+        with torch.no_grad():
+            got = layer(x)
+        assert seen == [(tokens, inputs)]
+        w64, x64, b64 = layer.weight.double(), x.double(), layer.bias.double()
+        exact = F.linear(x64, w64, b64)
+        bound = (inputs + 1) * 2.0**-24 * F.linear(x64.abs(), w64.abs(), b64.abs())
+        assert ((got.double() - exact).abs() <= bound).all()
 
 
 @needs_kernels

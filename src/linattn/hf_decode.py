@@ -50,7 +50,7 @@ class _Plan:
     and the rotary embedding."""
 
     layers: Any  # decode.cpp's DecoderLayers
-    held: list[tuple[nn.Module, torch.Tensor]]
+    held: list[tuple[dict[str, Any], torch.Tensor]]  # (a module's parameters, its weight)
     hooks: list[dict[Any, Any]]
     attention: list[nn.Module]
     embedding: torch.Tensor
@@ -58,7 +58,9 @@ class _Plan:
     eager: Any  # transformers' eager attention function, the default its forward falls back to
 
     def valid(self) -> bool:
-        return all(module.weight is weight for module, weight in self.held) and self.layers.current()
+        """Whether every weight is the tensor the plan holds (the parameters' own dictionaries, read without
+        nn.Module's attribute lookup, ~1 µs each), unchanged."""
+        return all(parameters.get("weight") is weight for parameters, weight in self.held) and self.layers.current()
 
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan | None] = weakref.WeakKeyDictionary()
@@ -180,7 +182,7 @@ def _make_plan(model: Any) -> _Plan | None:
     head_dim = decoders[0].self_attn.head_dim if decoders else 1
     specs = [_spec(m) for m in linears]
     layers = kernels.DecoderLayers(specs, [norm.weight.detach() for norm in norms], float(epsilons.pop()), head_dim)
-    held = [(m, m.weight) for m in (*linears, *norms, inner.embed_tokens)]
+    held = [(m._parameters, m.weight) for m in (*linears, *norms, inner.embed_tokens)]
     hooks = [d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
     return _Plan(layers, held, hooks, [d.self_attn for d in decoders], inner.embed_tokens.weight.detach(),
                  inner.rotary_emb, llama.eager_attention_forward)

@@ -45,8 +45,9 @@ _FP16_STEPS = (0, 1, -1, 2, -2)  # the scales tried, in fp16 steps from the near
 
 class BlockWeights:
     """A weight matrix (out, in) as blocks of :data:`BLOCK` along its rows, w = d·q + m for every weight (module
-    docstring): ``codes`` (uint8 (out, in/32, 16), two 4-bit codes a byte, q_j low and q_{j+16} high, when
-    ``nibbles``; else int8 (out, in/32, 32)), ``scales`` d and ``mins`` m (out, in/32) fp32 (``mins`` None: m = 0),
+    docstring): ``codes`` (uint8 (out, in/2), two 4-bit codes a byte in the words the kernel reads
+    (:func:`_pack_nibbles`), when ``nibbles``; else int8 (out, in/32, 32)), ``scales`` d and ``mins`` m
+    (out, in/32) fp32 (``mins`` None: m = 0),
     and (weakly) the weight they were found in, with its version."""
 
     __slots__ = ("codes", "scales", "mins", "nibbles", "_source", "_version")
@@ -76,9 +77,7 @@ class BlockWeights:
 
     def weight(self) -> torch.Tensor:
         """The fp32 weights (out, in) the codes stand for (for a check; the kernel forms them block by block)."""
-        codes = self.codes
-        if self.nibbles:
-            codes = torch.cat([codes & 15, codes >> 4], dim=-1)
+        codes = _unpack_nibbles(self.codes, self.scales.shape[1]) if self.nibbles else self.codes
         w = self.scales.unsqueeze(-1) * codes.to(torch.float32)
         if self.mins is not None:
             w = w + self.mins.unsqueeze(-1)
@@ -105,12 +104,44 @@ def block_weights(weight: torch.Tensor) -> BlockWeights | None:
             if found is None:
                 continue
             codes, scales, mins = found
-            if offset:  # two 4-bit codes a byte: q_j in the low and q_{j+16} in the high four bits
-                half = BLOCK // 2
-                packed = (codes[..., :half] | (codes[..., half:] << 4)).contiguous()
-                return BlockWeights(packed, scales, mins, True, weight)
+            if offset:
+                return BlockWeights(_pack_nibbles(codes), scales, mins, True, weight)
             return BlockWeights(codes.to(torch.int8).contiguous(), scales, None, False, weight)
     return None
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (rows, blocks, 32) as the kernel reads them (decode.cpp): per group of two blocks (64 weights)
+    eight 32-bit words, word i holding the code of weight 8k + i of the group in its bits 4k…4k+3; an odd last
+    block as eight 16-bit words (k < 4). uint8 (rows, blocks · 16), the words in the machine's byte order."""
+    rows, blocks = codes.shape[:2]
+    flat = codes.reshape(rows, -1).to(torch.int64)
+    whole = blocks // 2
+    parts = []
+    if whole:
+        groups = flat[:, : whole * 64].reshape(rows, whole, 8, 8)  # (group, k, i)
+        shifts = (4 * torch.arange(8)).reshape(1, 1, 8, 1)
+        words = (groups << shifts).sum(2)  # (rows, whole, 8) in 0 … 2^32 − 1: disjoint bits, the sum an OR
+        parts.append(words.to(torch.uint32).view(torch.uint8).reshape(rows, -1))
+    if blocks % 2:
+        tail = flat[:, whole * 64 :].reshape(rows, 4, 8)
+        words = (tail << (4 * torch.arange(4)).reshape(1, 4, 1)).sum(1)
+        parts.append(words.to(torch.uint16).view(torch.uint8).reshape(rows, -1))
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def _unpack_nibbles(packed: torch.Tensor, blocks: int) -> torch.Tensor:
+    """:func:`_pack_nibbles` undone: the codes (rows, blocks, 32), uint8."""
+    rows, whole = packed.shape[0], blocks // 2
+    parts = []
+    if whole:
+        words = packed[:, : whole * 32].contiguous().view(torch.uint32).to(torch.int64).reshape(rows, whole, 1, 8)
+        shifts = (4 * torch.arange(8)).reshape(1, 1, 8, 1)
+        parts.append(((words >> shifts) & 15).reshape(rows, -1))  # (group, k, i) → weight 64g + 8k + i
+    if blocks % 2:
+        words = packed[:, whole * 32 :].contiguous().view(torch.uint16).to(torch.int64).reshape(rows, 1, 8)
+        parts.append(((words >> (4 * torch.arange(4)).reshape(1, 4, 1)) & 15).reshape(rows, -1))
+    return torch.cat(parts, dim=1).reshape(rows, blocks, BLOCK).to(torch.uint8)
 
 
 def _codes(w: torch.Tensor, low: int, high: int, offset: bool

@@ -19,6 +19,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -512,74 +514,110 @@ at::Tensor linear_token(const at::Tensor& input, const at::Tensor& weight, const
 
 
 // linear_token with W held as blocks of 32 weights along each row, w = d * q + m (q an integer code, d and m one
-// fp32 scale and offset per block; m absent: 0): the block formats of GGUF files (Q4_1: q in 0..15, two codes a
-// byte, byte j holding q_j in its low and q_{j+16} in its high four bits; Q8_0: q a signed byte, no offset). Each
-// block's weights are formed in fp32 as the fp32 model has them (d * q is exact: d has an fp16 significand and q at
-// most 8 bits, so only the + m rounds, as it does in the model's own copy, fused or not), then multiplied with x:
-// the same weights, read as 4.5 or 8.5 bits each instead of 32. `in` is a multiple of 32; x, the codes, d and m
-// contiguous. With AVX2 the codes widen to fp32 in registers (the compiler does not vectorise that widening well).
+// fp32 scale and offset per block; m absent: 0): the block formats of GGUF files (Q4_1: q in 0..15; Q8_0: q a signed
+// byte, no offset). Each block's weights are formed in fp32 as the fp32 model has them (d * q is exact: d has an fp16
+// significand and q at most 8 bits, so only the + m rounds, as it does in the model's own copy, fused or not), then
+// multiplied with x: the same weights, read as 4.5 or 8.5 bits each instead of 32. `in` is a multiple of 32; x, the
+// codes, d and m contiguous.
+//
+// The 4-bit codes of a row (BlockWeights in token_linear.py packs them) come in groups of two blocks, 64 weights:
+// eight 32-bit words, word i holding in its bits 4k..4k+3 the code of weight 8k + i of the group (k = 0..7), so
+// that one shift and one mask give the codes of eight consecutive weights in the eight lanes of an AVX2 register
+// (no byte shuffles: they bound the speed of the earlier layout). An odd last block is a half group: eight 16-bit
+// words, k = 0..3. A row's codes take blocks * 16 bytes either way. Q8_0's codes are the block's 32 bytes in order.
 constexpr int64_t kBlock = 32, kBlockTokens = 8;
 
-// one block's 32 weights from its codes
-inline void block_weights(const uint8_t* codes, bool nibbles, float d, float m, float* w) {
+// the code of weight j (0..31) of block b in a row of 4-bit codes packed as above
+inline int nibble_code(const uint8_t* row, int64_t blocks, int64_t b, int64_t j) {
+  const int64_t group = b / 2, k = 4 * (b % 2) + j / 8, i = j % 8;
+  const uint8_t* base = row + group * 32;
+  uint32_t word;
+  if (2 * group + 1 < blocks) {  // a whole group: 32-bit words
+    std::memcpy(&word, base + 4 * i, 4);
+  } else {  // the half group of an odd last block: 16-bit words
+    uint16_t half;
+    std::memcpy(&half, base + 2 * i, 2);
+    word = half;
+  }
+  return static_cast<int>((word >> (4 * k)) & 15u);
+}
+
+// one block's 32 weights from its codes (the portable build's path)
+inline void block_weights(const uint8_t* row, int64_t blocks, int64_t b, bool nibbles, float d, float m, float* w) {
   if (nibbles) {
-    for (int64_t j = 0; j < kBlock / 2; ++j) {
-      w[j] = d * static_cast<float>(codes[j] & 15) + m;
-      w[j + kBlock / 2] = d * static_cast<float>(codes[j] >> 4) + m;
-    }
+    for (int64_t j = 0; j < kBlock; ++j) w[j] = d * static_cast<float>(nibble_code(row, blocks, b, j)) + m;
   } else {
-    const int8_t* q = reinterpret_cast<const int8_t*>(codes);
+    const int8_t* q = reinterpret_cast<const int8_t*>(row + b * kBlock);
     for (int64_t j = 0; j < kBlock; ++j) w[j] = d * static_cast<float>(q[j]) + m;
   }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// the 32 weights of a block as four vectors of 8
-template <bool NIBBLES, bool OFFSET>
-inline void block_vectors(const uint8_t* codes, const float* d, const float* m, __m256* w) {
-  const __m256 scale = _mm256_broadcast_ss(d);
-  __m256i wide[4];
-  if (NIBBLES) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    const __m128i mask = _mm_set1_epi8(15);
-    const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    wide[0] = _mm256_cvtepu8_epi32(low);
-    wide[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(low, 8));
-    wide[2] = _mm256_cvtepu8_epi32(high);
-    wide[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(high, 8));
-  } else {
-    for (int i = 0; i < 4; ++i)
-      wide[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i)));
-  }
-  if (OFFSET) {
-    const __m256 offset = _mm256_broadcast_ss(m);
-    for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(wide[i]), offset);
-  } else {
-    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(wide[i]));
-  }
-}
-
 inline float horizontal_sum(__m256 v) {
   const __m128 pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 two = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
 }
 
-// one output row for up to TOKENS tokens (``tokens`` of them): y[t * out] = x_t . w + shift
-template <int TOKENS, bool NIBBLES, bool OFFSET>
-void block_row(const uint8_t* row, int64_t blocks, const float* d_row, const float* m_row, const float* x,
-               int64_t in, float shift, float* y, int64_t out, int64_t tokens) {
-  constexpr int64_t bytes = NIBBLES ? kBlock / 2 : kBlock;
+// one block of a row of 4-bit codes: its codes the nibbles K0..K0+3 of `words`, its x at xs (token t at t * in)
+template <int TOKENS, bool OFFSET, int K0>
+inline void nibble_block(__m256i words, float d, float m, const float* xs, int64_t in, int64_t tokens,
+                         __m256 (*acc)[2]) {
+  const __m256i mask = _mm256_set1_epi32(15);
+  const __m256 scale = _mm256_set1_ps(d), offset = _mm256_set1_ps(m);
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, 4 * (K0 + k)), mask));
+    const __m256 w = OFFSET ? _mm256_fmadd_ps(scale, q, offset) : _mm256_mul_ps(scale, q);
+    for (int t = 0; t < TOKENS; ++t) {
+      if (t >= tokens) break;
+      acc[t][k & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs + t * in + 8 * k), acc[t][k & 1]);
+    }
+  }
+}
+
+// one output row of 4-bit codes for up to TOKENS tokens (``tokens`` of them): y[t * out] = x_t . w + shift
+template <int TOKENS, bool OFFSET>
+void nibble_row(const uint8_t* row, int64_t blocks, const float* d_row, const float* m_row, const float* x,
+                int64_t in, float shift, float* y, int64_t out, int64_t tokens) {
+  __m256 acc[TOKENS][2];
+  for (int t = 0; t < TOKENS; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  const int64_t groups = blocks / 2;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 32));
+    const int64_t b = 2 * g;
+    nibble_block<TOKENS, OFFSET, 0>(words, d_row[b], OFFSET ? m_row[b] : 0.0f, x + b * kBlock, in, tokens, acc);
+    nibble_block<TOKENS, OFFSET, 4>(words, d_row[b + 1], OFFSET ? m_row[b + 1] : 0.0f, x + (b + 1) * kBlock, in,
+                                    tokens, acc);
+  }
+  if (blocks % 2) {  // the half group: eight 16-bit words
+    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + groups * 32)));
+    const int64_t b = blocks - 1;
+    nibble_block<TOKENS, OFFSET, 0>(words, d_row[b], OFFSET ? m_row[b] : 0.0f, x + b * kBlock, in, tokens, acc);
+  }
+  for (int t = 0; t < TOKENS && t < tokens; ++t)
+    y[t * out] = horizontal_sum(_mm256_add_ps(acc[t][0], acc[t][1])) + shift;
+}
+
+// one output row of byte codes (Q8_0 and any other 8-bit kind)
+template <int TOKENS, bool OFFSET>
+void byte_row(const uint8_t* row, int64_t blocks, const float* d_row, const float* m_row, const float* x,
+              int64_t in, float shift, float* y, int64_t out, int64_t tokens) {
   __m256 acc[TOKENS][4];
   for (int t = 0; t < TOKENS; ++t)
     for (int i = 0; i < 4; ++i) acc[t][i] = _mm256_setzero_ps();
-  __m256 w[4];
   for (int64_t b = 0; b < blocks; ++b) {
-    block_vectors<NIBBLES, OFFSET>(row + b * bytes, d_row + b, m_row + b, w);
-    for (int t = 0; t < TOKENS; ++t) {
-      if (t >= tokens) break;
-      const float* xs = x + t * in + b * kBlock;
-      for (int i = 0; i < 4; ++i) acc[t][i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xs + 8 * i), acc[t][i]);
+    const uint8_t* codes = row + b * kBlock;
+    const __m256 scale = _mm256_broadcast_ss(d_row + b);
+    const __m256 offset = OFFSET ? _mm256_broadcast_ss(m_row + b) : _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      const __m256 q = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i))));
+      const __m256 w = OFFSET ? _mm256_fmadd_ps(scale, q, offset) : _mm256_mul_ps(scale, q);
+      for (int t = 0; t < TOKENS; ++t) {
+        if (t >= tokens) break;
+        acc[t][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * in + b * kBlock + 8 * i), acc[t][i]);
+      }
     }
   }
   for (int t = 0; t < TOKENS && t < tokens; ++t)
@@ -587,14 +625,21 @@ void block_row(const uint8_t* row, int64_t blocks, const float* d_row, const flo
                                               _mm256_add_ps(acc[t][2], acc[t][3]))) + shift;
 }
 
-// block_row for a row's token count and block kind
+// a row for its token count and block kind
 template <bool NIBBLES, bool OFFSET>
 void block_row_for(int64_t tokens, const uint8_t* row, int64_t blocks, const float* d_row, const float* m_row,
                    const float* x, int64_t in, float shift, float* y, int64_t out) {
-  switch (tokens) {  // the token count a constant: the accumulators stay in registers
-    case 1: block_row<1, NIBBLES, OFFSET>(row, blocks, d_row, m_row, x, in, shift, y, out, 1); break;
-    case 2: block_row<2, NIBBLES, OFFSET>(row, blocks, d_row, m_row, x, in, shift, y, out, 2); break;
-    default: block_row<kBlockTokens, NIBBLES, OFFSET>(row, blocks, d_row, m_row, x, in, shift, y, out, tokens);
+  auto run = [&](auto count) {  // the token count a constant: the accumulators stay in registers
+    constexpr int kTokens = decltype(count)::value;
+    if (NIBBLES)
+      nibble_row<kTokens, OFFSET>(row, blocks, d_row, m_row, x, in, shift, y, out, tokens);
+    else
+      byte_row<kTokens, OFFSET>(row, blocks, d_row, m_row, x, in, shift, y, out, tokens);
+  };
+  switch (tokens) {
+    case 1: run(std::integral_constant<int, 1>()); break;
+    case 2: run(std::integral_constant<int, 2>()); break;
+    default: run(std::integral_constant<int, kBlockTokens>());
   }
 }
 #endif
@@ -634,7 +679,7 @@ at::Tensor linear_token_blocks(const at::Tensor& input, const at::Tensor& codes,
       float acc[kBlockTokens][kBlock] = {};
       float w[kBlock];
       for (int64_t b = 0; b < blocks; ++b) {
-        block_weights(row + b * block_bytes, nibbles, d_row[b], m_row ? m_row[b] : 0.0f, w);
+        block_weights(row, blocks, b, nibbles, d_row[b], m_row ? m_row[b] : 0.0f, w);
         for (int64_t t = 0; t < tokens; ++t) {
           const float* xs = x_p + t * in + b * kBlock;
 #pragma omp simd
