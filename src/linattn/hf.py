@@ -51,6 +51,7 @@ from .errors import LinearAttentionError
 from .feature_maps import create
 from .feature_maps.fitted import load_feature_maps
 from .functional import linear_attention
+from .hf_decode import install as install_decoding
 from .hf_options import cache_from_json, check_attention_options, check_gates, split_options
 from .nn.token_linear import lean_linears
 
@@ -401,8 +402,6 @@ def linearize(model: nn.Module, feature_maps: FeatureMaps = DEFAULT_FEATURE_MAP,
 
         install(model)
         lean_linears(model)  # a decoding token's projections, MLPs and head in the native kernel
-        from .hf_decode import install as install_decoding
-
         install_decoding(model)  # a token's decoder layers in native calls
     set_implementation = getattr(model, "set_attn_implementation", None)
     if set_implementation is None:
