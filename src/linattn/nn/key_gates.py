@@ -121,11 +121,11 @@ class KeyGates(nn.Module):
         if self.beta_weight is not None and self.beta_bias is not None:
             weights.append(self.beta_weight.unsqueeze(-1))
             biases.append(self.beta_bias[:, None])
-        token_gate = self.gate == "token" and self.gate_weight is not None and self.gate_bias is not None
-        if token_gate:
-            assert self.gate_weight is not None and self.gate_bias is not None
+        token_gate = False
+        if self.gate == "token" and self.gate_weight is not None and self.gate_bias is not None:
             weights.append(self.gate_weight)
             biases.append(self.gate_bias)
+            token_gate = True
         out: dict[str, torch.Tensor] = {}
         if weights:
             weight = weights[0] if len(weights) == 1 else torch.cat(weights, dim=-1)  # (Hkv, d/2, 1 or 2)
