@@ -169,11 +169,13 @@ def _model(n: int, tokens: int) -> Callable[..., tuple[Callable[[], None], Calla
 
 # one layer of the shipped SmolLM2 folder with a cache: 5 of its 9 heads keep 1,728 pairs each (layer 21)
 CACHED_SIZES = (0, 1728, 1728, 0, 0, 1728, 0, 0, 1728)
+ODD_SIZES = (0, 1728, 1728, 0, 0, 0, 0, 0, 1728)  # three heads keep pairs: an odd count on two threads
 
 
-def _cached(n: int, tokens: int, cached: bool = True) -> Callable[..., tuple[Callable[[], None], Callable[[], None]]]:
+def _cached(n: int, tokens: int, cached: bool = True,
+            sizes: tuple[int, ...] = CACHED_SIZES) -> Callable[..., tuple[Callable[[], None], Callable[[], None]]]:
     """The shipped folder's attention with its cache, on its own seeded inputs (B=1, 9 query and 3 key heads, D=64,
-    a Hedgehog map per head, the gated delta rule beside W=64 + 4 sinks, budgets CACHED_SIZES; ``cached=False``: a
+    a Hedgehog map per head, the gated delta rule beside W=64 + 4 sinks, budgets ``sizes``; ``cached=False``: a
     layer without a cache): ``tokens`` = 0, an n-token prefill (no_grad); else an n-token prefill untimed, then
     ``tokens`` decoding steps timed."""
     def build(linattn: Any, torch: Any, x: dict[str, Any]) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -183,7 +185,7 @@ def _cached(n: int, tokens: int, cached: bool = True) -> Callable[..., tuple[Cal
         q, k, v, fmap, beta, gate = _shipped_inputs(torch, total)
         common: dict[str, Any] = {"window": 64, "sinks": 4}
         if cached:
-            common["sparse_cache"] = linattn.SparseCache(size=CACHED_SIZES)
+            common["sparse_cache"] = linattn.SparseCache(size=sizes)
         steps: list[Any] = []
 
         def prefill(return_state: bool) -> Any:
@@ -256,6 +258,9 @@ CALLS: dict[str, Spec] = {
     "cached_prefill_8192": Spec("the shipped folder's attention with its cache (a layer of 4 cached heads of 9, "
                                 "gated delta beside W=64 + 4 sinks), an 8,192-token prefill, no_grad",
                                 _cached(8192, 0), ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
+    "odd_cached_prefill_8192": Spec("the same layer with three heads of 9 keeping pairs, an 8,192-token prefill, "
+                                    "no_grad", _cached(8192, 0, sizes=ODD_SIZES),
+                                    ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
     "uncached_prefill_8192": Spec("a layer of the same folder without a cache (gated delta beside W=64 + 4 sinks), an "
                                   "8,192-token prefill, no_grad", _cached(8192, 0, cached=False),
                                   ("update", "beta", "log_gate", "window", "sinks")),

@@ -821,13 +821,16 @@ void sparse_decide_rows(const T* lin, const T* values, const T* beta, const bool
                         const Geometry g) {
   using V = typename Lanes<T>::vec;
   constexpr int dv = NV * Lanes<T>::count;
-  constexpr int TQ = tile_rows<NV>();
+  // the scores' register tiles: SR candidates by SW value vectors (3 by 4 on AVX2, 6 by 4 with 32 registers)
+  constexpr int SW = NV < 4 ? NV : 4, SR = kRegisters * 3 / 4 / SW > 1 ? kRegisters * 3 / 4 / SW : 1;
+  static_assert(NV % SW == 0, "the strips cover the value vectors");
   const int64_t F = g.F, L = g.L;
-  // rows that do not share out evenly among the threads (one row on two threads, three on two): each boundary's
-  // scores shared among the threads instead, the rows one after another
-  const bool inner = rows % at::get_num_threads() != 0;
+  // the rows that share out evenly among the threads run a row a thread; the rest (one row on two threads, the
+  // third of three) one after another, each boundary's scores shared among the threads (`inner`)
+  const int64_t threads = at::get_num_threads(), whole = threads > 1 ? rows - rows % threads : rows;
   auto run_rows = [&](int64_t begin, int64_t end) {
-    std::vector<V> state(F * NV), pass(F * NV);
+    const bool inner = begin >= whole;
+    std::vector<V> state(F * NV), pass(F * NV), squares;
     std::vector<T> a(F), scores, pass_buffers(8 * F), write_k, write_v, write_beta;
     std::vector<double> carry(std::max<int64_t>(g.gates, 1)), write_gates;
     std::vector<int64_t> table(L), members(L), cand_pos, cand_row, order, writes;
@@ -923,34 +926,57 @@ void sparse_decide_rows(const T* lin, const T* values, const T* beta, const bool
           ok[i] = j >= 0 && valid_row[j] && p >= g.sinks;
           if (ok[i]) order.push_back(i);
         }
-        // scores of the valid candidates, TQ rows of S^T k at a time; with fewer rows than threads, the tiles of
-        // one boundary shared among the threads (a row's boundaries follow one another)
+        // scores of the valid candidates: S^T k in register tiles of SR candidates by SW value vectors, a strip of
+        // SW vectors of S (F x SW, 16 KB at F = 128 on AVX2) over all of a thread's candidates before the next, so
+        // that the strip stays in the first-level cache (one candidate at a time over all of S read the 32 KB of
+        // S from the second-level cache for every candidate, which bounded the decisions); each candidate's
+        // squared error summed across the strips in one vector, in the value vectors' order, as a whole row's
+        // pass sums it. With fewer rows than threads, the tiles of one boundary shared among the threads (a row's
+        // boundaries follow one another)
         const int64_t valid_count = static_cast<int64_t>(order.size());
-        const int64_t tiles = (valid_count + TQ - 1) / TQ;
+        const int64_t tiles = (valid_count + SR - 1) / SR;
+        squares.resize(valid_count);
         auto score_tiles = [&](int64_t tile_begin, int64_t tile_end) {
-          for (int64_t i0 = tile_begin * TQ; i0 < std::min(valid_count, tile_end * TQ); i0 += TQ) {
-            const int tile = static_cast<int>(std::min<int64_t>(TQ, valid_count - i0));
-            V acc[TQ][NV];
-            const T* tile_rows_in[TQ];
+          const int64_t i_begin = tile_begin * SR, i_end = std::min(valid_count, tile_end * SR);
+          for (int64_t i = i_begin; i < i_end; ++i) squares[i] = V{};
+          const T* strip_base = reinterpret_cast<const T*>(S);
+          for (int j0 = 0; j0 < NV; j0 += SW) {
+            for (int64_t i0 = i_begin; i0 < i_end; i0 += SR) {
+              const int tile = static_cast<int>(std::min<int64_t>(SR, i_end - i0));
+              V acc[SR][SW];
+              const T* tile_rows_in[SR];
 #pragma GCC unroll 16
-            for (int i = 0; i < TQ; ++i)
+              for (int i = 0; i < SR; ++i)
 #pragma GCC unroll 16
-              for (int q = 0; q < NV; ++q) acc[i][q] = V{};
-            for (int i = 0; i < TQ; ++i) tile_rows_in[i] = k_rows + cand_row[order[i0 + (i < tile ? i : 0)]] * F;
-            tile_product<T, NV, TQ>(acc, tile_rows_in, reinterpret_cast<const T*>(S), F);
-            for (int i = 0; i < tile; ++i) {
-              V value[NV];
-              load_row<T, NV>(value, v_rows + cand_row[order[i0 + i]] * dv);
-              V sum{};
+                for (int q = 0; q < SW; ++q) acc[i][q] = V{};
+              for (int i = 0; i < SR; ++i) tile_rows_in[i] = k_rows + cand_row[order[i0 + (i < tile ? i : 0)]] * F;
+              for (int64_t f = 0; f < F; ++f) {
+                V sv[SW];
+                load_row<T, SW>(sv, strip_base + f * dv + j0 * Lanes<T>::count);
 #pragma GCC unroll 16
-              for (int q = 0; q < NV; ++q) {
-                const V d = value[q] - acc[i][q];
-                sum += d * d;
+                for (int i = 0; i < SR; ++i) {
+                  const T x = tile_rows_in[i][f];
+#pragma GCC unroll 16
+                  for (int q = 0; q < SW; ++q) acc[i][q] += x * sv[q];
+                }
               }
-              T total = 0;
-              for (int lane = 0; lane < Lanes<T>::count; ++lane) total += sum[lane];
-              scores[order[i0 + i]] = std::sqrt(total);
+              for (int i = 0; i < tile; ++i) {
+                V value[SW];
+                load_row<T, SW>(value, v_rows + cand_row[order[i0 + i]] * dv + j0 * Lanes<T>::count);
+                V sum = squares[i0 + i];
+#pragma GCC unroll 16
+                for (int q = 0; q < SW; ++q) {
+                  const V d = value[q] - acc[i][q];
+                  sum += d * d;
+                }
+                squares[i0 + i] = sum;
+              }
             }
+          }
+          for (int64_t i = i_begin; i < i_end; ++i) {
+            T total = 0;
+            for (int lane = 0; lane < Lanes<T>::count; ++lane) total += squares[i][lane];
+            scores[order[i]] = std::sqrt(total);
           }
         };
         if (inner) {
@@ -996,11 +1022,8 @@ void sparse_decide_rows(const T* lin, const T* values, const T* beta, const bool
       }
     }
   };
-  if (inner) {
-    run_rows(0, rows);
-  } else {
-    at::parallel_for(0, rows, 1, run_rows);
-  }
+  if (whole > 0) at::parallel_for(0, whole, 1, run_rows);
+  if (whole < rows) run_rows(whole, rows);
 }
 
 // lin (R, X, F) the rows' unit key features (0 where not valid), values (R, X, Dv), beta (R, X) (0 where not
