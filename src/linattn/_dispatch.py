@@ -36,7 +36,7 @@ from .exact.forms.composed import (
 from .exact.forms.naive import exact_parallel, maps_features
 from .exact.forms.sparse import sparse_chunked, sparse_parallel, sparse_recurrent
 from .exact.forms.sparse_composed import sparse_composed
-from .exact.forms.sparse_heads import HeadRows, joined_state, split_heads
+from .exact.forms.sparse_heads import HeadRows, joined_state, other_heads, split_heads
 from .exact.forms.sparse_kept import keeps_all_or_none, pairs_kept, with_kept_pairs
 from .exact.forms.sparse_stream import LinearPart
 from .feature_maps.learned import HedgehogFeatureMap
@@ -351,38 +351,46 @@ def _tokens(job: Job, start: int, stop: int) -> Job:
 
 
 def _heads_apart(job: Job, form: str, native: bool) -> Result:
-    """Every head on the composed route, then the heads that keep pairs on the sparse form, their rows taken from
-    it (exact/forms/sparse_heads.py)."""
+    """The heads that keep no pair on the composed route, the others on the sparse form; the output and the state
+    take each head's rows from its own route (exact/forms/sparse_heads.py)."""
     cache, state = job.sparse_cache, job.state
     assert cache is not None and (state is None or isinstance(state, WindowAttentionState))
     heads = job.q.shape[-3]
     split = split_heads(cache, heads)
     assert split is not None
     keeping, own = split
-    plain = replace(state, cache=None) if state is not None else None
-    out, composed = run_composed(replace(job, sparse_cache=None, state=plain, return_state=True), form, native)
-    assert isinstance(composed, WindowAttentionState)
+    others = other_heads(keeping, heads)
     batch = job.q.shape[:-2]
     head = len(batch) - 1  # the heads' dim among the batch dims
+    maps = native_forms.hedgehog_features if native else None
 
-    def rows(x: torch.Tensor, from_end: int) -> torch.Tensor:  # the heads that keep pairs
-        return x.index_select(x.dim() - from_end, keeping)
+    def heads_of(index: torch.Tensor, **changes: Any) -> Job:
+        """The job on the heads ``index`` alone."""
+        def rows(x: torch.Tensor, from_end: int) -> torch.Tensor:
+            return x.index_select(x.dim() - from_end, index)
 
-    def some(x: torch.Tensor | None, from_end: int) -> torch.Tensor | None:
-        return rows(x, from_end) if x is not None else None
+        def some(x: torch.Tensor | None, from_end: int) -> torch.Tensor | None:
+            return rows(x, from_end) if x is not None else None
 
-    factor = job.window_factor.expand(batch).index_select(head, keeping) if job.window_factor is not None else None
-    keep = job.keep.expand(job.k.shape[:-1]).index_select(head, keeping) if job.keep is not None else None
-    part = replace(job, fmap=HeadRows(job.fmap, keeping, heads, native_forms.hedgehog_features if native else None),
-                   q=rows(job.q, 3), k=rows(job.k, 3),
-                   v=rows(job.v, 3), keep=keep, state=state.index_select(head, keeping) if state is not None else None,
-                   beta=some(job.beta, 2), log_decay=some(job.log_decay, 2), feature_gate=some(job.feature_gate, 3),
-                   window_factor=factor, sparse_cache=own, return_state=True)
+        factor = job.window_factor.expand(batch).index_select(head, index) if job.window_factor is not None else None
+        keep = job.keep.expand(job.k.shape[:-1]).index_select(head, index) if job.keep is not None else None
+        return replace(job, fmap=HeadRows(job.fmap, index, heads, maps), q=rows(job.q, 3), k=rows(job.k, 3),
+                       v=rows(job.v, 3), keep=keep, beta=some(job.beta, 2), log_decay=some(job.log_decay, 2),
+                       feature_gate=some(job.feature_gate, 3), window_factor=factor, return_state=True, **changes)
+
+    plain = replace(state, cache=None).index_select(head, others) if state is not None else None
+    out, composed = run_composed(heads_of(others, sparse_cache=None, state=plain), form, native)
+    assert isinstance(composed, WindowAttentionState)
+    part = heads_of(keeping, state=state.index_select(head, keeping) if state is not None else None,
+                    sparse_cache=own)
     part_out, part_state = _run_sparse_composed(part, form, native)
     assert isinstance(part_state, WindowAttentionState)
-    carried = state.cache.queries if state is not None and state.cache is not None else job.q[..., :0, :]
-    queries = torch.cat([carried, job.q], dim=-2)
-    return out.index_copy(head, keeping, part_out), joined_state(cache, keeping, composed, part_state, queries)
+    queries = job.q[..., :0, :]  # the attention score keeps the queries since the last boundary, every head's
+    if cache.score == "attention":
+        carried = state.cache.queries if state is not None and state.cache is not None else queries
+        queries = torch.cat([carried, job.q], dim=-2)
+    joined = out.new_empty(*batch, *out.shape[-2:]).index_copy_(head, others, out).index_copy_(head, keeping, part_out)
+    return joined, joined_state(cache, keeping, others, composed, part_state, queries)
 
 
 def run_delta(job: Job, form: str, native: bool = False) -> Result:

@@ -2,9 +2,9 @@
 
 Heads never mix, and a head whose budget is 0 computes the composed op (the window and the memory, no cache;
 :mod:`.sparse_composed`). So a call whose budget leaves some heads nothing (``SparseCache.split(..., top=K)``
-leaves most heads nothing) runs every head on the composed route (native kernels, the flash band), and the
+leaves most heads nothing) runs those heads on the composed route (native kernels, the flash band), and the
 sparse form on the heads that keep pairs alone, whose slots are then as wide as their own budgets need; the
-output and the state take those heads' rows from the sparse form (:func:`joined_state`).
+output and the state take each head's rows from its own route (:func:`joined_state`).
 
 The sparse form maps the keys of the heads it runs with the call's map through :class:`HeadRows`, which puts them
 among zero rows of the other heads, so a map with parameters per head sees each head at its own index. Only beside
@@ -83,16 +83,36 @@ def split_heads(cache: SparseCache, heads: int) -> tuple[torch.Tensor, SparseCac
                                 block=cache.block, linear_weight=weights)
 
 
-def joined_state(cache: SparseCache, keeping: torch.Tensor, composed: WindowAttentionState,
+def other_heads(keeping: torch.Tensor, heads: int) -> torch.Tensor:
+    """The heads of ``heads`` not in ``keeping`` (ascending)."""
+    mask = torch.ones(heads, dtype=torch.bool, device=keeping.device)
+    mask[keeping] = False
+    return mask.nonzero().squeeze(-1)
+
+
+def _rows_of(head: int, others: torch.Tensor, of_others: torch.Tensor, keeping: torch.Tensor,
+             of_keeping: torch.Tensor) -> torch.Tensor:
+    """One tensor of every head: the rows of the heads ``others`` and ``keeping`` (dim ``head``) from their own."""
+    shape = list(of_others.shape)
+    shape[head] += of_keeping.shape[head]
+    out = of_others.new_empty(shape)
+    return out.index_copy_(head, others, of_others).index_copy_(head, keeping, of_keeping.to(out.dtype))
+
+
+def joined_state(cache: SparseCache, keeping: torch.Tensor, others: torch.Tensor, composed: WindowAttentionState,
                  sparse: WindowAttentionState, queries: torch.Tensor) -> WindowAttentionState:
-    """The state of every head: the composed route's, with the memory of the heads ``keeping`` and the cache from
-    the sparse form's state of those heads. ``queries``: the carried queries and the call's (..., H, ·, Dk), the last
-    at the state's last position (the attention score keeps those since the last boundary, every head's)."""
+    """The state of every head: the composed route's state of the heads ``others`` and the sparse form's of the
+    heads ``keeping`` (its memory, its buffers and its cache). ``queries``: the carried queries and the call's
+    (..., H, ·, Dk), the last at the state's last position (the attention score keeps those since the last
+    boundary, every head's; none for the other scores)."""
     linear, kept = composed.linear, sparse.linear
     assert isinstance(linear, DeltaRuleState) and isinstance(kept, DeltaRuleState) and sparse.cache is not None
-    batch = composed.keep.shape[:-1]
-    head = len(batch) - 1
-    memory = DeltaRuleState(linear.kv.index_copy(head, keeping, kept.kv), linear.num_tokens)
+    head = composed.keep.dim() - 2  # the heads' dim among the batch dims
+
+    def rows(of_others: torch.Tensor, of_keeping: torch.Tensor) -> torch.Tensor:
+        return _rows_of(head, others, of_others, keeping, of_keeping)
+
+    memory = DeltaRuleState(rows(linear.kv, kept.kv), linear.num_tokens)
     held = sparse.cache
     block = held.block
     if cache.score == "attention":
@@ -100,11 +120,16 @@ def joined_state(cache: SparseCache, keeping: torch.Tensor, composed: WindowAtte
         queries = _queries_since(queries, end - queries.shape[-2], end, block)
     else:
         queries = queries[..., :0, :]
+    batch = (*composed.keep.shape[:head], composed.keep.shape[head] + sparse.keep.shape[head])
     # heads without pairs hold none: the packed rows of the heads that keep pairs, in order, are every head's
     joined = SparseCacheState(cache.sizes_for(batch, held.sizes.device), held.packed_positions, held.packed_keys,
                               held.packed_values, queries, block, held.packed_betas)
     # the buffered write strengths as the sparse form keeps them: 0 at padding (which writes nothing either way)
-    betas = composed.betas * composed.keep.to(composed.betas.dtype) if composed.betas is not None else None
-    return WindowAttentionState(memory, composed.keys, composed.values, composed.keep, composed.sink_keys,
-                                composed.sink_values, composed.sink_keep, composed.window, composed.sinks,
+    betas = None
+    if composed.betas is not None and sparse.betas is not None:
+        betas = rows(composed.betas * composed.keep.to(composed.betas.dtype), sparse.betas)
+    return WindowAttentionState(memory, rows(composed.keys, sparse.keys), rows(composed.values, sparse.values),
+                                rows(composed.keep, sparse.keep), rows(composed.sink_keys, sparse.sink_keys),
+                                rows(composed.sink_values, sparse.sink_values),
+                                rows(composed.sink_keep, sparse.sink_keep), composed.window, composed.sinks,
                                 composed.num_tokens, joined, betas)
