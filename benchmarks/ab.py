@@ -270,6 +270,8 @@ CALLS: dict[str, Spec] = {
                                _cached(1536, 64), ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
     "model_prefill_1536": Spec("the shipped SmolLM2 folder reading a 1,536-token prompt into a fresh cache, through "
                                "transformers", _model(1536, 0)),
+    "model_prefill_8192": Spec("the same folder reading an 8,192-token prompt into a fresh cache, through transformers",
+                               _model(8192, 0)),
     "model_decode_1536": Spec("the shipped SmolLM2 folder decoding 16 tokens after a 1,536-token prompt (the prompt "
                               "untimed), through transformers", _model(1536, 16)),
     "composed_decode_1536": Spec("a layer of the same folder without a cache decoding 64 tokens after a 1,536-token "
