@@ -80,12 +80,13 @@ def _training(**options: Any) -> Callable[..., tuple[Callable[[], None], Callabl
 
 def _shipped_inputs(torch: Any, n: int) -> tuple[Any, ...]:
     """Seeded inputs of the shipped SmolLM2 student's attention call over n tokens: q (1, 9, n, 64), k and v
-    (1, 3, n, 64), a Hedgehog map per head, β (1, 9, n) and log-gates (1, 9, n)."""
+    (1, 3, n, 64), a Hedgehog map per head, β (1, 9, n) and log-gates (1, 9, n). q, k and v are laid out as
+    transformers passes them: (1, n, heads, 64) in memory, the heads' dim moved (not the outer stride)."""
     from linattn.feature_maps import HedgehogFeatureMap
 
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 9, n, 64, generator=g)
-    k, v = torch.randn(1, 3, n, 64, generator=g), torch.randn(1, 3, n, 64, generator=g)
+    q = torch.randn(1, n, 9, 64, generator=g).transpose(1, 2)
+    k, v = (torch.randn(1, n, 3, 64, generator=g).transpose(1, 2) for _ in range(2))
     fmap = HedgehogFeatureMap(head_dim=64, num_features=64, num_heads=9)
     beta = torch.rand(1, 9, n, generator=g)
     gate = torch.nn.functional.logsigmoid(torch.randn(1, 9, n, generator=g) + 3)
@@ -264,6 +265,9 @@ CALLS: dict[str, Spec] = {
     "uncached_prefill_8192": Spec("a layer of the same folder without a cache (gated delta beside W=64 + 4 sinks), an "
                                   "8,192-token prefill, no_grad", _cached(8192, 0, cached=False),
                                   ("update", "beta", "log_gate", "window", "sinks")),
+    "cached_prefill_1536": Spec("the same layer, a 1,536-token prefill (every pair fits the budgets: causal softmax "
+                                "on the heads that keep pairs), no_grad", _cached(1536, 0),
+                                ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
     "cached_prefill_4096": Spec("the same layer, a 4,096-token prefill, no_grad", _cached(4096, 0),
                                 ("update", "beta", "log_gate", "window", "sinks", "sparse_cache")),
     "cached_decode_1536": Spec("the same layer decoding 64 tokens after a 1,536-token prefill (the prefill untimed)",

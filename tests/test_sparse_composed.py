@@ -528,6 +528,35 @@ def test_heads_that_keep_every_pair_or_none(kind, factor, score, monkeypatch):
     assert calls == [1]  # a continuation is the general form's
 
 
+@pytest.mark.parametrize("sizes", [(0, 25, 0, 40), (25, 30, 25, 40)])
+def test_the_kept_route_runs_the_composed_route_on_heads_without_pairs(sizes, monkeypatch):
+    """A first call that every head keeps whole or not at all (29 tokens, window 5, 2 sinks, block 4): the composed
+    route runs the heads without pairs alone (where every head keeps pairs, every head once, their rows then
+    replaced), and the outputs and every field of the state are the definition's and the general form's."""
+    import linattn._dispatch as dispatch
+
+    q, k, v, gen = inputs(h=4, n=29, heads_kv=2, seed=5)
+    options = linear_options("gated-delta", q, gen)
+    heads = []
+    composed = dispatch.run_composed
+
+    def counted(job, *args, **kwargs):
+        heads.append(job.q.shape[-3])
+        return composed(job, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "run_composed", counted)
+    common = {"causal": True, "window": 5, "sinks": 2, "sparse_cache": SparseCache(size=sizes, block=4),
+              "return_state": True}
+    out, state = linattn.linear_attention(q, k, v, form="chunked", chunk_size=8, **common, **options)
+    assert heads == [sum(1 for size in sizes if size == 0) or 4]
+    k4, v4 = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    want = definition(q, k4, v4, window=5, sinks=2, size=sizes, block=4, score="recall",
+                      **reference_options(options, q))
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-10)
+    _, general = linattn.linear_attention(q, k, v, form="parallel", **common, **options)
+    _states_equal(state, general, atol=1e-12)
+
+
 def test_a_head_one_pair_short_runs_the_general_form(monkeypatch):
     """Where a head's budget is one pair short of the call's (it would evict once), the general form runs, and
     the result is still the definition's. With a head that keeps none, the first 28 tokens (7 whole blocks, whose

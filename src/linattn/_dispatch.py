@@ -24,7 +24,7 @@ from .exact import (
     window_parallel,
     window_recurrent,
 )
-from .exact.forms.chunked import causal_window_parts
+from .exact.forms.chunked import causal_window_parts, empty_window_state
 from .exact.forms.composed import (
     add_to_average,
     composed_state,
@@ -36,7 +36,7 @@ from .exact.forms.composed import (
 from .exact.forms.naive import exact_parallel, maps_features
 from .exact.forms.sparse import sparse_chunked, sparse_parallel, sparse_recurrent
 from .exact.forms.sparse_composed import sparse_composed
-from .exact.forms.sparse_heads import HeadRows, joined_state, other_heads, split_heads
+from .exact.forms.sparse_heads import HeadRows, head_rows, joined_state, joined_window, other_heads, split_heads
 from .exact.forms.sparse_kept import keeps_all_or_none, pairs_kept, with_kept_pairs
 from .exact.forms.sparse_stream import LinearPart
 from .feature_maps.learned import HedgehogFeatureMap
@@ -278,8 +278,7 @@ def _run_sparse_composed(job: Job, form: str, native: bool = False) -> Result:
     if route == "kept":
         full = keeps_all_or_none(cache, job.q.shape[:-2], job.q.shape[-2], job.window, job.sinks)
         assert full is not None and job.beta is not None
-        out, composed = run_composed(replace(job, sparse_cache=None, return_state=True), form, native)
-        assert isinstance(composed, WindowAttentionState)
+        out, composed = _composed_of_others(job, form, native)
         return with_kept_pairs(cache, full, out, composed, job.q, job.k, job.v, job.beta, job.window_factor,
                                job.softmax_scale)
     if route == "split":
@@ -350,6 +349,55 @@ def _tokens(job: Job, start: int, stop: int) -> Job:
                    beta=cut(job.beta, -1), log_decay=cut(job.log_decay, -1), feature_gate=cut(job.feature_gate, -2))
 
 
+def _heads_of(job: Job, index: torch.Tensor, native: bool, **changes: Any) -> Job:
+    """The job on the heads ``index`` (h,) alone: its per-head inputs' rows, its map on those heads
+    (:class:`HeadRows`), with ``changes``."""
+    heads = job.q.shape[-3]
+    batch = job.q.shape[:-2]
+    head = len(batch) - 1  # the heads' dim among the batch dims
+
+    def rows(x: torch.Tensor, from_end: int) -> torch.Tensor:
+        return head_rows(x, x.dim() - from_end, index)
+
+    def some(x: torch.Tensor | None, from_end: int) -> torch.Tensor | None:
+        return rows(x, from_end) if x is not None else None
+
+    factor = job.window_factor.expand(batch).index_select(head, index) if job.window_factor is not None else None
+    keep = job.keep.expand(job.k.shape[:-1]).index_select(head, index) if job.keep is not None else None
+    maps = native_forms.hedgehog_features if native else None
+    return replace(job, fmap=HeadRows(job.fmap, index, heads, maps), q=rows(job.q, 3), k=rows(job.k, 3),
+                   v=rows(job.v, 3), keep=keep, beta=some(job.beta, 2), log_decay=some(job.log_decay, 2),
+                   feature_gate=some(job.feature_gate, 3), window_factor=factor, return_state=True, **changes)
+
+
+def _composed_of_others(job: Job, form: str, native: bool) -> tuple[torch.Tensor, WindowAttentionState]:
+    """A first call's composed (out, state) with the rows of the heads that keep every pair left for
+    :func:`with_kept_pairs` to fill: where some heads keep no pair, the composed route runs those alone, and the
+    others' state holds their buffers beside an empty memory (their output rows are zero); else every head."""
+    cache = job.sparse_cache
+    assert cache is not None
+    heads = job.q.shape[-3]
+    split = split_heads(cache, heads)
+    if split is None:
+        out, composed = run_composed(replace(job, sparse_cache=None, return_state=True), form, native)
+        assert isinstance(composed, WindowAttentionState)
+        return out, composed
+    keeping = split[0]
+    others = other_heads(keeping, heads)
+    head = job.q.dim() - 3
+    out, composed = run_composed(_heads_of(job, others, native, sparse_cache=None, state=None), form, native)
+    assert isinstance(composed, WindowAttentionState) and isinstance(composed.linear, DeltaRuleState)
+    kept = _heads_of(job, keeping, False)
+    memory = composed.linear.kv
+    empty = DeltaRuleState(memory.new_zeros(*kept.k.shape[:-2], *memory.shape[-2:]), 0)
+    keep = kept.keep if kept.keep is not None else torch.ones(kept.k.shape[:-1], dtype=torch.bool,
+                                                               device=kept.k.device)
+    buffers = composed_state(empty_window_state(_hybrid(kept, None), kept.k, kept.v, memory.shape[-2]), empty,
+                             kept.k, kept.v, keep, kept.beta)
+    joined = out.new_zeros(*job.q.shape[:-1], out.shape[-1]).index_copy_(head, others, out)
+    return joined, joined_window(keeping, others, composed, buffers)
+
+
 def _heads_apart(job: Job, form: str, native: bool) -> Result:
     """The heads that keep no pair on the composed route, the others on the sparse form; the output and the state
     take each head's rows from its own route (exact/forms/sparse_heads.py)."""
@@ -362,27 +410,11 @@ def _heads_apart(job: Job, form: str, native: bool) -> Result:
     others = other_heads(keeping, heads)
     batch = job.q.shape[:-2]
     head = len(batch) - 1  # the heads' dim among the batch dims
-    maps = native_forms.hedgehog_features if native else None
-
-    def heads_of(index: torch.Tensor, **changes: Any) -> Job:
-        """The job on the heads ``index`` alone."""
-        def rows(x: torch.Tensor, from_end: int) -> torch.Tensor:
-            return x.index_select(x.dim() - from_end, index)
-
-        def some(x: torch.Tensor | None, from_end: int) -> torch.Tensor | None:
-            return rows(x, from_end) if x is not None else None
-
-        factor = job.window_factor.expand(batch).index_select(head, index) if job.window_factor is not None else None
-        keep = job.keep.expand(job.k.shape[:-1]).index_select(head, index) if job.keep is not None else None
-        return replace(job, fmap=HeadRows(job.fmap, index, heads, maps), q=rows(job.q, 3), k=rows(job.k, 3),
-                       v=rows(job.v, 3), keep=keep, beta=some(job.beta, 2), log_decay=some(job.log_decay, 2),
-                       feature_gate=some(job.feature_gate, 3), window_factor=factor, return_state=True, **changes)
-
     plain = replace(state, cache=None).index_select(head, others) if state is not None else None
-    out, composed = run_composed(heads_of(others, sparse_cache=None, state=plain), form, native)
+    out, composed = run_composed(_heads_of(job, others, native, sparse_cache=None, state=plain), form, native)
     assert isinstance(composed, WindowAttentionState)
-    part = heads_of(keeping, state=state.index_select(head, keeping) if state is not None else None,
-                    sparse_cache=own)
+    part = _heads_of(job, keeping, native, state=state.index_select(head, keeping) if state is not None else None,
+                     sparse_cache=own)
     part_out, part_state = _run_sparse_composed(part, form, native)
     assert isinstance(part_state, WindowAttentionState)
     queries = job.q[..., :0, :]  # the attention score keeps the queries since the last boundary, every head's
