@@ -265,6 +265,27 @@ def test_gradients(kind):
     assert torch.autograd.gradcheck(run, (*tensors, *extra.values()), atol=1e-7, fast_mode=True)
 
 
+@pytest.mark.parametrize("sizes", [(0, 8), (0, 3)])
+def test_gradients_of_heads_apart(sizes, monkeypatch):
+    """Gradients through the routes that run heads apart (each head's inputs copied a head at a time): a first call
+    that one head keeps whole and the other not at all (the kept route), and one whose keeping head evicts (its
+    first whole blocks kept, the rest split)."""
+    q, k, v, gen = inputs(b=1, h=2, n=11, d=3, dv=2)
+    options = linear_options("gated-delta", q, gen, features=3)
+    kept, apart = _route_calls(monkeypatch, "with_kept_pairs"), _route_calls(monkeypatch, "_heads_apart")
+    tensors = [x.requires_grad_() for x in (q, k, v)]
+    extra = {name: value.requires_grad_() for name, value in options.items() if isinstance(value, torch.Tensor)}
+
+    def run(q, k, v, *values):
+        given = dict(options, **dict(zip(extra, values, strict=True)))
+        return linattn.linear_attention(q, k, v, causal=True, window=3, sinks=1, chunk_size=4, form="chunked",
+                                        sparse_cache=SparseCache(size=sizes, block=2), **given)
+
+    run(*tensors, *extra.values())
+    assert kept == [1] and apart == ([] if sizes[1] == 8 else [1])
+    assert torch.autograd.gradcheck(run, (*tensors, *extra.values()), atol=1e-7, fast_mode=True)
+
+
 @pytest.mark.parametrize("kind", ["feature-gate", "gated-delta"])
 def test_fp32_within_the_float64_definition(kind):
     q, k, v, gen = inputs(n=70)
