@@ -387,13 +387,14 @@ def _composed_of_others(job: Job, form: str, native: bool) -> tuple[torch.Tensor
     head = job.q.dim() - 3
     out, composed = run_composed(_heads_of(job, others, native, sparse_cache=None, state=None), form, native)
     assert isinstance(composed, WindowAttentionState) and isinstance(composed.linear, DeltaRuleState)
-    kept = _heads_of(job, keeping, False)
+    # a first call without padding (the kept route's): the keeping heads' keys, values and write strengths alone
+    assert job.keep is None and job.beta is not None
+    k, v = head_rows(job.k, head, keeping), head_rows(job.v, head, keeping)
+    beta = head_rows(job.beta, job.beta.dim() - 2, keeping)
     memory = composed.linear.kv
-    empty = DeltaRuleState(memory.new_zeros(*kept.k.shape[:-2], *memory.shape[-2:]), 0)
-    keep = kept.keep if kept.keep is not None else torch.ones(kept.k.shape[:-1], dtype=torch.bool,
-                                                               device=kept.k.device)
-    buffers = composed_state(empty_window_state(_hybrid(kept, None), kept.k, kept.v, memory.shape[-2]), empty,
-                             kept.k, kept.v, keep, kept.beta)
+    empty = DeltaRuleState(memory.new_zeros(*k.shape[:-2], *memory.shape[-2:]), 0)
+    keep = torch.ones(k.shape[:-1], dtype=torch.bool, device=k.device)
+    buffers = composed_state(empty_window_state(_hybrid(job, None), k, v, memory.shape[-2]), empty, k, v, keep, beta)
     joined = out.new_zeros(*job.q.shape[:-1], out.shape[-1]).index_copy_(head, others, out)
     return joined, joined_window(keeping, others, composed, buffers)
 
